@@ -1,0 +1,81 @@
+"""``python -m chief``: serve one broadcast round over gRPC and exit 0 once start is released."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from collective import logs
+from collective.config import (
+    add_option,
+    add_timeout_options,
+    parse_address,
+    positive_int,
+    timeouts_from_args,
+)
+from collective.entry import run_main
+from collective.plan import DEFAULT_CHUNK_BYTES
+
+log = logging.getLogger("chief")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m chief", description=__doc__)
+    add_option(p, "workers", help="number of workers to wait for", type=positive_int, default=None)
+    add_option(p, "model", help="model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
+    add_option(p, "seed", help="seed for initializer specs (overrides the spec's)", type=int, default=None)
+    add_option(p, "bind", help="HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051")
+    add_option(p, "token", help="cluster token every worker must present", default=None)
+    add_option(p, "chunk-bytes", help="bytes per data message", type=positive_int, default=DEFAULT_CHUNK_BYTES)
+    add_timeout_options(p, "join", "ready")
+    add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
+    add_option(p, "port-file", help="write the bound port here once serving (for launchers)", default=None)
+    add_option(p, "result-file", help="write the round's JSON summary here", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    def go() -> int:
+        args = build_parser().parse_args(argv)
+        logs.configure("chief", fmt=args.log_format)
+        return _run(args)
+
+    return run_main(go)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from chief.service import ChiefService
+    from collective.errors import UsageError
+    from collective.sources import load_source
+    from collective.transport.grpc import GrpcEndpoint
+
+    if args.workers is None:
+        raise UsageError("the number of workers is required: pass --workers N or set COLLECTIVE_WORKERS")
+    parse_address(args.bind, what="--bind")
+    source = load_source(args.model, seed=args.seed)
+    service = ChiefService(
+        source, args.workers, timeouts=timeouts_from_args(args), chunk_bytes=args.chunk_bytes
+    )
+    endpoint = GrpcEndpoint(args.bind, token=args.token, max_workers=3 * args.workers + 8)
+    address = endpoint.start(service)
+    log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address, args.workers)
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(endpoint.port))
+        os.replace(tmp, args.port_file)
+    try:
+        service.supervise()
+        log.info("training started: %d workers hold identical variables", args.workers)
+        return 0
+    finally:
+        if args.result_file:
+            Path(args.result_file).write_text(json.dumps(service.result()))
+        endpoint.stop(grace=1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,435 @@
+"""The chief's logic: rendezvous, plan and keys, the data streams, the readiness barrier.
+
+``ChiefService`` implements ``collective.transport.api.ChiefHandler`` and never touches a
+transport. All state lives behind one condition variable; every wait is bounded. The round moves
+JOINING -> BROADCASTING -> STARTED, or to FAILED from anywhere; the first failure wins and is
+what every worker is told.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from collective import logs
+from collective._proto import collective_pb2 as pb
+from collective.config import Timeouts
+from collective.digest import array_digest, combined_digest
+from collective.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    CollectiveError,
+    DeadlineError,
+    IntegrityError,
+    JoinTimeoutError,
+    PreconditionError,
+    ProtocolError,
+    ResourceExhaustedError,
+    UsageError,
+)
+from collective.keys import parse_devices
+from collective.model import ModelSource, VariableSpec
+from collective.plan import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, Chunker, build_plan, layout
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    JOINING = "joining"
+    BROADCASTING = "broadcasting"
+    STARTED = "started"
+    FAILED = "failed"
+
+
+@dataclass
+class Member:
+    rank: int
+    worker_id: str
+    incarnation: str
+    host: str
+    devices: list[str]
+    peer: str
+    pid: int
+    phase: str = "joined"
+    bytes_sent: int = 0
+    worker_digest: str = ""
+    told: bool = False
+    joined_at: float = field(default_factory=time.monotonic)
+
+    def name(self) -> str:
+        return f"worker {self.worker_id} (rank {self.rank}, host {self.host})"
+
+    def replica_names(self, variable: str) -> list[str]:
+        return [variable if i == 0 else f"{variable}/replica_{i}" for i in range(len(self.devices))]
+
+
+def materialize(source: ModelSource) -> tuple[list[VariableSpec], np.ndarray, list[str]]:
+    """Fill every initial value straight into one arena; return specs, arena and digests.
+
+    Callable and seeded initializers run here, on the chief only.
+    """
+    specs = source.specs()
+    offsets, total = layout(specs)
+    arena = np.zeros(total, dtype=np.uint8)
+    digests = []
+    for spec, off in zip(specs, offsets, strict=True):
+        view = arena[off : off + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
+        source.fill(spec, view)
+        digests.append(array_digest(view))
+    return specs, arena, digests
+
+
+class ChiefService:
+    """One broadcast round for ``num_workers`` workers. Thread-safe."""
+
+    def __init__(
+        self,
+        source: ModelSource,
+        num_workers: int,
+        *,
+        timeouts: Timeouts | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        incarnation: str | None = None,
+        transport: str = "grpc",
+    ) -> None:
+        if num_workers < 1:
+            raise UsageError(f"--workers must be at least 1, got {num_workers}")
+        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise UsageError(f"chunk size {chunk_bytes} must be between 1 and {MAX_CHUNK_BYTES} bytes")
+        self.num_workers = num_workers
+        self.timeouts = timeouts or Timeouts()
+        self.chunk_bytes = chunk_bytes
+        self.incarnation = incarnation or uuid.uuid4().hex[:12]
+        self.transport = transport
+        self.source = source
+        t0 = time.monotonic()
+        self.specs, self.arena, self.digests = materialize(source)
+        self.materialize_seconds = time.monotonic() - t0
+        self._cond = threading.Condition(threading.RLock())  # reentrant: fail() may run under it
+        self._members: dict[str, Member] = {}
+        self._phase = Phase.JOINING
+        self._error: CollectiveError | None = None
+        self._plan: pb.Plan | None = None
+        self._chunker: Chunker | None = None
+        self._started_at = time.monotonic()
+        self._first_byte_at: float | None = None
+        self._ready_at: float | None = None
+        log.info(
+            "model %s: %d variables, %d bytes, materialized in %.2f s",
+            source.description, len(self.specs), self.arena.nbytes, self.materialize_seconds,
+        )
+
+    # --- state helpers (call with the lock held) -------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def error(self) -> CollectiveError | None:
+        return self._error
+
+    def _member(self, ref: pb.WorkerRef) -> Member:
+        if self._phase is Phase.FAILED and self._error is not None:
+            m = self._members.get(ref.worker_id)
+            if m is not None and m.incarnation == ref.incarnation:
+                m.told = True
+            raise AbortedError(str(self._error))
+        m = self._members.get(ref.worker_id)
+        if m is None:
+            raise PreconditionError(f"worker {ref.worker_id!r} has not joined this chief; join first")
+        if m.incarnation != ref.incarnation:
+            raise PreconditionError(
+                f"worker {ref.worker_id!r} joined as incarnation {m.incarnation}, "
+                f"not {ref.incarnation}; a restarted worker must join again"
+            )
+        return m
+
+    def fail(self, error: CollectiveError) -> None:
+        """End the round with ``error`` unless it already ended. Wakes every waiter."""
+        with self._cond:
+            if self._phase in (Phase.STARTED, Phase.FAILED):
+                return
+            self._phase = Phase.FAILED
+            self._error = error
+            logs.phase("failed")
+            log.error("round aborted: %s", error)
+            self._cond.notify_all()
+
+    def _wait(self, predicate, timeout: float) -> bool:
+        return self._cond.wait_for(predicate, timeout=max(0.0, timeout))
+
+    # --- ChiefHandler --------------------------------------------------------------------
+
+    def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
+        with self._cond:
+            if self._phase is Phase.FAILED:
+                raise AbortedError(str(self._error))
+            if not req.worker_id:
+                raise ProtocolError(f"join from {peer} has no worker id")
+            try:
+                devices = parse_devices(list(req.devices))
+            except UsageError as exc:
+                raise ProtocolError(f"worker {req.worker_id!r}: {exc}") from exc
+            existing = self._members.get(req.worker_id)
+            if existing is not None:
+                if existing.incarnation == req.incarnation:
+                    return self._join_reply(existing)  # a retried join: same rank
+                raise AlreadyExistsError(
+                    f"worker id {req.worker_id!r} is held by incarnation {existing.incarnation} "
+                    f"(host {existing.host}, pid {existing.pid}); incarnation {req.incarnation} "
+                    f"from {req.host or peer} (pid {req.pid}) is refused"
+                )
+            if self._phase is not Phase.JOINING:
+                raise PreconditionError(
+                    f"worker {req.worker_id!r} cannot join: the cluster is {self._phase.value}; joins are closed"
+                )
+            if len(self._members) >= self.num_workers:
+                raise ResourceExhaustedError(
+                    f"worker {req.worker_id!r} cannot join: all {self.num_workers} worker slots are taken"
+                )
+            taken = {m.rank for m in self._members.values()}
+            free = [r for r in range(self.num_workers) if r not in taken]
+            rank = req.preferred_rank if req.preferred_rank in free else free[0]
+            m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid)
+            self._members[m.worker_id] = m
+            log.info(
+                "%s joined with devices %s (%d/%d)",
+                m.name(), ",".join(devices), len(self._members), self.num_workers,
+            )
+            if len(self._members) == self.num_workers:
+                self._release_plan()
+            return self._join_reply(m)
+
+    def _join_reply(self, m: Member) -> pb.JoinReply:
+        return pb.JoinReply(rank=m.rank, num_workers=self.num_workers, chief_incarnation=self.incarnation)
+
+    def _release_plan(self) -> None:
+        workers = [
+            pb.WorkerInfo(rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices, incarnation=m.incarnation)
+            for m in sorted(self._members.values(), key=lambda m: m.rank)
+        ]
+        self._plan = build_plan(
+            self.specs,
+            self.digests,
+            workers,
+            chunk_bytes=self.chunk_bytes,
+            chief_incarnation=self.incarnation,
+            model=self.source.description,
+        )
+        self._chunker = Chunker(self._plan, self.arena)
+        self._phase = Phase.BROADCASTING
+        self._plan_at = time.monotonic()
+        logs.phase("broadcast")
+        log.info("all %d workers joined; plan released (%d chunks per worker)", self.num_workers, len(self._chunker))
+        self._cond.notify_all()
+
+    def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
+        with self._cond:
+            self._member(ref)
+            self._wait(lambda: self._phase is not Phase.JOINING, timeout)
+            self._member(ref)  # raises the failure if the round failed meanwhile
+            if self._plan is None:
+                raise DeadlineError(
+                    f"plan not released within {timeout:g} s: "
+                    f"{len(self._members)}/{self.num_workers} workers joined"
+                )
+            return self._plan
+
+    def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
+        with self._cond:
+            m = self._member(ref)
+            if self._chunker is None:
+                raise PreconditionError(f"{m.name()} asked for data before the plan was released")
+            chunker = self._chunker
+            m.phase, m.bytes_sent = "receiving", 0
+            if self._first_byte_at is None:
+                self._first_byte_at = time.monotonic()
+        for chunk in chunker.chunks():
+            if self._phase is Phase.FAILED:
+                with self._cond:
+                    m.told = True
+                raise AbortedError(str(self._error))
+            yield chunk
+            m.bytes_sent += len(chunk.data)
+        m.phase = "verifying"
+
+    def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
+        with self._cond:
+            m = self._member(req.worker)
+            problem = self._check_digests(m, req)
+            if problem is not None:
+                err = IntegrityError(f"{m.name()}: {problem}")
+                self.fail(err)  # the lock is reentrant
+                m.told = True
+                raise AbortedError(str(err))
+            m.phase, m.worker_digest = "ready", req.worker_digest
+            ready = sum(1 for x in self._members.values() if x.phase == "ready")
+            log.info("%s is ready with digest %s (%d/%d ready)", m.name(), req.worker_digest[:12], ready, self.num_workers)
+            if ready == self.num_workers and self._phase is Phase.BROADCASTING:
+                self._ready_at = time.monotonic()
+                self._phase = Phase.STARTED
+                logs.phase("start")
+                log.info(
+                    "every worker is ready and every digest agrees; start released "
+                    "(broadcast %.3f s)", self.broadcast_seconds(),
+                )
+                self._cond.notify_all()
+            return pb.ReadyReply(ready=ready)
+
+    def _check_digests(self, m: Member, req: pb.ReadyRequest) -> str | None:
+        """The first difference between the worker's replicas and the chief's, or None."""
+        expected = [
+            (name, spec.name, digest)
+            for spec, digest in zip(self.specs, self.digests, strict=True)
+            for name in m.replica_names(spec.name)
+        ]
+        got = {r.replica: r for r in req.replicas}
+        for replica, variable, digest in expected:
+            r = got.pop(replica, None)
+            if r is None:
+                return f"variable {variable!r}: replica {replica!r} is missing from the ready report"
+            if r.digest != digest:
+                return f"variable {variable!r}: replica {replica!r} has digest {r.digest}, the chief's is {digest}"
+        if got:
+            return f"ready report lists replicas the plan does not have: {', '.join(sorted(got)[:5])}"
+        want = combined_digest((name, digest) for name, _, digest in expected)
+        if req.worker_digest != want:
+            return f"worker digest {req.worker_digest} differs from the chief's {want}"
+        return None
+
+    def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
+        with self._cond:
+            m = self._member(ref)
+            self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout)
+            m = self._member(ref)
+            if self._phase is not Phase.STARTED:
+                raise DeadlineError(f"start not released within {timeout:g} s; waiting for: {self._waiting_for()}")
+            m.told, m.phase = True, "started"
+            self._cond.notify_all()
+            return pb.StartReply(start=True, broadcast_seconds=self.broadcast_seconds())
+
+    def report_failure(self, req: pb.FailureReport) -> pb.FailureReply:
+        with self._cond:
+            m = self._member(req.worker)
+            m.phase, m.told = "failed", True
+            self.fail(AbortedError(f"{m.name()} failed during {req.phase or 'the round'}: {req.message}"))
+            return pb.FailureReply()
+
+    def status(self) -> pb.StatusReply:
+        with self._cond:
+            return pb.StatusReply(
+                phase=self._phase.value,
+                expected=self.num_workers,
+                joined=len(self._members),
+                workers=[
+                    pb.WorkerStatus(
+                        rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices,
+                        phase=m.phase, bytes_received=m.bytes_sent,
+                    )
+                    for m in sorted(self._members.values(), key=lambda m: m.rank)
+                ],
+                error=str(self._error or ""),
+            )
+
+    # --- supervision (the chief process's main loop) ---------------------------------------
+
+    def _waiting_for(self) -> str:
+        if self._phase is Phase.JOINING:
+            missing = self.num_workers - len(self._members)
+            taken = {m.rank for m in self._members.values()}
+            ranks = [str(r) for r in range(self.num_workers) if r not in taken]
+            return f"{missing} more worker(s) to join (free ranks {','.join(ranks)})"
+        late = [m.name() + f" [{m.phase}]" for m in sorted(self._members.values(), key=lambda m: m.rank)
+                if m.phase not in ("ready", "started")]
+        return ", ".join(late) or "nobody"
+
+    def _joined_summary(self) -> str:
+        names = ", ".join(f"{m.worker_id} rank {m.rank}" for m in sorted(self._members.values(), key=lambda m: m.rank))
+        return f"{len(self._members)}/{self.num_workers} workers joined ({names or 'none'})"
+
+    def supervise(self) -> None:
+        """Block until the round has an outcome, enforcing the join and ready deadlines.
+
+        Returns when start was released; raises the round's error otherwise. Logs whom it is
+        waiting for every ``timeouts.straggler_log`` seconds.
+        """
+        logs.phase("join")
+        t = self.timeouts
+        with self._cond:
+            deadline = self._started_at + t.join
+            while self._phase is Phase.JOINING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    taken = {m.rank for m in self._members.values()}
+                    missing = self.num_workers - len(self._members)
+                    ranks = ",".join(str(r) for r in range(self.num_workers) if r not in taken)
+                    err = JoinTimeoutError(
+                        f"{self._joined_summary()}; missing: {missing} worker(s) for rank(s) {ranks} "
+                        f"after the {t.join:g} s join timeout"
+                    )
+                    self.fail(err)  # the lock is reentrant
+                    break
+                if not self._wait(lambda: self._phase is not Phase.JOINING, min(left, t.straggler_log)):
+                    log.info("waiting for %s; %s", self._waiting_for(), self._joined_summary())
+            deadline = time.monotonic() + t.ready
+            while self._phase is Phase.BROADCASTING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    err = DeadlineError(f"not every worker was ready within {t.ready:g} s; not ready: {self._waiting_for()}")
+                    self.fail(err)  # the lock is reentrant
+                    break
+                if not self._wait(lambda: self._phase is not Phase.BROADCASTING, min(left, t.straggler_log)):
+                    log.info("broadcasting; waiting for %s", self._waiting_for())
+            # Keep serving a little so every worker hears the outcome from us, not from a dead port.
+            self._wait(lambda: all(m.told for m in self._members.values()), t.linger)
+            if self._phase is Phase.FAILED:
+                raise self._error or AbortedError("the round failed")
+
+    def broadcast_seconds(self) -> float:
+        if self._first_byte_at is None or self._ready_at is None:
+            return 0.0
+        return self._ready_at - self._first_byte_at
+
+    def result(self) -> dict:
+        """The summary of a round, as ``collective launch --json`` prints it."""
+        with self._cond:
+            plan = self._plan
+            members = sorted(self._members.values(), key=lambda m: m.rank)
+            return {
+                "ok": self._phase is Phase.STARTED,
+                "transport": self.transport,
+                "seconds": round(self.broadcast_seconds(), 6),
+                "bytes": int(self.arena.nbytes),
+                "model": self.source.description,
+                "error": str(self._error) if self._error else None,
+                "workers": [
+                    {
+                        "rank": m.rank,
+                        "id": m.worker_id,
+                        "host": m.host,
+                        "devices": list(m.devices),
+                        "replicas": [n for s in self.specs for n in m.replica_names(s.name)],
+                        "digest": m.worker_digest,
+                    }
+                    for m in members
+                ],
+                "variables": [
+                    {
+                        "name": v.name,
+                        "shape": list(v.shape),
+                        "dtype": v.dtype,
+                        "group_key": v.group_key,
+                        "instance_key": v.instance_key,
+                        "digest": v.digest,
+                    }
+                    for v in (plan.variables if plan is not None else [])
+                ],
+            }

@@ -1,0 +1,231 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinRequest(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "devices", "host", "preferred_rank", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    host: str
+    preferred_rank: int
+    pid: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., preferred_rank: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("rank", "num_workers", "chief_incarnation")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    num_workers: int
+    chief_incarnation: str
+    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., chief_incarnation: _Optional[str] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("rank", "worker_id", "host", "devices", "incarnation")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    worker_id: str
+    host: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    incarnation: str
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class GroupInfo(_message.Message):
+    __slots__ = ("group_key", "devices")
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    group_key: int
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group_key: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VariableInfo(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "synchronization", "aggregation", "trainable", "group_key", "instance_key", "offset", "nbytes", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SYNCHRONIZATION_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    synchronization: str
+    aggregation: str
+    trainable: bool
+    group_key: int
+    instance_key: int
+    offset: int
+    nbytes: int
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., synchronization: _Optional[str] = ..., aggregation: _Optional[str] = ..., trainable: _Optional[bool] = ..., group_key: _Optional[int] = ..., instance_key: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model")
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    chief_incarnation: str
+    num_workers: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupInfo]
+    variables: _containers.RepeatedCompositeFieldContainer[VariableInfo]
+    total_bytes: int
+    chunk_bytes: int
+    manifest_digest: str
+    model: str
+    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class WorkerRef(_message.Message):
+    __slots__ = ("worker_id", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class VariableTrailer(_message.Message):
+    __slots__ = ("instance_key", "nbytes", "digest")
+    INSTANCE_KEY_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    instance_key: int
+    nbytes: int
+    digest: str
+    def __init__(self, instance_key: _Optional[int] = ..., nbytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("total_bytes", "manifest_digest")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    manifest_digest: str
+    def __init__(self, total_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "data", "group_key", "instance_keys", "trailers", "end")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    group_key: int
+    instance_keys: _containers.RepeatedScalarFieldContainer[int]
+    trailers: _containers.RepeatedCompositeFieldContainer[VariableTrailer]
+    end: StreamEnd
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., group_key: _Optional[int] = ..., instance_keys: _Optional[_Iterable[int]] = ..., trailers: _Optional[_Iterable[_Union[VariableTrailer, _Mapping]]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
+
+class ReplicaDigest(_message.Message):
+    __slots__ = ("variable", "replica", "device", "digest")
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    variable: str
+    replica: str
+    device: str
+    digest: str
+    def __init__(self, variable: _Optional[str] = ..., replica: _Optional[str] = ..., device: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class ReadyRequest(_message.Message):
+    __slots__ = ("worker", "replicas", "worker_digest")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerRef
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaDigest]
+    worker_digest: str
+    def __init__(self, worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., worker_digest: _Optional[str] = ...) -> None: ...
+
+class ReadyReply(_message.Message):
+    __slots__ = ("ready",)
+    READY_FIELD_NUMBER: _ClassVar[int]
+    ready: int
+    def __init__(self, ready: _Optional[int] = ...) -> None: ...
+
+class StartReply(_message.Message):
+    __slots__ = ("start", "broadcast_seconds")
+    START_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    start: bool
+    broadcast_seconds: float
+    def __init__(self, start: _Optional[bool] = ..., broadcast_seconds: _Optional[float] = ...) -> None: ...
+
+class FailureReport(_message.Message):
+    __slots__ = ("worker", "phase", "message")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerRef
+    phase: str
+    message: str
+    def __init__(self, worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., phase: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class FailureReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("rank", "worker_id", "host", "devices", "phase", "bytes_received", "detail")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    worker_id: str
+    host: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    phase: str
+    bytes_received: int
+    detail: str
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., bytes_received: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("phase", "expected", "joined", "workers", "error")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    expected: int
+    joined: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    error: str
+    def __init__(self, phase: _Optional[str] = ..., expected: _Optional[int] = ..., joined: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...

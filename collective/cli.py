@@ -1,0 +1,92 @@
+"""``collective``: launch a local cluster, or ask a running chief for its status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from collective import logs
+from collective.config import add_option, add_timeout_options, positive_int, timeouts_from_args
+from collective.entry import run_main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="collective", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    launch = sub.add_parser("launch", help="run a chief and N workers on this machine, on loopback")
+    add_option(launch, "workers", help="number of workers", type=positive_int, default=2)
+    add_option(launch, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
+    add_option(launch, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
+    add_option(launch, "seed", help="seed for initializer specs", type=int, default=None)
+    add_option(launch, "token", help="cluster token (default: a random one per run)", default=None)
+    add_option(launch, "run-dir", help="where each process's log and the summary go (default: a new temp dir)", default=None)
+    add_option(launch, "chunk-bytes", help="bytes per data message", type=positive_int, default=None)
+    add_timeout_options(launch, "join", "ready", "start")
+    launch.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
+    launch.add_argument("--quiet", action="store_true", help="do not echo the processes' log lines")
+
+    status = sub.add_parser("status", help="ask a running chief who has joined and who is being waited for")
+    add_option(status, "chief", help="the chief's HOST:PORT", default=None)
+    add_option(status, "token", help="the cluster token", default=None)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    def go() -> int:
+        args = build_parser().parse_args(argv)
+        logs.configure("launch")
+        return {"launch": _launch, "status": _status}[args.command](args)
+
+    return run_main(go)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from collective.launch import Launcher, summary_table
+
+    launcher = Launcher(
+        workers=args.workers,
+        devices_per_worker=args.devices_per_worker,
+        model=args.model,
+        seed=args.seed,
+        token=args.token,
+        run_dir=args.run_dir,
+        timeouts=timeouts_from_args(args),
+        chunk_bytes=args.chunk_bytes,
+        quiet=args.quiet,
+    )
+    result = launcher.run()
+    print(summary_table(result), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result.get("ok") else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from collective.errors import UsageError
+    from collective.transport.grpc import GrpcChiefLink
+
+    if not args.chief:
+        raise UsageError("pass --chief HOST:PORT or set COLLECTIVE_CHIEF")
+    link = GrpcChiefLink(args.chief, token=args.token)
+    try:
+        st = link.status(timeout=5.0)
+    finally:
+        link.close()
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(st, preserving_proto_field_name=True)))
+        return 0
+    print(f"chief {args.chief}: {st.phase}, {st.joined}/{st.expected} workers joined")
+    for w in st.workers:
+        print(f"  rank {w.rank:<3} {w.worker_id:<16} {w.host:<16} {','.join(w.devices):<16} {w.phase:<10} {w.bytes_received:>12} B")
+    if st.error:
+        print(f"  error: {st.error}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

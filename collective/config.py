@@ -1,0 +1,119 @@
+"""Settings shared by the chief, the workers and the launcher.
+
+Precedence is the same everywhere: an explicit command-line option beats a ``COLLECTIVE_*``
+environment variable, which beats the default. Every wait in the service has a deadline taken
+from ``Timeouts``; tests shrink them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from collective.errors import UsageError
+
+ENV_PREFIX = "COLLECTIVE_"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """One deadline per phase, in seconds."""
+
+    join: float = 300.0          # chief: all workers joined; worker: chief reachable and plan released
+    straggler_log: float = 10.0  # how often the chief names whom it is still waiting for
+    rpc: float = 30.0            # a single request/reply exchange
+    stall: float = 30.0          # longest gap between two messages of a data stream
+    ready: float = 600.0         # chief: from plan release until every worker reported ready
+    start: float = 900.0         # worker: from ready until start is released
+    linger: float = 5.0          # chief: how long to keep serving after the outcome so workers hear it
+
+
+def env_name(option: str) -> str:
+    return ENV_PREFIX + option.upper().replace("-", "_")
+
+
+def env_default(option: str, default: Any = None) -> Any:
+    """The ``COLLECTIVE_<OPTION>`` environment value if set and non-empty, else ``default``."""
+    value = os.environ.get(env_name(option))
+    return value if value not in (None, "") else default
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return v
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return v
+
+
+def add_option(
+    parser: argparse.ArgumentParser,
+    name: str,
+    *,
+    help: str,
+    type: Callable[[str], Any] = str,
+    default: Any = None,
+    **kwargs: Any,
+) -> None:
+    """Add ``--name`` whose default comes from ``COLLECTIVE_NAME``, then ``default``.
+
+    The environment value is parsed by ``type`` when arguments are parsed, so a bad value in the
+    environment is reported like a bad option, naming the variable.
+    """
+    env = env_name(name)
+    raw = os.environ.get(env)
+    if raw not in (None, ""):
+        try:
+            default = type(raw)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise UsageError(f"environment variable {env}={raw!r}: {exc}") from None
+    parser.add_argument(
+        f"--{name}", type=type, default=default, help=f"{help} (env {env})", **kwargs
+    )
+
+
+def parse_address(text: str, *, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[v6]:PORT`` -> (host, port). Raises UsageError naming ``what``."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"{what} {text!r} is not HOST:PORT (for example 127.0.0.1:50051)")
+    return host.strip("[]"), int(port)
+
+
+def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
+    fields = {k: getattr(args, k.replace("-", "_") + "_timeout") for k in ("join", "stall", "ready", "start")
+              if hasattr(args, k + "_timeout")}
+    return Timeouts(**{k: v for k, v in fields.items() if v is not None})
+
+
+def add_timeout_options(parser: argparse.ArgumentParser, *phases: str) -> None:
+    helps = {
+        "join": "seconds to wait for every worker to join (chief) or for the chief and plan (worker)",
+        "stall": "longest silence tolerated inside a data stream",
+        "ready": "seconds from plan release until every worker is ready",
+        "start": "seconds a ready worker waits for start",
+    }
+    defaults = Timeouts()
+    for phase in phases:
+        add_option(
+            parser,
+            f"{phase}-timeout",
+            help=helps[phase] + f"; default {getattr(defaults, phase):g}",
+            type=positive_float,
+            default=getattr(defaults, phase),
+        )

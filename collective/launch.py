@@ -1,0 +1,260 @@
+"""``collective launch``: the embedded default. Chief and N workers as local processes.
+
+Starts the chief on a free loopback port, then the workers; shows every process's log lines
+prefixed by role and rank and keeps each process's log in the run directory; prints a summary.
+Guarantees: exit 0 only when start was released with every digest agreeing; no child process
+is left behind, on failure, timeout or Ctrl-C (children are killed by process id).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from collective.config import Timeouts
+from collective.errors import DeadlineError, UsageError
+
+
+@dataclass
+class Child:
+    label: str
+    proc: subprocess.Popen
+    log_path: Path
+    pump: threading.Thread | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+class Launcher:
+    def __init__(
+        self,
+        *,
+        workers: int,
+        devices_per_worker: int = 1,
+        model: str = "mlp",
+        seed: int | None = None,
+        token: str | None = None,
+        run_dir: str | None = None,
+        timeouts: Timeouts | None = None,
+        chunk_bytes: int | None = None,
+        out: TextIO | None = None,
+        quiet: bool = False,
+    ) -> None:
+        if workers < 1:
+            raise UsageError(f"--workers must be at least 1, got {workers}")
+        if devices_per_worker < 1:
+            raise UsageError(f"--devices-per-worker must be at least 1, got {devices_per_worker}")
+        self.workers = workers
+        self.devices = ",".join(f"cpu:{i}" for i in range(devices_per_worker))
+        self.model = model
+        self.seed = seed
+        self.token = token or secrets.token_hex(16)
+        self.timeouts = timeouts or Timeouts()
+        self.chunk_bytes = chunk_bytes
+        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="collective-run-"))
+        self.out = out or sys.stdout
+        self.quiet = quiet
+        self.children: list[Child] = []
+        self._print_lock = threading.Lock()
+
+    # --- processes ----------------------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["COLLECTIVE_TOKEN"] = self.token  # not on the command line, where ps would show it
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _spawn(self, label: str, args: list[str], log_name: str) -> Child:
+        log_path = self.run_dir / log_name
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self._env(),
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # Ctrl-C reaches us; we stop the children ourselves
+        )
+        child = Child(label, proc, log_path)
+        child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+        child.pump.start()
+        self.children.append(child)
+        return child
+
+    def _pump(self, child: Child) -> None:
+        with open(child.log_path, "w") as log:
+            for line in child.proc.stdout:
+                log.write(line)
+                log.flush()
+                child.lines.append(line)
+                if not self.quiet:
+                    with self._print_lock:
+                        print(f"{child.label:<9}| {line}", end="", file=sys.stderr)
+
+    def _stop_all(self, grace: float = 3.0) -> None:
+        live = [c for c in self.children if c.proc.poll() is None]
+        for c in live:
+            _signal(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c in live:
+            try:
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(c.proc, signal.SIGKILL)
+                c.proc.wait(5)
+        for c in self.children:
+            if c.pump is not None:
+                c.pump.join(2)
+
+    # --- the run --------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Run one round. Returns the chief's summary (``ok`` says whether it succeeded)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        port_file = self.run_dir / "chief.port"
+        result_file = self.run_dir / "result.json"
+        t = self.timeouts
+        try:
+            chief_args = [
+                "-m", "chief", "--workers", str(self.workers), "--model", self.model,
+                "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--result-file", str(result_file),
+                "--join-timeout", str(t.join), "--ready-timeout", str(t.ready),
+            ]
+            if self.seed is not None:
+                chief_args += ["--seed", str(self.seed)]
+            if self.chunk_bytes:
+                chief_args += ["--chunk-bytes", str(self.chunk_bytes)]
+            chief = self._spawn("chief", chief_args, "chief.log")
+            port = self._wait_for_port(chief, port_file, t.join)
+            if port is not None:
+                for i in range(self.workers):
+                    self._spawn(
+                        f"worker {i}",
+                        [
+                            "-m", "worker", "--chief", f"127.0.0.1:{port}", "--worker-id", f"worker-{i}",
+                            "--rank", str(i), "--devices", self.devices,
+                            "--join-timeout", str(t.join), "--start-timeout", str(t.start),
+                        ],
+                        f"worker-{i}.log",
+                    )
+            self._wait_all(deadline=time.monotonic() + t.join + t.ready + t.linger + 30)
+        finally:
+            self._stop_all()
+        return self._result(result_file)
+
+    def _wait_for_port(self, chief: Child, port_file: Path, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if port_file.exists():
+                return int(port_file.read_text())
+            if chief.proc.poll() is not None:
+                return None
+            time.sleep(0.02)
+        raise DeadlineError(f"the chief did not start serving within {timeout:g} s; see {chief.log_path}")
+
+    def _wait_all(self, deadline: float) -> None:
+        chief = self.children[0]
+        chief_done_at = None
+        while True:
+            codes = [c.proc.poll() for c in self.children]
+            if all(code is not None for code in codes):
+                return
+            now = time.monotonic()
+            if codes[0] is not None and chief_done_at is None:
+                chief_done_at = now
+            # Once the chief has decided, workers have a few seconds to hear it and exit.
+            if chief_done_at is not None and now - chief_done_at > self.timeouts.linger + 10:
+                return
+            if now > deadline:
+                self._note(f"launch deadline passed; stopping {sum(c is None for c in codes)} process(es)")
+                return
+            if chief.proc.poll() is None and any(code not in (None, 0) for code in codes[1:]):
+                pass  # the chief hears of a failed worker and decides; keep waiting for it
+            time.sleep(0.05)
+
+    def _note(self, text: str) -> None:
+        with self._print_lock:
+            print(f"{'launch':<9}| {text}", file=sys.stderr)
+
+    def _result(self, result_file: Path) -> dict:
+        codes = {c.label: c.proc.returncode for c in self.children}
+        try:
+            result = json.loads(result_file.read_text())
+        except (OSError, ValueError):
+            chief_lines = self.children[0].lines if self.children else []
+            last = next((ln.strip() for ln in reversed(chief_lines) if "ERROR" in ln or "error" in ln), None)
+            result = {"ok": False, "transport": "grpc", "seconds": 0.0, "bytes": 0, "workers": [], "variables": [],
+                      "error": last or "the chief ended without a summary"}
+        failed = {label: code for label, code in codes.items() if code != 0}
+        if failed:
+            result["ok"] = False
+            result.setdefault("error", None)
+            result["failed_processes"] = failed
+        result["run_dir"] = str(self.run_dir)
+        return result
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def summary_table(result: dict) -> str:
+    """The human summary of a round, as ``collective launch`` prints it."""
+    workers = result.get("workers", [])
+    secs = result.get("seconds") or 0.0
+    nbytes = result.get("bytes", 0)
+    rate = nbytes / secs / 2**30 if secs else 0.0
+    digests = {w["digest"] for w in workers}
+    same_devices = len({len(w["devices"]) for w in workers}) <= 1
+    if result.get("ok"):
+        agree = f"agree ({len(workers)}/{len(workers)} workers match the chief"
+        agree += ", identical worker digests)" if same_devices and len(digests) == 1 else ")"
+    else:
+        agree = "not verified"
+    lines = [
+        f"collective: {'broadcast complete, training started' if result.get('ok') else 'FAILED'}",
+        f"  transport   {result.get('transport', '-')}",
+        f"  model       {result.get('model', '-')}",
+        f"  workers     {len(workers)}",
+        f"  variables   {len(result.get('variables', []))}",
+        f"  bytes       {nbytes:,} ({_size(nbytes)})",
+        f"  seconds     {secs:.3f}  (first byte sent until every worker ready)",
+        f"  GiB/s       {rate:.3f} per worker, {rate * len(workers):.3f} aggregate",
+        f"  digests     {agree}",
+    ]
+    if result.get("error"):
+        lines.append(f"  error       {result['error']}")
+    if result.get("failed_processes"):
+        lines.append("  exit codes  " + ", ".join(f"{k}={v}" for k, v in result["failed_processes"].items()))
+    if result.get("run_dir"):
+        lines.append(f"  logs        {result['run_dir']}")
+    if workers:
+        lines.append("")
+        lines.append(f"  {'rank':<5} {'id':<14} {'devices':<24} {'replicas':>8}  digest")
+        for w in workers:
+            lines.append(
+                f"  {w['rank']:<5} {w['id']:<14} {','.join(w['devices']):<24} {len(w['replicas']):>8}  {w['digest'] or '-'}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,70 @@
+"""Logging for entry points: one line per event naming time, role, rank, worker id and phase.
+
+Library modules only call ``logging.getLogger(__name__)``; ``configure`` is called once by each
+entry point. ``set_context`` updates the fields every later line carries (the worker learns its
+rank at join and moves through phases).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_context = {"role": "-", "rank": "-", "worker_id": "-", "phase": "-"}
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(role)s rank=%(rank)s id=%(worker_id)s phase=%(phase)s: %(message)s"
+
+
+def set_context(**fields: object) -> None:
+    """Set role/rank/worker_id/phase for every later log line of this process."""
+    for key, value in fields.items():
+        if key not in _context:
+            raise KeyError(f"unknown log context field {key!r}")
+        _context[key] = "-" if value is None else str(value)
+
+
+def current(field: str) -> str:
+    return _context[field]
+
+
+def phase(name: str) -> None:
+    set_context(phase=name)
+
+
+class _ContextFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in _context.items():
+            setattr(record, key, value)
+        return True
+
+
+class _UTCFormatter(logging.Formatter):
+    converter = time.gmtime
+
+    def formatTime(self, record, datefmt=None):  # noqa: N802 - logging's API name
+        t = time.strftime("%Y-%m-%dT%H:%M:%S", self.converter(record.created))
+        return f"{t}.{int(record.msecs):03d}Z"
+
+
+class _JSONFormatter(_UTCFormatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname}
+        out.update({k: getattr(record, k, "-") for k in _context})
+        out["message"] = record.getMessage()
+        return json.dumps(out)
+
+
+def configure(role: str, *, fmt: str = "text", level: int = logging.INFO, stream=None) -> None:
+    """Route the project's log lines to ``stream`` (stderr) in ``fmt`` (text or json)."""
+    if fmt not in ("text", "json"):
+        from collective.errors import UsageError
+
+        raise UsageError(f"--log-format {fmt!r} is not one of text, json")
+    set_context(role=role)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.addFilter(_ContextFilter())
+    handler.setFormatter(_JSONFormatter() if fmt == "json" else _UTCFormatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

@@ -1,0 +1,297 @@
+"""The broadcast plan: arena layout, keys, chunking, and the receiver's checks.
+
+All variables are laid out back to back (64-byte aligned) in one *arena*. The data stream is the
+arena cut into chunks of at most ``chunk_bytes``: many small variables fuse into one chunk and a
+large variable spans many. Each chunk names the instance keys of the variables it carries; the
+chunk holding a variable's last byte carries its trailer (byte count + digest); the last message
+carries the stream end (total bytes + manifest digest). ``Receiver`` enforces all of it, so a
+truncated, reordered or corrupted stream is never taken as success.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from collective import keys as keymod
+from collective._proto import collective_pb2 as pb
+from collective.digest import bytes_digest, combined_digest
+from collective.errors import IntegrityError, ProtocolError
+from collective.model import Aggregation, Synchronization, VariableSpec
+
+ALIGN = 64
+DEFAULT_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 16 << 20
+_ALLOWED_KINDS = set("biufc")
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def layout(specs: Sequence[VariableSpec]) -> tuple[list[int], int]:
+    """Arena offsets of each variable and the arena's total size."""
+    offsets, pos = [], 0
+    for spec in specs:
+        pos = align(pos)
+        offsets.append(pos)
+        pos += spec.nbytes
+    return offsets, pos
+
+
+def manifest_digest(variables: Sequence[pb.VariableInfo]) -> str:
+    return combined_digest((v.name, v.digest) for v in variables)
+
+
+def build_plan(
+    specs: Sequence[VariableSpec],
+    digests: Sequence[str],
+    workers: Sequence[pb.WorkerInfo],
+    *,
+    chunk_bytes: int,
+    chief_incarnation: str,
+    model: str,
+) -> pb.Plan:
+    """Assign keys and offsets. Every variable goes to every device of every worker."""
+    offsets, total = layout(specs)
+    devices = [keymod.qualified_device(w.rank, d) for w in workers for d in w.devices]
+    groups = keymod.group_keys([devices])
+    group_key = groups[tuple(sorted(devices))]
+    ikeys = keymod.instance_keys([s.name for s in specs])
+    variables = [
+        pb.VariableInfo(
+            name=s.name,
+            shape=list(s.shape),
+            dtype=s.dtype,
+            synchronization=s.synchronization.name,
+            aggregation=s.aggregation.name,
+            trainable=_trainable(s),
+            group_key=group_key,
+            instance_key=ikeys[s.name],
+            offset=off,
+            nbytes=s.nbytes,
+            digest=d,
+        )
+        for s, off, d in zip(specs, offsets, digests, strict=True)
+    ]
+    return pb.Plan(
+        chief_incarnation=chief_incarnation,
+        num_workers=len(workers),
+        workers=list(workers),
+        groups=[pb.GroupInfo(group_key=k, devices=list(g)) for g, k in groups.items()],
+        variables=variables,
+        total_bytes=total,
+        chunk_bytes=chunk_bytes,
+        manifest_digest=manifest_digest(variables),
+        model=model,
+    )
+
+
+def _trainable(spec: VariableSpec) -> bool:
+    if spec.trainable is not None:
+        return spec.trainable
+    return spec.synchronization is not Synchronization.ON_READ
+
+
+def spec_of(v: pb.VariableInfo) -> VariableSpec:
+    return VariableSpec(
+        name=v.name,
+        shape=tuple(v.shape),
+        dtype=v.dtype,
+        synchronization=Synchronization.parse(v.synchronization, variable=v.name),
+        aggregation=Aggregation.parse(v.aggregation, variable=v.name),
+        trainable=v.trainable,
+    )
+
+
+def validate_plan(plan: pb.Plan) -> None:
+    """Reject a plan that is inconsistent before any byte is written. Raises ProtocolError."""
+    if not 0 < plan.chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ProtocolError(f"plan chunk size {plan.chunk_bytes} is outside 1..{MAX_CHUNK_BYTES}")
+    group_keys = {g.group_key for g in plan.groups}
+    names, ikeys, end = set(), set(), 0
+    for v in plan.variables:
+        where = f"plan variable {v.name!r}"
+        if not v.name or v.name in names:
+            raise ProtocolError(f"{where}: empty or duplicate name")
+        if v.instance_key in ikeys:
+            raise ProtocolError(f"{where}: instance key {v.instance_key} is used twice")
+        if v.group_key not in group_keys:
+            raise ProtocolError(f"{where}: group key {v.group_key} is not a group of the plan")
+        try:
+            dt = np.dtype(v.dtype)
+        except TypeError as exc:
+            raise ProtocolError(f"{where}: invalid dtype {v.dtype!r}") from exc
+        if dt.kind not in _ALLOWED_KINDS or dt.fields is not None:
+            raise ProtocolError(f"{where}: dtype {v.dtype!r} is not allowed on the wire")
+        if any(d < 0 for d in v.shape):
+            raise ProtocolError(f"{where}: negative dimension in shape {tuple(v.shape)}")
+        expected = int(np.prod(v.shape, dtype=np.float64)) * dt.itemsize
+        if expected != v.nbytes:
+            raise ProtocolError(f"{where}: {v.nbytes} bytes do not fit shape {tuple(v.shape)} {dt.name}")
+        if v.offset < end or v.offset + v.nbytes > plan.total_bytes:
+            raise ProtocolError(f"{where}: bytes {v.offset}..{v.offset + v.nbytes} overlap or pass the arena end")
+        end = v.offset + v.nbytes
+        names.add(v.name)
+        ikeys.add(v.instance_key)
+    if manifest_digest(plan.variables) != plan.manifest_digest:
+        raise ProtocolError("plan manifest digest does not match its variables")
+
+
+@dataclass(frozen=True)
+class _ChunkFrame:
+    start: int
+    end: int
+    group_key: int
+    instance_keys: tuple[int, ...]
+    trailers: tuple[pb.VariableTrailer, ...]
+
+
+def _frames(plan: pb.Plan) -> list[_ChunkFrame]:
+    """Chunk boundaries and their metadata; the same for every receiver of the plan."""
+    total, size = plan.total_bytes, plan.chunk_bytes
+    group_key = plan.groups[0].group_key if plan.groups else 0
+    variables = list(plan.variables)
+    frames, vi = [], 0
+    for start in range(0, total, size):
+        end = min(start + size, total)
+        ik = tuple(
+            v.instance_key for v in variables if v.nbytes and v.offset < end and v.offset + v.nbytes > start
+        )
+        trailers = []
+        while vi < len(variables):
+            v = variables[vi]
+            last = v.offset + v.nbytes
+            if (v.nbytes and last <= end) or (not v.nbytes and v.offset < end):
+                trailers.append(pb.VariableTrailer(instance_key=v.instance_key, nbytes=v.nbytes, digest=v.digest))
+                vi += 1
+            else:
+                break
+        frames.append(_ChunkFrame(start, end, group_key, ik, tuple(trailers)))
+    rest = tuple(
+        pb.VariableTrailer(instance_key=v.instance_key, nbytes=v.nbytes, digest=v.digest) for v in variables[vi:]
+    )
+    frames.append(_ChunkFrame(total, total, group_key, (), rest))
+    return frames
+
+
+class Chunker:
+    """Cuts the chief's arena into the messages of one stream. Built once, used per receiver."""
+
+    def __init__(self, plan: pb.Plan, arena: np.ndarray) -> None:
+        self._plan = plan
+        self._arena = memoryview(arena.reshape(-1).view(np.uint8))
+        self._frames = _frames(plan)
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def chunks(self) -> Iterator[pb.Chunk]:
+        """Yield the stream's messages; the last one carries the stream end."""
+        last = len(self._frames) - 1
+        for i, f in enumerate(self._frames):
+            msg = pb.Chunk(
+                offset=f.start,
+                data=bytes(self._arena[f.start : f.end]),
+                group_key=f.group_key,
+                instance_keys=f.instance_keys,
+                trailers=f.trailers,
+            )
+            if i == last:
+                msg.end.total_bytes = self._plan.total_bytes
+                msg.end.manifest_digest = self._plan.manifest_digest
+            yield msg
+
+
+class Receiver:
+    """Writes a stream into a worker's arena and checks it against the plan.
+
+    ``accept`` raises ProtocolError for keys or offsets the plan does not allow, and
+    IntegrityError (naming the variable) for a count or digest mismatch. ``finish`` raises
+    IntegrityError unless the stream ended properly with every variable verified.
+    """
+
+    def __init__(self, plan: pb.Plan, arena: np.ndarray) -> None:
+        self._plan = plan
+        self._arena = arena.reshape(-1).view(np.uint8)
+        self._frames = {f.start: f for f in _frames(plan)}
+        self._by_key = {v.instance_key: v for v in plan.variables}
+        self._groups = {g.group_key for g in plan.groups}
+        self._pos = 0
+        self._verified: set[int] = set()
+        self._ended = False
+
+    @property
+    def bytes_received(self) -> int:
+        return self._pos
+
+    @property
+    def variables_verified(self) -> int:
+        return len(self._verified)
+
+    def accept(self, chunk: pb.Chunk) -> None:
+        if self._ended:
+            raise ProtocolError("message received after the end of the stream")
+        if chunk.group_key not in self._groups and (chunk.data or chunk.instance_keys):
+            raise ProtocolError(f"chunk at offset {chunk.offset} has group key {chunk.group_key}, not in the plan")
+        for k in chunk.instance_keys:
+            if k not in self._by_key:
+                raise ProtocolError(f"chunk at offset {chunk.offset} has instance key {k}, not in the plan")
+        frame = self._frames.get(chunk.offset)
+        if chunk.offset != self._pos or frame is None:
+            raise ProtocolError(f"chunk at offset {chunk.offset} arrived where offset {self._pos} was expected")
+        if len(chunk.data) != frame.end - frame.start:
+            raise IntegrityError(
+                f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; the plan says {frame.end - frame.start}"
+            )
+        if tuple(chunk.instance_keys) != frame.instance_keys:
+            raise ProtocolError(
+                f"chunk at offset {chunk.offset} names instance keys {list(chunk.instance_keys)}; "
+                f"the plan puts {list(frame.instance_keys)} there"
+            )
+        if chunk.data:
+            self._arena[frame.start : frame.end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._pos = frame.end
+        for t in chunk.trailers:
+            self._check_trailer(t)
+        if chunk.HasField("end"):
+            self._check_end(chunk.end)
+
+    def _check_trailer(self, t: pb.VariableTrailer) -> None:
+        v = self._by_key.get(t.instance_key)
+        if v is None:
+            raise ProtocolError(f"trailer for instance key {t.instance_key}, which is not in the plan")
+        if v.offset + v.nbytes > self._pos:
+            raise IntegrityError(
+                f"variable {v.name!r}: trailer arrived after {max(0, self._pos - v.offset)} of {v.nbytes} bytes"
+            )
+        if t.nbytes != v.nbytes:
+            raise IntegrityError(f"variable {v.name!r}: trailer counts {t.nbytes} bytes; the plan says {v.nbytes}")
+        got = bytes_digest(memoryview(self._arena[v.offset : v.offset + v.nbytes]))
+        if got != t.digest or got != v.digest:
+            raise IntegrityError(
+                f"variable {v.name!r}: digest of received bytes {got} differs from the chief's {v.digest}"
+            )
+        self._verified.add(v.instance_key)
+
+    def _check_end(self, end: pb.StreamEnd) -> None:
+        if end.total_bytes != self._plan.total_bytes or self._pos != self._plan.total_bytes:
+            raise IntegrityError(
+                f"stream ended after {self._pos} bytes; the plan has {self._plan.total_bytes}"
+            )
+        if end.manifest_digest != self._plan.manifest_digest:
+            raise IntegrityError("stream end carries a manifest digest that differs from the plan's")
+        self._ended = True
+
+    def finish(self) -> None:
+        """Raise IntegrityError unless the whole stream arrived and every variable verified."""
+        missing = [v.name for v in self._plan.variables if v.instance_key not in self._verified]
+        if not self._ended:
+            raise IntegrityError(
+                f"stream ended early: {self._pos} of {self._plan.total_bytes} bytes, "
+                f"{len(missing)} variable(s) unverified (first: {missing[0] if missing else '-'})"
+            )
+        if missing:
+            raise IntegrityError(f"variables never verified: {', '.join(missing[:5])}")

@@ -1,0 +1,86 @@
+"""The transport interface: how a worker talks to its chief, whatever carries the bytes.
+
+Chief logic (``chief.service.ChiefService``) implements ``ChiefHandler``; worker logic
+(``worker.agent``) calls a ``ChiefLink``. A backend provides both ends: a ``ChiefEndpoint`` that
+exposes a handler to workers, and the matching ``ChiefLink``. Backends: ``inmemory`` (unit
+tests: a whole cluster in one process), ``grpc`` (across hosts). The messages are the protobuf
+messages of ``protos/collective.proto`` for every backend.
+
+Errors: handler methods raise ``CollectiveError`` subclasses; a backend carries the class and
+message to the worker, whose ``ChiefLink`` re-raises the same class. A link raises
+``ChiefUnreachableError`` (naming the chief's address) when the chief is gone or silent past
+a deadline. Every link call takes a timeout; none blocks forever.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from typing import Protocol
+
+from collective._proto import collective_pb2 as pb
+
+
+class ChiefHandler(Protocol):
+    """What the chief does for each request. Every method is thread-safe; waits are bounded."""
+
+    def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply: ...
+
+    def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan: ...
+
+    def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]: ...
+
+    def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply: ...
+
+    def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply: ...
+
+    def report_failure(self, req: pb.FailureReport) -> pb.FailureReply: ...
+
+    def status(self) -> pb.StatusReply: ...
+
+
+class ChiefLink(abc.ABC):
+    """A worker's connection to the chief."""
+
+    address: str
+
+    @abc.abstractmethod
+    def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
+        """Join; retries while the chief is not up yet, until ``timeout``."""
+
+    @abc.abstractmethod
+    def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
+        """Block until the chief releases the plan (all workers joined) or fails."""
+
+    @abc.abstractmethod
+    def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
+        """The data stream; raises if no message arrives for ``stall_timeout`` seconds."""
+
+    @abc.abstractmethod
+    def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply: ...
+
+    @abc.abstractmethod
+    def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
+        """Block until start is released, or raise the round's failure."""
+
+    @abc.abstractmethod
+    def report_failure(self, req: pb.FailureReport, timeout: float) -> None:
+        """Best effort: tell the chief this worker cannot go on. Never raises."""
+
+    @abc.abstractmethod
+    def status(self, timeout: float) -> pb.StatusReply: ...
+
+    def close(self) -> None:  # noqa: B027 - optional for backends without resources
+        """Release the connection. Idempotent."""
+
+
+class ChiefEndpoint(abc.ABC):
+    """Exposes a ChiefHandler to workers."""
+
+    @abc.abstractmethod
+    def start(self, handler: ChiefHandler) -> str:
+        """Start serving; returns the address workers should use. Does not block."""
+
+    @abc.abstractmethod
+    def stop(self, grace: float) -> None:
+        """Stop serving; in-flight calls get up to ``grace`` seconds. Releases the port."""

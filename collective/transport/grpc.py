@@ -1,0 +1,289 @@
+"""gRPC backend: the chief serves ``collective.v1.Collective``; workers are clients.
+
+Guarantees: every client call has a deadline; a silent data stream is cancelled after the stall
+timeout; the chief's errors arrive as the same ``CollectiveError`` class with the same message;
+a wrong or missing cluster token gets UNAUTHENTICATED on every Collective RPC before any
+handler runs (constant-time comparison; the log names the peer, never the token). The standard
+health service reports SERVING while the chief serves and NOT_SERVING once it stops.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from collective._proto import collective_pb2 as pb
+from collective._proto import collective_pb2_grpc as pb_grpc
+from collective import errors as E
+from collective.plan import MAX_CHUNK_BYTES
+from collective.transport.api import ChiefEndpoint, ChiefHandler, ChiefLink
+
+log = logging.getLogger(__name__)
+
+TOKEN_HEADER = "x-collective-token"
+SERVICE = "collective.v1.Collective"
+MAX_MESSAGE = MAX_CHUNK_BYTES + (1 << 20)
+_MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
+CLIENT_OPTIONS = _MESSAGE_OPTIONS + [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),
+]
+SERVER_OPTIONS = _MESSAGE_OPTIONS + [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),
+]
+
+# One table, read both ways: the chief's error class <-> the status code on the wire.
+_CODES: list[tuple[type[E.CollectiveError], grpc.StatusCode]] = [
+    (E.AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (E.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (E.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (E.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (E.ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
+    (E.DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (E.IntegrityError, grpc.StatusCode.DATA_LOSS),
+    (E.AbortedError, grpc.StatusCode.ABORTED),
+]
+_CLASS_OF = {code: cls for cls, code in _CODES}
+
+
+def status_code(exc: E.CollectiveError) -> grpc.StatusCode:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.ABORTED  # any other failure of the round aborts it
+
+
+# --- server ------------------------------------------------------------------------------
+
+
+class _Servicer(pb_grpc.CollectiveServicer):
+    def __init__(self, handler: ChiefHandler) -> None:
+        self._h = handler
+
+    def _call(self, context, fn, *args):
+        try:
+            return fn(*args)
+        except E.CollectiveError as exc:
+            context.abort(status_code(exc), str(exc))
+
+    def Join(self, request, context):  # noqa: N802 - gRPC method names
+        return self._call(context, self._h.join, request, context.peer())
+
+    def GetPlan(self, request, context):  # noqa: N802
+        return self._call(context, self._h.get_plan, request, _remaining(context))
+
+    def Fetch(self, request, context):  # noqa: N802
+        try:
+            yield from self._h.fetch(request)
+        except E.CollectiveError as exc:
+            context.abort(status_code(exc), str(exc))
+
+    def ReportReady(self, request, context):  # noqa: N802
+        return self._call(context, self._h.report_ready, request)
+
+    def AwaitStart(self, request, context):  # noqa: N802
+        return self._call(context, self._h.await_start, request, _remaining(context))
+
+    def ReportFailure(self, request, context):  # noqa: N802
+        return self._call(context, self._h.report_failure, request)
+
+    def Status(self, request, context):  # noqa: N802
+        return self._call(context, self._h.status)
+
+
+def _remaining(context) -> float:
+    """Seconds until the caller's deadline, less a margin so our answer beats it."""
+    left = context.time_remaining()
+    return 3600.0 if left is None else max(0.0, left - 0.5)
+
+
+class _TokenInterceptor(grpc.ServerInterceptor):
+    """Refuse every Collective RPC whose token is missing or wrong, before any handler runs."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE}/"):
+            return handler  # the health service answers without a token
+        given = dict(details.invocation_metadata).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(given.encode(), self._token):
+            return handler
+        reason = "no cluster token" if not given else "a wrong cluster token"
+        method = details.method.rsplit("/", 1)[-1]
+
+        def refuse(request, context):
+            log.warning("refused %s from %s: %s", method, context.peer(), reason)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} refused: {reason}")
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                refuse, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            refuse, handler.request_deserializer, handler.response_serializer
+        )
+
+
+class GrpcEndpoint(ChiefEndpoint):
+    """Serves the chief on ``bind`` (``HOST:PORT``; port 0 picks a free one)."""
+
+    def __init__(self, bind: str, *, token: str | None = None, max_workers: int = 16) -> None:
+        self.bind = bind
+        self.token = token
+        self.max_workers = max_workers
+        self.port = 0
+        self._server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+
+    def start(self, handler: ChiefHandler) -> str:
+        interceptors = [_TokenInterceptor(self.token)] if self.token else []
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="chief-rpc"),
+            interceptors=interceptors,
+            options=SERVER_OPTIONS,
+        )
+        pb_grpc.add_CollectiveServicer_to_server(_Servicer(handler), server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            port = server.add_insecure_port(self.bind)
+        except RuntimeError as exc:
+            raise E.UsageError(f"cannot listen on {self.bind}: {exc}; is the port in use?") from exc
+        if not port:
+            raise E.UsageError(f"cannot listen on {self.bind}: the port is in use or the address is not local")
+        server.start()
+        for name in ("", SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server, self.port = server, port
+        host = self.bind.rpartition(":")[0]
+        return f"{host}:{port}"
+
+    def stop(self, grace: float) -> None:
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()  # NOT_SERVING for every service
+        if self._server is not None:
+            self._server.stop(grace).wait(grace + 1.0)
+            self._server = None
+
+
+# --- client ------------------------------------------------------------------------------
+
+
+class GrpcChiefLink(ChiefLink):
+    """A worker's channel to the chief at ``address``."""
+
+    def __init__(self, address: str, *, token: str | None = None) -> None:
+        self.address = address
+        self._metadata = ((TOKEN_HEADER, token),) if token else ()
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = pb_grpc.CollectiveStub(self._channel)
+
+    def _error(self, exc: grpc.RpcError, phase: str, timeout: float) -> E.CollectiveError:
+        code, details = exc.code(), exc.details() or ""
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return E.AuthError(
+                f"chief at {self.address} refused the cluster token during {phase} ({details}); "
+                f"pass the chief's token with --token or COLLECTIVE_TOKEN"
+            )
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return E.ChiefUnreachableError(f"chief at {self.address} unreachable during {phase}: {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+            return E.ChiefUnreachableError(f"chief at {self.address} did not answer within {timeout:g} s during {phase}")
+        if code == grpc.StatusCode.CANCELLED:
+            return E.ChiefUnreachableError(f"chief at {self.address}: {phase} was cancelled ({details})")
+        cls = _CLASS_OF.get(code, E.AbortedError)
+        return cls(f"chief at {self.address}: {details}" if cls is not E.AbortedError else f"round aborted by the chief at {self.address}: {details}")
+
+    def _unary(self, method, request, phase: str, timeout: float):
+        try:
+            return method(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._error(exc, phase, timeout) from None
+
+    def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise E.ChiefUnreachableError(
+                    f"chief at {self.address} unreachable for {timeout:g} s while joining ({last}); "
+                    f"check --chief / COLLECTIVE_CHIEF and that the chief is running"
+                )
+            try:
+                return self._stub.Join(req, timeout=min(left, 5.0), wait_for_ready=True, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    last = exc.details() or exc.code().name
+                    log.info("chief at %s not reachable yet (%s); retrying for %.0f s more", self.address, last, left)
+                    time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                    continue
+                raise self._error(exc, "join", timeout) from None
+
+    def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
+        return self._unary(self._stub.GetPlan, ref, "join (waiting for the plan)", timeout)
+
+    def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
+        call = self._stub.Fetch(ref, metadata=self._metadata)
+        last = [time.monotonic()]
+        stalled = threading.Event()
+        done = threading.Event()
+
+        def watchdog() -> None:
+            while not done.wait(min(1.0, stall_timeout / 4)):
+                if time.monotonic() - last[0] > stall_timeout:
+                    stalled.set()
+                    call.cancel()
+                    return
+
+        threading.Thread(target=watchdog, name="stall-watchdog", daemon=True).start()
+        try:
+            for chunk in call:
+                last[0] = time.monotonic()
+                yield chunk
+        except grpc.RpcError as exc:
+            if stalled.is_set():
+                raise E.ChiefUnreachableError(
+                    f"chief at {self.address} sent nothing for {stall_timeout:g} s during receive"
+                ) from None
+            raise self._error(exc, "receive", stall_timeout) from None
+        finally:
+            done.set()
+            call.cancel()
+
+    def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply:
+        return self._unary(self._stub.ReportReady, req, "ready", timeout)
+
+    def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
+        return self._unary(self._stub.AwaitStart, ref, "waiting for start", timeout + 1.0)
+
+    def report_failure(self, req: pb.FailureReport, timeout: float) -> None:
+        try:
+            self._stub.ReportFailure(req, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            log.debug("could not tell the chief about the failure: %s", exc.details())
+
+    def status(self, timeout: float) -> pb.StatusReply:
+        return self._unary(self._stub.Status, pb.StatusRequest(), "status", timeout)
+
+    def close(self) -> None:
+        self._channel.close()

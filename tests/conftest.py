@@ -1,0 +1,68 @@
+"""Shared test helpers: small model sources and a whole in-memory cluster."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from collective.config import Timeouts
+from collective.model import VariableSpec
+
+
+@dataclass
+class ArraySource:
+    """A ModelSource over given arrays (the chief-side fill path, without files)."""
+
+    arrays: dict[str, np.ndarray]
+    description: str = "test arrays"
+
+    def specs(self) -> list[VariableSpec]:
+        return [VariableSpec(n, tuple(a.shape), a.dtype.str) for n, a in self.arrays.items()]
+
+    def fill(self, spec: VariableSpec, out: np.ndarray) -> None:
+        out[...] = self.arrays[spec.name]
+
+
+FAST = Timeouts(join=5.0, straggler_log=1.0, rpc=5.0, stall=5.0, ready=10.0, start=10.0, linger=2.0)
+
+
+def small_arrays(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "dense/kernel": rng.standard_normal((33, 17)).astype(np.float32),
+        "dense/bias": np.zeros(17, np.float32),
+        "embedding": rng.standard_normal((1000, 64)).astype(np.float16),
+        "big_endian": np.arange(10, dtype=">i8"),
+        "scalar": np.array(3.5),
+        "empty": np.zeros((0, 3), np.float32),
+        "global_step": np.array(0, np.int64),
+    }
+
+
+def run_threads(targets: Sequence, timeout: float = 30.0) -> list:
+    """Run callables in threads; return their results or exceptions, in order."""
+    results: list = [None] * len(targets)
+
+    def wrap(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=wrap, args=(i, fn), daemon=True) for i, fn in enumerate(targets)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        if t.is_alive():
+            raise AssertionError(f"thread did not finish within {timeout} s")
+    return results
+
+
+@pytest.fixture
+def fast_timeouts() -> Timeouts:
+    return FAST

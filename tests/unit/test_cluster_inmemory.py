@@ -1,0 +1,123 @@
+"""A whole cluster in one process over the in-memory transport: the logic, end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import xxhash
+
+from chief.service import ChiefService, Phase
+from collective.errors import AbortedError, AlreadyExistsError, FrozenError, JoinTimeoutError, ResourceExhaustedError
+from collective.transport.inmemory import InMemoryEndpoint
+from tests.conftest import FAST, ArraySource, run_threads, small_arrays
+from worker.agent import WorkerAgent
+
+
+def cluster(arrays, devices_per_worker, timeouts=FAST, chunk_bytes=4096):
+    service = ChiefService(ArraySource(arrays), len(devices_per_worker), timeouts=timeouts, chunk_bytes=chunk_bytes)
+    endpoint = InMemoryEndpoint()
+    endpoint.start(service)
+    agents = [
+        WorkerAgent(endpoint.link(), worker_id=f"w{i}", devices=devs, preferred_rank=i, timeouts=timeouts)
+        for i, devs in enumerate(devices_per_worker)
+    ]
+    return service, endpoint, agents
+
+
+def test_every_worker_holds_bit_identical_replicas_after_start():
+    arrays = small_arrays()
+    service, _, agents = cluster(arrays, [["cpu:0"], ["cpu:0", "cpu:1"], ["cpu:0", "cpu:1", "cpu:2"]])
+    *results, sup = run_threads([a.run for a in agents] + [service.supervise])
+    assert sup is None, sup
+    assert service.phase is Phase.STARTED
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        for name, value in arrays.items():
+            var = r.variables.get(name)
+            assert var.replica_names[0] == name
+            assert var.replica_names[1:] == [f"{name}/replica_{i}" for i in range(1, len(r.devices))]
+            for replica in var.replicas:
+                assert replica.dtype == value.dtype and replica.shape == value.shape
+                assert replica.tobytes() == value.tobytes()
+    summary = service.result()
+    assert summary["ok"] is True
+    for v in summary["variables"]:
+        assert v["digest"] == xxhash.xxh3_128_hexdigest(np.ascontiguousarray(arrays[v["name"]]).tobytes())
+    assert [w["rank"] for w in summary["workers"]] == [0, 1, 2]
+
+
+def test_replicas_are_independent_arrays():
+    service, _, agents = cluster({"w": np.ones(4, np.float32)}, [["cpu:0", "cpu:1"]])
+    r, _ = run_threads([agents[0].run, service.supervise])
+    var = r.variables.get("w")
+    var.replicas[1][0] = 7.0
+    assert var.replicas[0][0] == 1.0
+
+
+def test_keys_are_deterministic_for_the_same_model():
+    def keys():
+        service, _, agents = cluster(small_arrays(), [["cpu:0"], ["cpu:0"]])
+        run_threads([a.run for a in agents] + [service.supervise])
+        return [(v["name"], v["group_key"], v["instance_key"]) for v in service.result()["variables"]]
+
+    first = keys()
+    assert first == keys()
+    assert len({k[2] for k in first}) == len(first)  # one instance key per variable
+
+
+def test_variable_set_is_frozen_once_training_started():
+    from collective.variables import create_variable
+
+    service, _, agents = cluster({"w": np.ones(2)}, [["cpu:0"]])
+    r, _ = run_threads([agents[0].run, service.supervise])
+    with pytest.raises(FrozenError, match="frozen"):
+        create_variable("late", np.ones(2), ["cpu:0"], store=r.variables)
+
+
+def test_missing_worker_fails_the_join_naming_the_missing_rank_on_chief_and_joined_worker():
+    timeouts = dataclasses.replace(FAST, join=0.5)
+    service, _, agents = cluster({"w": np.ones(2)}, [["cpu:0"], ["cpu:0"]], timeouts=timeouts)
+    worker0, sup = run_threads([agents[0].run, service.supervise])
+    assert isinstance(sup, JoinTimeoutError)
+    assert "1/2 workers joined" in str(sup) and "rank(s) 1" in str(sup)
+    assert isinstance(worker0, AbortedError) and "1/2 workers joined" in str(worker0)
+
+
+def test_join_retried_with_same_incarnation_gets_the_same_rank_and_a_second_process_is_refused():
+    from collective._proto import collective_pb2 as pb
+
+    service, endpoint, _ = cluster({"w": np.ones(2)}, [["cpu:0"], ["cpu:0"]])
+    link = endpoint.link()
+    req = pb.JoinRequest(worker_id="a", incarnation="i1", devices=["cpu:0"], preferred_rank=1)
+    assert link.join(req, 1).rank == 1
+    assert link.join(req, 1).rank == 1
+    with pytest.raises(AlreadyExistsError, match="'a'.*i1.*i2"):
+        link.join(pb.JoinRequest(worker_id="a", incarnation="i2", devices=["cpu:0"]), 1)
+    link.join(pb.JoinRequest(worker_id="b", incarnation="i3", devices=["cpu:0"]), 1)
+    with pytest.raises((ResourceExhaustedError, Exception), match="cannot join"):
+        link.join(pb.JoinRequest(worker_id="c", incarnation="i4", devices=["cpu:0"]), 1)
+
+
+def test_a_corrupted_chunk_is_caught_naming_the_variable_and_start_is_never_released():
+    from collective.errors import IntegrityError
+
+    service, endpoint, agents = cluster({"a": np.zeros(8, np.float32), "b": np.ones(8, np.float32)}, [["cpu:0"]])
+    link = agents[0].link
+    real_fetch = link.fetch
+
+    def flipped(ref, stall_timeout):
+        for chunk in real_fetch(ref, stall_timeout):
+            if chunk.data:
+                data = bytearray(chunk.data)
+                data[-1] ^= 0x01
+                chunk.data = bytes(data)
+            yield chunk
+
+    link.fetch = flipped
+    r, sup = run_threads([agents[0].run, service.supervise])
+    assert isinstance(r, IntegrityError) and "'b'" in str(r)
+    # The worker told the chief, so the chief aborted at once rather than at its ready deadline.
+    assert isinstance(sup, AbortedError) and "w0" in str(sup) and "'b'" in str(sup)
+    assert service.phase is Phase.FAILED

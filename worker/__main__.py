@@ -1,0 +1,60 @@
+"""``python -m worker``: join the chief, receive and verify the variables, wait for start."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from collective import logs
+from collective.config import add_option, add_timeout_options, parse_address, timeouts_from_args
+from collective.entry import run_main
+
+log = logging.getLogger("worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
+    add_option(p, "chief", help="the chief's HOST:PORT", default=None)
+    add_option(p, "devices", help="local devices, one replica each", default="cpu:0")
+    add_option(p, "worker-id", help="this worker's id; default HOSTNAME-PID", default=None)
+    add_option(p, "rank", help="preferred rank (the chief gives another if it is taken)", type=int, default=-1)
+    add_option(p, "token", help="the cluster token", default=None)
+    add_timeout_options(p, "join", "stall", "start")
+    add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    def go() -> int:
+        args = build_parser().parse_args(argv)
+        logs.configure("worker", fmt=args.log_format)
+        return _run(args)
+
+    return run_main(go)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from collective.errors import UsageError
+    from worker.api import join_cluster
+
+    if not args.chief:
+        raise UsageError("the chief's address is required: pass --chief HOST:PORT or set COLLECTIVE_CHIEF")
+    parse_address(args.chief, what="--chief")
+    result = join_cluster(
+        args.chief,
+        devices=args.devices,
+        worker_id=args.worker_id,
+        rank=args.rank,
+        token=args.token,
+        timeouts=timeouts_from_args(args),
+    )
+    log.info(
+        "training started: %d variables x %d replicas, worker digest %s",
+        len(result.variables), len(result.devices), result.worker_digest,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

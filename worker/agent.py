@@ -1,0 +1,187 @@
+"""The worker's logic: join, receive into one arena, make replicas, verify, report ready, start.
+
+``WorkerAgent`` talks to the chief only through a ``ChiefLink``, so the same code runs over
+gRPC, MPI or in memory. ``run`` blocks until start is released and raises a ``CollectiveError``
+naming the phase and the culprit otherwise; every wait in it has a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from collective import logs
+from collective._proto import collective_pb2 as pb
+from collective.config import Timeouts
+from collective.digest import array_digest, combined_digest
+from collective.errors import AbortedError, ChiefUnreachableError, CollectiveError, IntegrityError
+from collective.keys import parse_devices
+from collective.plan import Receiver, spec_of, validate_plan
+from collective.transport.api import ChiefLink
+from collective.variables import VariableStore, create_variable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerResult:
+    """What a worker holds once training may start."""
+
+    rank: int
+    worker_id: str
+    devices: list[str]
+    variables: VariableStore
+    plan: pb.Plan
+    worker_digest: str
+    broadcast_seconds: float
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def make_replicas(plan: pb.Plan, arena: np.ndarray, devices: Sequence[str]) -> VariableStore:
+    """One replica of every variable per device; replica 0 is a view of the arena (no copy)."""
+    store = VariableStore()
+    flat = arena.reshape(-1).view(np.uint8)
+    for v in plan.variables:
+        spec = spec_of(v)
+        value = flat[v.offset : v.offset + v.nbytes].view(spec.np_dtype).reshape(spec.shape)
+        create_variable(
+            spec.name,
+            value,
+            list(devices),
+            synchronization=spec.synchronization,
+            aggregation=spec.aggregation,
+            trainable=spec.trainable,
+            store=store,
+            share_first=True,
+        )
+    return store
+
+
+def replica_digests(plan: pb.Plan, store: VariableStore) -> list[pb.ReplicaDigest]:
+    """Digest every replica and compare it with the chief's digest of the variable.
+
+    Raises IntegrityError naming the variable and replica on the first difference.
+    """
+    out = []
+    for v in plan.variables:
+        var = store.get(v.name)
+        for replica, name, device in zip(var.replicas, var.replica_names, var.devices, strict=True):
+            digest = array_digest(replica)
+            if digest != v.digest:
+                raise IntegrityError(
+                    f"variable {v.name!r}: replica {name!r} on {device} has digest {digest}, "
+                    f"the chief's is {v.digest}"
+                )
+            out.append(pb.ReplicaDigest(variable=v.name, replica=name, device=device, digest=digest))
+    return out
+
+
+class WorkerAgent:
+    """One worker process's part in a round. Not reusable: one ``run`` per agent."""
+
+    def __init__(
+        self,
+        link: ChiefLink,
+        *,
+        worker_id: str | None = None,
+        devices: Sequence[str] | str = ("cpu:0",),
+        preferred_rank: int = -1,
+        timeouts: Timeouts | None = None,
+        host: str | None = None,
+    ) -> None:
+        self.link = link
+        self.worker_id = worker_id or default_worker_id()
+        self.devices = parse_devices(devices)
+        self.preferred_rank = preferred_rank
+        self.timeouts = timeouts or Timeouts()
+        self.host = host or socket.gethostname()
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation)
+        self.rank = -1
+        self.bytes_received = 0
+
+    def run(self) -> WorkerResult:
+        """Join, receive, verify, report ready and wait for start. Blocks; see the module doc."""
+        try:
+            return self._run()
+        except CollectiveError as exc:
+            # The chief must hear of our failure at once, not at its ready deadline; a failure
+            # the chief itself told us about (AbortedError) needs no echo.
+            if self.rank >= 0 and not isinstance(exc, (AbortedError, ChiefUnreachableError)):
+                self.link.report_failure(
+                    pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc)),
+                    timeout=min(5.0, self.timeouts.rpc),
+                )
+            raise
+
+    def _run(self) -> WorkerResult:
+        t = self.timeouts
+        logs.set_context(worker_id=self.worker_id, phase="join")
+        t0 = time.monotonic()
+        reply = self.link.join(
+            pb.JoinRequest(
+                worker_id=self.worker_id,
+                incarnation=self.incarnation,
+                devices=self.devices,
+                host=self.host,
+                preferred_rank=self.preferred_rank,
+                pid=os.getpid(),
+            ),
+            timeout=t.join,
+        )
+        self.rank = reply.rank
+        logs.set_context(rank=self.rank)
+        log.info(
+            "joined chief at %s as rank %d of %d (incarnation %s); waiting for the plan",
+            self.link.address, reply.rank, reply.num_workers, self.incarnation,
+        )
+        plan = self.link.get_plan(self.ref, timeout=max(1.0, t.join - (time.monotonic() - t0)) + t.rpc)
+        validate_plan(plan)
+        logs.phase("receive")
+        log.info(
+            "plan: %d variables, %d bytes in chunks of %d bytes, group key %s",
+            len(plan.variables), plan.total_bytes, plan.chunk_bytes,
+            ",".join(str(g.group_key) for g in plan.groups),
+        )
+        arena = np.empty(plan.total_bytes, dtype=np.uint8)
+        receiver = Receiver(plan, arena)
+        t_recv = time.monotonic()
+        for chunk in self.link.fetch(self.ref, stall_timeout=t.stall):
+            receiver.accept(chunk)
+            self.bytes_received = receiver.bytes_received
+        receiver.finish()
+        recv_s = time.monotonic() - t_recv
+        logs.phase("verify")
+        store = make_replicas(plan, arena, self.devices)
+        digests = replica_digests(plan, store)
+        worker_digest = combined_digest((d.replica, d.digest) for d in digests)
+        log.info(
+            "received %d bytes in %.3f s; %d replicas on %d device(s) verified; worker digest %s",
+            plan.total_bytes, recv_s, len(digests), len(self.devices), worker_digest,
+        )
+        logs.phase("ready")
+        self.link.report_ready(
+            pb.ReadyRequest(worker=self.ref, replicas=digests, worker_digest=worker_digest), timeout=t.rpc
+        )
+        start = self.link.await_start(self.ref, timeout=t.start)
+        store.start()
+        logs.phase("started")
+        return WorkerResult(
+            rank=self.rank,
+            worker_id=self.worker_id,
+            devices=list(self.devices),
+            variables=store,
+            plan=plan,
+            worker_digest=worker_digest,
+            broadcast_seconds=start.broadcast_seconds,
+        )

@@ -1,0 +1,38 @@
+"""The worker's Python API, for a training script that joins the cluster in-process.
+
+    from worker.api import join_cluster
+    result = join_cluster("chief:50051", devices="cpu:0,cpu:1", token=os.environ["COLLECTIVE_TOKEN"])
+    for var in result.variables.trainable_variables:
+        ...  # var.replicas[i] is the copy on result.devices[i]
+
+``join_cluster`` blocks until the chief releases start, and returns the verified variables
+(their set is frozen: creating another raises FrozenError). It raises a ``CollectiveError``
+naming the phase and culprit if the round fails; every wait in it has a deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from collective.config import Timeouts
+from collective.transport.grpc import GrpcChiefLink
+from worker.agent import WorkerAgent, WorkerResult
+
+__all__ = ["join_cluster", "WorkerResult"]
+
+
+def join_cluster(
+    chief: str,
+    *,
+    devices: str | Sequence[str] = "cpu:0",
+    worker_id: str | None = None,
+    rank: int = -1,
+    token: str | None = None,
+    timeouts: Timeouts | None = None,
+) -> WorkerResult:
+    link = GrpcChiefLink(chief, token=token)
+    try:
+        agent = WorkerAgent(link, worker_id=worker_id, devices=devices, preferred_rank=rank, timeouts=timeouts)
+        return agent.run()
+    finally:
+        link.close()
