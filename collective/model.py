@@ -17,7 +17,7 @@ import numpy as np
 
 class _ParsedEnum(enum.Enum):
     @classmethod
-    def parse(cls, value: object, *, variable: str | None = None) -> "_ParsedEnum":
+    def parse(cls, value: object, *, variable: str | None = None) -> _ParsedEnum:
         """Accept a member, or its name in any case (``"on_write"``); raise ValueError otherwise."""
         if isinstance(value, cls):
             return value

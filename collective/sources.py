@@ -72,7 +72,7 @@ SAFETENSORS_SUFFIX = ".safetensors"
 RANDOM_BLOCK_ELEMENTS = 1 << 20
 """Random values are generated this many elements at a time (part of the determinism contract)."""
 
-_IO_CHUNK_BYTES = 1 << 22
+_IO_CHUNK_BYTES = 1 << 20
 _SAFETENSORS_MAX_HEADER = 100_000_000  # the limit the safetensors library enforces
 
 _KINDS_HINT = "use bool, int8..int64, uint8..uint64, float16, float32, float64, complex64 or complex128"
@@ -324,7 +324,8 @@ def _fill_random(
     if n == 0:
         return
     gen_dtype = np.dtype(np.float64) if out.dtype.itemsize == 8 else np.dtype(np.float32)
-    direct = out.dtype == gen_dtype  # native float32/float64: generate straight into out
+    # Native, aligned float32/float64: generate straight into out; else via a block-sized temp.
+    direct = out.dtype == gen_dtype and out.flags.aligned
     block_len = min(RANDOM_BLOCK_ELEMENTS, n)
     scratch = np.empty(block_len, gen_dtype)
     temp = None if direct else np.empty(block_len, gen_dtype)
@@ -494,6 +495,12 @@ def _parse_entry(index: int, entry: object) -> _SpecEntry:
         trainable = entry.get("trainable")
         if trainable is not None and not isinstance(trainable, bool):
             raise _Problem(f"trainable must be true or false, not {trainable!r}")
+        # The variable rules of collective.variables, checked here so that a bad spec fails on
+        # the chief at load time rather than on every worker after the broadcast.
+        if sync is Synchronization.NONE:
+            raise _Problem("synchronization NONE is not allowed; use auto, on_write or on_read")
+        if sync is Synchronization.ON_READ and trainable is True:
+            raise _Problem("an on_read (sync-on-read) variable cannot be trainable")
     except _Problem as exc:
         raise _Problem(f"{where}: {exc}") from exc
     spec = VariableSpec(name, shape, dtype.str, sync, agg, trainable)  # type: ignore[arg-type]
@@ -834,7 +841,7 @@ class NpzSource:
         try:
             archive = zipfile.ZipFile(self.path)
         except zipfile.BadZipFile as exc:
-            raise ModelError(f"{label}: not a valid .npz archive (truncated or not a zip file: {exc})") from exc
+            raise ModelError(f"{label}: not a valid .npz archive (truncated or not a zip file)") from exc
         except (OSError, ValueError, EOFError) as exc:
             message = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             raise ModelError(f"{label}: cannot read .npz archive: {message}") from exc

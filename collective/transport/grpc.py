@@ -19,9 +19,9 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
-from collective import errors as E
 from collective.plan import MAX_CHUNK_BYTES
 from collective.transport.api import ChiefEndpoint, ChiefHandler, ChiefLink
 

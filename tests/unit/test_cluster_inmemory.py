@@ -9,7 +9,13 @@ import pytest
 import xxhash
 
 from chief.service import ChiefService, Phase
-from collective.errors import AbortedError, AlreadyExistsError, FrozenError, JoinTimeoutError, ResourceExhaustedError
+from collective.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    FrozenError,
+    JoinTimeoutError,
+    ResourceExhaustedError,
+)
 from collective.transport.inmemory import InMemoryEndpoint
 from tests.conftest import FAST, ArraySource, run_threads, small_arrays
 from worker.agent import WorkerAgent

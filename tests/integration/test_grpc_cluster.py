@@ -1,0 +1,173 @@
+"""Real chief and worker processes over gRPC on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from tests.procs import ROOT, Cluster
+
+pytestmark = pytest.mark.integration
+
+FAST = ["--join-timeout", "20"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def launch_json(tmp_path, *args: str, timeout: float = 90) -> tuple[int, dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "collective.cli", "launch", "--json", "--quiet", "--run-dir", str(tmp_path / "run"),
+         "--join-timeout", "30", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL,
+    )
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "{}"
+    return proc.returncode, json.loads(last), proc.stderr
+
+
+def digest(a: np.ndarray) -> str:
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(a).tobytes())
+
+
+def test_launch_with_a_two_device_worker_names_replicas_and_every_digest_matches_the_model(tmp_path):
+    from collective.sources import load_source
+
+    code, result, err = launch_json(tmp_path, "--workers", "2", "--devices-per-worker", "2")
+    assert code == 0, err
+    assert result["ok"] is True and result["transport"] == "grpc"
+    source = load_source("mlp")
+    expected = {}
+    for spec in source.specs():
+        out = np.empty(spec.shape, spec.np_dtype)
+        source.fill(spec, out)
+        expected[spec.name] = digest(out)
+    assert {v["name"]: v["digest"] for v in result["variables"]} == expected
+    assert result["bytes"] >= sum(s.nbytes for s in source.specs())
+    assert [w["rank"] for w in result["workers"]] == [0, 1]
+    for w in result["workers"]:
+        assert w["devices"] == ["cpu:0", "cpu:1"]
+        names = [s.name for s in source.specs()]
+        assert w["replicas"] == [n for name in names for n in (name, f"{name}/replica_1")]
+    assert len({w["digest"] for w in result["workers"]}) == 1
+    assert {v["group_key"] for v in result["variables"]} == {1}
+    assert sorted(v["instance_key"] for v in result["variables"]) == list(range(1, len(expected) + 1))
+    assert result["seconds"] > 0
+    # Every process kept its own log in the run directory.
+    assert {p.name for p in (tmp_path / "run").glob("*.log")} == {"chief.log", "worker-0.log", "worker-1.log"}
+    assert "training started" in (tmp_path / "run" / "worker-1.log").read_text()
+
+
+@pytest.mark.parametrize("kind", ["npz", "safetensors"])
+def test_checkpoint_files_reach_every_worker_bit_exact(tmp_path, kind):
+    rng = np.random.default_rng(7)
+    arrays = {
+        "layer.0/weight": rng.standard_normal((40, 30)).astype(np.float32),
+        "layer.0/bias": np.zeros(30, np.float64),
+        "embed": rng.integers(-100, 100, (50, 8)).astype(np.int8),
+        "step": np.array(12, np.int64),
+    }
+    path = tmp_path / f"model.{kind}"
+    if kind == "npz":
+        np.savez(path, **arrays)
+    else:
+        from safetensors.numpy import save_file
+
+        save_file(arrays, str(path))
+    code, result, err = launch_json(tmp_path, "--workers", "2", "--model", str(path))
+    assert code == 0, err
+    assert {v["name"]: v["digest"] for v in result["variables"]} == {k: digest(a) for k, a in arrays.items()}
+    assert {v["name"]: v["shape"] for v in result["variables"]} == {k: list(a.shape) for k, a in arrays.items()}
+
+
+def test_missing_worker_is_named_by_the_chief_and_the_joined_worker_after_the_join_timeout(cluster):
+    chief = cluster.chief("--workers", "2", "--join-timeout", "2")
+    worker = cluster.worker("only-one", "--join-timeout", "30")
+    assert chief.wait(30) != 0
+    assert worker.wait(30) != 0
+    assert "1/2 workers joined" in chief.output() and "only-one" in chief.output()
+    assert "1/2 workers joined" in worker.output()
+    for p in (chief, worker):
+        assert "Traceback" not in p.output()
+        assert "training started" not in p.output()
+
+
+def test_a_wrong_token_is_refused_and_the_chief_goes_on_serving_the_right_workers(cluster):
+    chief = cluster.chief("--workers", "1", *FAST, env={"COLLECTIVE_TOKEN": "right-secret"})
+    intruder = cluster.worker("intruder", "--token", "wrong-secret", *FAST)
+    assert intruder.wait(30) != 0
+    assert "refused the cluster token" in intruder.output()
+    good = cluster.worker("good", *FAST, env={"COLLECTIVE_TOKEN": "right-secret"})
+    assert good.wait(60) == 0, good.output()
+    assert chief.wait(30) == 0, chief.output()
+    assert "refused Join from ipv4:127.0.0.1" in chief.output()
+    assert "wrong-secret" not in chief.output() and "right-secret" not in chief.output()
+    assert "training started" in good.output()
+
+
+def test_a_missing_token_is_refused_too(cluster):
+    cluster.chief("--workers", "1", *FAST, env={"COLLECTIVE_TOKEN": "s3cret"})
+    anonymous = cluster.worker("anonymous", *FAST)
+    assert anonymous.wait(30) != 0
+    assert "refused the cluster token" in anonymous.output()
+
+
+def test_a_corrupt_model_file_ends_the_chief_with_exit_2_and_one_line(tmp_path, cluster):
+    bad = tmp_path / "broken.npz"
+    bad.write_bytes(b"PK\x03\x04 this is not a zip archive")
+    chief = cluster.chief("--workers", "1", "--model", str(bad), wait_port=False)
+    assert chief.wait(30) == 2
+    out = chief.output()
+    assert "broken.npz" in out and "Traceback" not in out
+    assert len([ln for ln in out.splitlines() if ln.strip()]) == 1
+
+
+def test_an_invalid_option_exits_2_without_a_traceback(cluster):
+    chief = cluster.chief("--workers", "0", wait_port=False)
+    assert chief.wait(30) == 2
+    assert "--workers" in chief.output() and "Traceback" not in chief.output()
+
+
+def test_an_unreachable_chief_is_named_by_the_worker(cluster):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = cluster.worker("lonely", "--join-timeout", "1.5", chief=f"127.0.0.1:{port}")
+    assert worker.wait(30) != 0
+    assert f"chief at 127.0.0.1:{port} unreachable" in worker.output()
+    assert "Traceback" not in worker.output()
+
+
+def test_a_chief_killed_while_workers_wait_is_named_by_them(cluster):
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60")
+    worker = cluster.worker("waiting", "--join-timeout", "60")
+    deadline = time.monotonic() + 20
+    while "waiting for the plan" not in worker.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    chief.signal(signal.SIGKILL)
+    assert worker.wait(30) != 0
+    assert cluster.address in worker.output() and "unreachable" in worker.output()
+    assert "training started" not in worker.output()
+
+
+def test_the_python_api_example_joins_and_gets_the_variables(cluster):
+    from tests.procs import Proc
+
+    chief = cluster.chief("--workers", "1", *FAST)
+    example = Proc(["examples/train.py", "--chief", cluster.address], cluster.tmp / "example.log")
+    cluster.procs.append(example)
+    assert example.wait(60) == 0, example.output()
+    assert chief.wait(30) == 0
+    assert "trainable variables: 6" in example.output()
+    assert "dense_1/kernel/replica_1" in example.output()

@@ -1,0 +1,84 @@
+"""Real processes for integration tests: started with a deadline, always killed by process id."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Proc:
+    """A child process whose combined output goes to a file; killed by pid when closed."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+        full_env.update(env or {})
+        full_env["PYTHONUNBUFFERED"] = "1"
+        self._fh = open(log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, *args], stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=full_env, cwd=ROOT, start_new_session=True,
+        )
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def output(self) -> str:
+        self._fh.flush()
+        return self.log.read_text()
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._fh.close()
+
+
+def wait_for_file(path: Path, proc: Proc, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text()
+        if proc.proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.proc.returncode} before writing {path}:\n{proc.output()}")
+        time.sleep(0.02)
+    raise AssertionError(f"{path} not written within {timeout} s:\n{proc.output()}")
+
+
+class Cluster:
+    """Start a chief and workers by hand; ``close`` kills whatever is still running."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+        self.address = ""
+
+    def chief(self, *args: str, env: dict[str, str] | None = None, wait_port: bool = True) -> Proc:
+        port_file = self.tmp / "chief.port"
+        p = Proc(["-m", "chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
+                  "--result-file", str(self.tmp / "result.json"), *args], self.tmp / "chief.log", env)
+        self.procs.append(p)
+        if wait_port:
+            self.address = f"127.0.0.1:{wait_for_file(port_file, p)}"
+        return p
+
+    def worker(self, name: str, *args: str, chief: str | None = None, env: dict[str, str] | None = None) -> Proc:
+        p = Proc(["-m", "worker", "--chief", chief or self.address, "--worker-id", name, *args],
+                 self.tmp / f"{name}.log", env)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
