@@ -244,22 +244,35 @@ class ChiefService:
             return self._plan
 
     def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
+        return self.stream([ref])
+
+    def stream(self, refs: list[pb.WorkerRef]) -> Iterator[pb.Chunk]:
+        """The data stream, once, for every worker in ``refs``.
+
+        A point-to-point transport calls it per worker (``fetch``); a collective transport
+        (MPI) calls it once for all workers and broadcasts each message. Raises AbortedError
+        between two messages once the round has failed.
+        """
         with self._cond:
-            m = self._member(ref)
+            members = [self._member(ref) for ref in refs]
             if self._chunker is None:
-                raise PreconditionError(f"{m.name()} asked for data before the plan was released")
+                raise PreconditionError(f"{members[0].name()} asked for data before the plan was released")
             chunker = self._chunker
-            m.phase, m.bytes_sent = "receiving", 0
+            for m in members:
+                m.phase, m.bytes_sent = "receiving", 0
             if self._first_byte_at is None:
                 self._first_byte_at = time.monotonic()
         for chunk in chunker.chunks():
             if self._phase is Phase.FAILED:
                 with self._cond:
-                    m.told = True
+                    for m in members:
+                        m.told = True
                 raise AbortedError(str(self._error))
             yield chunk
-            m.bytes_sent += len(chunk.data)
-        m.phase = "verifying"
+            for m in members:
+                m.bytes_sent += len(chunk.data)
+        for m in members:
+            m.phase = "verifying"
 
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
         with self._cond:

@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="run a chief and N workers on this machine, on loopback")
     add_option(launch, "workers", help="number of workers", type=positive_int, default=2)
+    add_option(launch, "transport", help="grpc (chief and workers on loopback) or mpi (mpiexec -n N+1)",
+               default="grpc", choices=["grpc", "mpi"])
     add_option(launch, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
     add_option(launch, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
     add_option(launch, "seed", help="seed for initializer specs", type=int, default=None)
@@ -56,6 +58,7 @@ def _launch(args: argparse.Namespace) -> int:
         timeouts=timeouts_from_args(args),
         chunk_bytes=args.chunk_bytes,
         quiet=args.quiet,
+        transport=args.transport,
     )
     result = launcher.run()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout)

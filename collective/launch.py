@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,7 +49,11 @@ class Launcher:
         chunk_bytes: int | None = None,
         out: TextIO | None = None,
         quiet: bool = False,
+        transport: str = "grpc",
     ) -> None:
+        if transport not in ("grpc", "mpi"):
+            raise UsageError(f"--transport {transport!r} is not one of grpc, mpi")
+        self.transport = transport
         if workers < 1:
             raise UsageError(f"--workers must be at least 1, got {workers}")
         if devices_per_worker < 1:
@@ -74,10 +79,10 @@ class Launcher:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _spawn(self, label: str, args: list[str], log_name: str) -> Child:
+    def _spawn(self, label: str, args: list[str], log_name: str, argv: list[str] | None = None) -> Child:
         log_path = self.run_dir / log_name
         proc = subprocess.Popen(
-            [sys.executable, *args],
+            argv or [sys.executable, *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -98,7 +103,7 @@ class Launcher:
                 log.write(line)
                 log.flush()
                 child.lines.append(line)
-                if not self.quiet:
+                if not self.quiet and not line.startswith('{"ok"'):
                     with self._print_lock:
                         print(f"{child.label:<9}| {line}", end="", file=sys.stderr)
 
@@ -122,6 +127,8 @@ class Launcher:
     def run(self) -> dict:
         """Run one round. Returns the chief's summary (``ok`` says whether it succeeded)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.transport == "mpi":
+            return self._run_mpi()
         port_file = self.run_dir / "chief.port"
         result_file = self.run_dir / "result.json"
         t = self.timeouts
@@ -153,6 +160,32 @@ class Launcher:
             self._stop_all()
         return self._result(result_file)
 
+    def _run_mpi(self) -> dict:
+        """``mpiexec -n N+1 python -m collective.mpi``; rank 0 prints the JSON summary."""
+        mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+        if mpiexec is None:
+            raise UsageError("mpiexec not found: install the mpi extra (pip install 'collective[mpi]') or a system MPI")
+        t = self.timeouts
+        args = [
+            "-m", "collective.mpi", "--json", "--model", self.model,
+            "--devices-per-worker", str(self.devices.count(",") + 1),
+            "--join-timeout", str(t.join), "--ready-timeout", str(t.ready), "--start-timeout", str(t.start),
+        ]
+        if self.seed is not None:
+            args += ["--seed", str(self.seed)]
+        if self.chunk_bytes:
+            args += ["--chunk-bytes", str(self.chunk_bytes)]
+        result_file = self.run_dir / "result.json"
+        try:
+            job = self._spawn("mpi", [], "mpiexec.log", argv=[mpiexec, "-n", str(self.workers + 1), sys.executable, *args])
+            self._wait_all(deadline=time.monotonic() + t.join + t.ready + t.start + 30)
+        finally:
+            self._stop_all()
+        line = next((ln for ln in reversed(job.lines) if ln.startswith('{"ok"')), None)
+        if line is not None:
+            result_file.write_text(line)
+        return self._result(result_file)
+
     def _wait_for_port(self, chief: Child, port_file: Path, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -164,7 +197,6 @@ class Launcher:
         raise DeadlineError(f"the chief did not start serving within {timeout:g} s; see {chief.log_path}")
 
     def _wait_all(self, deadline: float) -> None:
-        chief = self.children[0]
         chief_done_at = None
         while True:
             codes = [c.proc.poll() for c in self.children]
@@ -179,8 +211,6 @@ class Launcher:
             if now > deadline:
                 self._note(f"launch deadline passed; stopping {sum(c is None for c in codes)} process(es)")
                 return
-            if chief.proc.poll() is None and any(code not in (None, 0) for code in codes[1:]):
-                pass  # the chief hears of a failed worker and decides; keep waiting for it
             time.sleep(0.05)
 
     def _note(self, text: str) -> None:
@@ -194,7 +224,7 @@ class Launcher:
         except (OSError, ValueError):
             chief_lines = self.children[0].lines if self.children else []
             last = next((ln.strip() for ln in reversed(chief_lines) if "ERROR" in ln or "error" in ln), None)
-            result = {"ok": False, "transport": "grpc", "seconds": 0.0, "bytes": 0, "workers": [], "variables": [],
+            result = {"ok": False, "transport": self.transport, "seconds": 0.0, "bytes": 0, "workers": [], "variables": [],
                       "error": last or "the chief ended without a summary"}
         failed = {label: code for label, code in codes.items() if code != 0}
         if failed:

@@ -1,0 +1,297 @@
+"""MPI backend: rank 0 serves the chief's handler, ranks 1..N are workers.
+
+The worker's calls (join, plan, fetch, ready, start) happen in the same order on every rank, so
+each maps onto collectives: a request is gathered at rank 0, the chief's handler answers every
+rank's request, and the answers (or errors) are broadcast back. Tensor bytes move with the
+buffer-based ``Bcast`` straight from the chief's chunk buffers, never through pickle; no call
+moves 2 GiB or more, because the stream is cut into chunks of at most 16 MiB. Control messages
+are the protobuf messages of ``protos/collective.proto``, framed by hand (no pickle).
+
+MPI collectives have no deadlines of their own: ``PhaseWatchdog`` aborts the whole job, naming
+the rank and phase, when a phase overruns its timeout. A rank that fails on its own (corrupt
+data, a bad model file) cannot rejoin the sequence of collectives, so it aborts the job too, after
+logging one line that names it and the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from mpi4py import MPI
+
+from collective import errors as E
+from collective._proto import collective_pb2 as pb
+from collective.transport.api import ChiefHandler, ChiefLink
+
+log = logging.getLogger(__name__)
+
+_OK, _ERR = 0, 1
+
+
+# --- framing --------------------------------------------------------------------------------
+
+
+def encode_outcome(fn: Callable[[], object]) -> bytes:
+    """Run ``fn``; frame its protobuf answer, or the CollectiveError it raised."""
+    try:
+        msg = fn()
+    except E.CollectiveError as exc:
+        return encode_error(exc)
+    return bytes([_OK]) + (msg.SerializeToString() if msg is not None else b"")
+
+
+def encode_error(exc: E.CollectiveError) -> bytes:
+    return bytes([_ERR]) + json.dumps({"class": type(exc).__name__, "message": str(exc)}).encode()
+
+
+def decode_outcome(data: bytes, cls):
+    """The message an outcome frames, or raise the error it carries (same class, same text)."""
+    if not data:
+        raise E.ProtocolError("empty outcome frame from the chief")
+    if data[0] == _OK:
+        return cls.FromString(data[1:])
+    info = json.loads(data[1:].decode())
+    err_cls = getattr(E, info.get("class", ""), None)
+    if not (isinstance(err_cls, type) and issubclass(err_cls, E.CollectiveError)):
+        err_cls = E.AbortedError
+    raise err_cls(info.get("message", "the chief reported an error"))
+
+
+def pack(items: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<Q", len(i)) + i for i in items)
+
+
+def unpack(data: bytes) -> list[bytes]:
+    out, pos = [], 0
+    while pos < len(data):
+        (n,) = struct.unpack_from("<Q", data, pos)
+        pos += 8
+        if pos + n > len(data):
+            raise E.ProtocolError("outcome batch frame runs past its end")
+        out.append(data[pos : pos + n])
+        pos += n
+    return out
+
+
+def bcast_bytes(comm: MPI.Comm, data: bytes | None, root: int = 0) -> bytes:
+    n = np.array([len(data) if comm.rank == root and data is not None else 0], dtype=np.int64)
+    comm.Bcast([n, MPI.INT64_T], root=root)
+    if comm.rank == root:
+        buf = np.frombuffer(data or b"", dtype=np.uint8)
+    else:
+        buf = np.empty(int(n[0]), dtype=np.uint8)
+    if n[0]:
+        comm.Bcast([buf, MPI.BYTE], root=root)
+    return data if comm.rank == root else buf.tobytes()
+
+
+def gather_bytes(comm: MPI.Comm, data: bytes, root: int = 0) -> list[bytes] | None:
+    sizes = np.zeros(comm.size, dtype=np.int64) if comm.rank == root else None
+    comm.Gather([np.array([len(data)], dtype=np.int64), MPI.INT64_T], [sizes, MPI.INT64_T] if sizes is not None else None, root=root)
+    send = np.frombuffer(data, dtype=np.uint8)
+    if comm.rank != root:
+        comm.Gatherv([send, MPI.BYTE], None, root=root)
+        return None
+    counts = sizes.astype(np.int64)
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    recv = np.empty(int(counts.sum()), dtype=np.uint8)
+    comm.Gatherv([send, MPI.BYTE], [recv, (counts, displs), MPI.BYTE], root=root)
+    return [recv[d : d + c].tobytes() for d, c in zip(displs, counts, strict=True)]
+
+
+# --- watchdog -------------------------------------------------------------------------------
+
+
+class PhaseWatchdog:
+    """Aborts the MPI job when a phase overruns its deadline, naming the rank and the phase."""
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self._comm = comm
+        self._lock = threading.Lock()
+        self._phase: tuple[str, float, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="mpi-watchdog", daemon=True)
+        self._thread.start()
+
+    def phase(self, name: str, timeout: float) -> None:
+        with self._lock:
+            self._phase = (name, timeout, time.monotonic() + timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            with self._lock:
+                current = self._phase
+            if current is not None and time.monotonic() > current[2]:
+                name, timeout, _ = current
+                log.error(
+                    "rank %d on %s: %s did not finish within %g s (another rank died, hung or "
+                    "never started); aborting the job", self._comm.rank, socket.gethostname(), name, timeout,
+                )
+                abort(self._comm, 1)
+
+
+def abort(comm: MPI.Comm, code: int) -> None:
+    """End every rank of the job. Never returns."""
+    for h in logging.getLogger().handlers:
+        h.flush()
+    try:
+        comm.Abort(code)
+    finally:
+        os._exit(code)
+
+
+# --- chief side -----------------------------------------------------------------------------
+
+
+class MpiChiefDriver:
+    """Rank 0: answers the workers' calls with ``handler``, one collective step at a time."""
+
+    def __init__(self, comm: MPI.Comm, handler: ChiefHandler, watchdog: PhaseWatchdog, timeouts) -> None:
+        self.comm, self.h, self.watchdog, self.t = comm, handler, watchdog, timeouts
+        self.refs: list[pb.WorkerRef] = []
+
+    def _answer_each(self, requests: list[bytes], fn: Callable[[int, bytes], object]) -> bool:
+        """Answer every worker's request; False if the round failed (everyone was told)."""
+        outcomes = [encode_outcome(lambda r=r, d=d: fn(r, d)) for r, d in enumerate(requests[1:], start=1)]
+        if any(o[0] == _ERR for o in outcomes):
+            # One rank's refusal must not leave the others in a different step: fail the round.
+            first = next(decode_error(o) for o in outcomes if o[0] == _ERR)
+            self.h.fail(E.AbortedError(str(first)))
+            outcomes = [o if o[0] == _ERR else encode_error(first) for o in outcomes]
+        bcast_bytes(self.comm, pack(outcomes))
+        return all(o[0] == _OK for o in outcomes)
+
+    def serve(self) -> None:
+        """Run the round's steps; stop after the first step whose answer was a failure.
+
+        Every worker gets the same failing step, so no rank is left waiting in a collective.
+        """
+        t = self.t
+        self.watchdog.phase("join", t.join)
+        joins = gather_bytes(self.comm, b"")
+
+        def join(rank: int, data: bytes):
+            req = pb.JoinRequest.FromString(data)
+            self.refs.append(pb.WorkerRef(worker_id=req.worker_id, incarnation=req.incarnation))
+            return self.h.join(req, f"mpi rank {rank}")
+
+        if not self._answer_each(joins, join):
+            return
+        self.watchdog.phase("plan", t.join)
+        plan = encode_outcome(lambda: self.h.get_plan(self.refs[0], 0.0))
+        bcast_bytes(self.comm, plan)
+        if plan[0] != _OK:
+            return
+        self.watchdog.phase("broadcast", t.ready)
+        if not self._stream():
+            return
+        readies = gather_bytes(self.comm, b"")
+        if not self._answer_each(readies, lambda r, d: self.h.report_ready(pb.ReadyRequest.FromString(d))):
+            return
+        self.watchdog.phase("start", t.start)
+        self._answer_each([b""] * (len(self.refs) + 1), lambda r, d: self.h.await_start(self.refs[r - 1], 0.0))
+        self.watchdog.phase("done", t.start)
+
+    def _stream(self) -> bool:
+        header = np.zeros(2, dtype=np.int64)
+        try:
+            for chunk in self.h.stream(self.refs):
+                data = chunk.data
+                chunk.data = b""
+                meta = bytes([_OK]) + chunk.SerializeToString()
+                header[:] = (len(meta), len(data))
+                self.comm.Bcast([header, MPI.INT64_T], root=0)
+                self.comm.Bcast([np.frombuffer(meta, np.uint8), MPI.BYTE], root=0)
+                if data:
+                    self.comm.Bcast([np.frombuffer(data, np.uint8), MPI.BYTE], root=0)
+        except E.CollectiveError as exc:
+            meta = encode_error(exc)
+            header[:] = (len(meta), 0)
+            self.comm.Bcast([header, MPI.INT64_T], root=0)
+            self.comm.Bcast([np.frombuffer(meta, np.uint8), MPI.BYTE], root=0)
+            return False
+        return True
+
+
+def decode_error(outcome: bytes) -> E.CollectiveError:
+    try:
+        decode_outcome(outcome, pb.JoinReply)
+    except E.CollectiveError as exc:
+        return exc
+    return E.AbortedError("unknown failure")
+
+
+# --- worker side ----------------------------------------------------------------------------
+
+
+class MpiChiefLink(ChiefLink):
+    """Ranks 1..N: the worker's calls as the matching collectives with rank 0."""
+
+    def __init__(self, comm: MPI.Comm, watchdog: PhaseWatchdog, timeouts) -> None:
+        self.comm, self.watchdog, self.t = comm, watchdog, timeouts
+        self.address = "mpi rank 0"
+        # The chief's failure answers reach every rank at the same step; such a failure ends
+        # this rank normally. Any other failure leaves the ranks out of step and must abort.
+        self.announced: E.CollectiveError | None = None
+
+    def _decode(self, data: bytes, cls):
+        try:
+            return decode_outcome(data, cls)
+        except E.CollectiveError as exc:
+            self.announced = exc
+            raise
+
+    def _mine(self, batch: bytes, cls):
+        return self._decode(unpack(batch)[self.comm.rank - 1], cls)
+
+    def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
+        self.watchdog.phase("join", self.t.join)
+        gather_bytes(self.comm, req.SerializeToString())
+        return self._mine(bcast_bytes(self.comm, None), pb.JoinReply)
+
+    def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
+        self.watchdog.phase("plan", self.t.join)
+        return self._decode(bcast_bytes(self.comm, None), pb.Plan)
+
+    def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
+        self.watchdog.phase("broadcast", self.t.ready)
+        header = np.zeros(2, dtype=np.int64)
+        while True:
+            self.comm.Bcast([header, MPI.INT64_T], root=0)
+            meta = np.empty(int(header[0]), dtype=np.uint8)
+            self.comm.Bcast([meta, MPI.BYTE], root=0)
+            chunk = self._decode(meta.tobytes(), pb.Chunk)
+            if header[1]:
+                data = np.empty(int(header[1]), dtype=np.uint8)
+                self.comm.Bcast([data, MPI.BYTE], root=0)
+                chunk.data = data.tobytes()
+            yield chunk
+            if chunk.HasField("end"):
+                return
+
+    def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply:
+        gather_bytes(self.comm, req.SerializeToString())
+        return self._mine(bcast_bytes(self.comm, None), pb.ReadyReply)
+
+    def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
+        self.watchdog.phase("start", self.t.start)
+        reply = self._mine(bcast_bytes(self.comm, None), pb.StartReply)
+        self.watchdog.phase("done", self.t.start)
+        return reply
+
+    def report_failure(self, req: pb.FailureReport, timeout: float) -> None:
+        """Nothing to send: a rank that fails on its own aborts the whole job (see module doc)."""
+
+    def status(self, timeout: float) -> pb.StatusReply:
+        raise E.UsageError("status is not available over MPI; read rank 0's output")

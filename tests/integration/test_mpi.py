@@ -1,0 +1,131 @@
+"""The same round under a real mpiexec (the MPICH wheel's hydra), not skipped in CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from tests.procs import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.mpi]
+
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+
+def mpirun(n: int, *args: str, script: list[str] | None = None, env: dict | None = None, timeout: float = 90):
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: `make test` installs the mpich wheel (the `mpi` extra)")
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    full_env.update(env or {})
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, *(script or ["-m", "collective.mpi"]), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env,
+                          stdin=subprocess.DEVNULL)
+    return proc
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def digest(a: np.ndarray) -> str:
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(a).tobytes())
+
+
+def source_digests(ref: str) -> dict[str, str]:
+    from collective.sources import load_source
+
+    source = load_source(ref)
+    out = {}
+    for spec in source.specs():
+        a = np.empty(spec.shape, spec.np_dtype)
+        source.fill(spec, a)
+        out[spec.name] = digest(a)
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_rank_gets_bit_exact_replicas_of_a_spec_model(tmp_path, ranks):
+    spec = tmp_path / "model.yaml"
+    spec.write_text(
+        "seed: 3\nvariables:\n"
+        "  - {name: w, shape: [64, 32], dtype: float32, initializer: glorot_uniform}\n"
+        "  - {name: b, shape: [32], dtype: float64, initializer: {type: constant, value: 0.5}}\n"
+        "  - {name: acc, shape: [], dtype: float32, initializer: zeros, synchronization: on_read, aggregation: sum}\n"
+    )
+    proc = mpirun(ranks, "--model", str(spec), "--devices-per-worker", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = last_json(proc.stdout)
+    assert result["ok"] is True and result["transport"] == "mpi"
+    assert {v["name"]: v["digest"] for v in result["variables"]} == source_digests(str(spec))
+    assert [w["rank"] for w in result["workers"]] == list(range(ranks - 1))
+    for w in result["workers"]:
+        assert w["replicas"] == ["w", "w/replica_1", "b", "b/replica_1", "acc", "acc/replica_1"]
+    assert len({w["digest"] for w in result["workers"]}) == 1
+    assert proc.stderr.count("training started:") == ranks  # the chief and every worker
+
+
+@pytest.mark.parametrize("kind", ["npz", "safetensors"])
+def test_checkpoints_reach_every_rank_bit_exact(tmp_path, kind):
+    arrays = {"enc.weight": np.arange(600, dtype=np.float32).reshape(20, 30), "enc.bias": np.ones(30, np.int16)}
+    path = tmp_path / f"m.{kind}"
+    if kind == "npz":
+        np.savez(path, **arrays)
+    else:
+        from safetensors.numpy import save_file
+
+        save_file(arrays, str(path))
+    proc = mpirun(4, "--model", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert {v["name"]: v["digest"] for v in last_json(proc.stdout)["variables"]} == {k: digest(a) for k, a in arrays.items()}
+
+
+def test_a_variable_larger_than_the_split_size_moves_in_calls_below_it(tmp_path):
+    """The >2 GiB path, cheaply: a 1000-byte split size and a 400 kB variable."""
+    arrays = {"big": np.random.default_rng(1).standard_normal(50_000), "small": np.arange(7, dtype=np.int8)}
+    path = tmp_path / "big.npz"
+    np.savez(path, **arrays)
+    log = tmp_path / "largest-bcast"
+    proc = mpirun(3, "--model", str(path), "--chunk-bytes", "1000", "--json",
+                  script=["tests/mpi_probe.py"], env={"PROBE_BCAST_LOG": str(log)})
+    assert proc.returncode == 0, proc.stderr
+    assert {v["name"]: v["digest"] for v in last_json(proc.stdout)["variables"]} == {k: digest(a) for k, a in arrays.items()}
+    assert 0 < int(log.read_text()) <= 1000
+
+
+def test_a_corrupted_rank_ends_the_job_naming_the_rank_and_the_variable(tmp_path):
+    proc = mpirun(3, "--model", "mlp", "--join-timeout", "20", script=["tests/mpi_probe.py"],
+                  env={"PROBE_CORRUPT_RANK": "2"})
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "rank 2 (worker" in out and "dense_1/kernel" in out and "digest" in out
+    assert "training started" not in out
+
+
+def test_a_bad_model_file_ends_every_rank_naming_rank_0_and_the_file(tmp_path):
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"\xff" * 20)
+    proc = mpirun(3, "--model", str(bad))
+    assert proc.returncode == 2
+    out = proc.stdout + proc.stderr
+    assert "rank 0 (chief" in out and "broken.safetensors" in out
+    assert "Traceback" not in out and "training started" not in out
+
+
+def test_collective_launch_runs_the_mpi_transport_for_you(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "collective.cli", "launch", "--transport", "mpi", "--workers", "3", "--json",
+         "--quiet", "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=90, cwd=ROOT, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = last_json(proc.stdout)
+    assert result["ok"] is True and result["transport"] == "mpi" and len(result["workers"]) == 3
+    assert {v["name"]: v["digest"] for v in result["variables"]} == source_digests("mlp")

@@ -1,0 +1,57 @@
+"""Run ``collective.mpi`` under mpiexec with test probes (test-only; never shipped).
+
+PROBE_CORRUPT_RANK=r   MPI rank r flips one bit of the first data chunk it receives.
+PROBE_BCAST_LOG=path   rank 0 writes the largest byte count it passed to one Bcast call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mpi4py import MPI  # noqa: E402
+
+from collective import mpi as entry  # noqa: E402
+from collective.transport import mpi as transport  # noqa: E402
+
+
+class _CountingComm:
+    def __init__(self, comm, log_path):
+        self._comm, self._log, self.largest = comm, log_path, 0
+
+    def Bcast(self, buf, root=0):  # noqa: N802 - MPI's name
+        self.largest = max(self.largest, buf[0].nbytes)
+        with open(self._log, "w") as fh:
+            fh.write(str(self.largest))
+        return self._comm.Bcast(buf, root=root)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+
+if os.environ.get("PROBE_BCAST_LOG") and MPI.COMM_WORLD.rank == 0:
+    real_init = transport.MpiChiefDriver.__init__
+
+    def counting_init(self, comm, *args, **kwargs):
+        real_init(self, _CountingComm(comm, os.environ["PROBE_BCAST_LOG"]), *args, **kwargs)
+
+    transport.MpiChiefDriver.__init__ = counting_init
+
+if os.environ.get("PROBE_CORRUPT_RANK") and MPI.COMM_WORLD.rank == int(os.environ["PROBE_CORRUPT_RANK"]):
+    real_fetch = transport.MpiChiefLink.fetch
+
+    def corrupt_fetch(self, ref, stall_timeout):
+        flipped = False
+        for chunk in real_fetch(self, ref, stall_timeout):
+            if chunk.data and not flipped:
+                data = bytearray(chunk.data)
+                data[0] ^= 0x10
+                chunk.data = bytes(data)
+                flipped = True
+            yield chunk
+
+    transport.MpiChiefLink.fetch = corrupt_fetch
+
+sys.exit(entry.main())
