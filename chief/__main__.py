@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from collective import logs
@@ -31,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "bind", help="HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051")
     add_option(p, "token", help="cluster token every worker must present", default=None)
     add_option(p, "chunk-bytes", help="bytes per data message", type=positive_int, default=DEFAULT_CHUNK_BYTES)
-    add_timeout_options(p, "join", "ready")
+    add_timeout_options(p, "join", "ready", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
     add_option(p, "port-file", help="write the bound port here once serving (for launchers)", default=None)
     add_option(p, "result-file", help="write the round's JSON summary here", default=None)
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from chief.service import ChiefService
-    from collective.errors import UsageError
+    from collective.errors import AbortedError, UsageError
     from collective.sources import load_source
     from collective.transport.grpc import GrpcEndpoint
 
@@ -67,6 +69,12 @@ def _run(args: argparse.Namespace) -> int:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(endpoint.port))
         os.replace(tmp, args.port_file)
+    def on_sigterm(signum, frame) -> None:
+        # Outside the handler: fail() takes the service lock, which the main thread may hold.
+        reason = AbortedError(f"chief shutting down ({signal.Signals(signum).name})")
+        threading.Thread(target=service.fail, args=(reason,), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         service.supervise()
         log.info("training started: %d workers hold identical variables", args.workers)

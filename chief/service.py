@@ -8,6 +8,7 @@ what every worker is told.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 import threading
@@ -62,6 +63,7 @@ class Member:
     worker_digest: str = ""
     told: bool = False
     joined_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
 
     def name(self) -> str:
         return f"worker {self.worker_id} (rank {self.rank}, host {self.host})"
@@ -98,6 +100,7 @@ class ChiefService:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         incarnation: str | None = None,
         transport: str = "grpc",
+        heartbeats: bool = True,
     ) -> None:
         if num_workers < 1:
             raise UsageError(f"--workers must be at least 1, got {num_workers}")
@@ -108,6 +111,8 @@ class ChiefService:
         self.chunk_bytes = chunk_bytes
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.transport = transport
+        # Collective transports (MPI) have their own failure detection and no heartbeats.
+        self.heartbeats = heartbeats
         self.source = source
         t0 = time.monotonic()
         self.specs, self.arena, self.digests = materialize(source)
@@ -118,7 +123,7 @@ class ChiefService:
         self._error: CollectiveError | None = None
         self._plan: pb.Plan | None = None
         self._chunker: Chunker | None = None
-        self._started_at = time.monotonic()
+        self._started_at = self._phase_at = self._last_straggler_log = time.monotonic()
         self._first_byte_at: float | None = None
         self._ready_at: float | None = None
         log.info(
@@ -150,6 +155,7 @@ class ChiefService:
                 f"worker {ref.worker_id!r} joined as incarnation {m.incarnation}, "
                 f"not {ref.incarnation}; a restarted worker must join again"
             )
+        m.last_seen = time.monotonic()
         return m
 
     def fail(self, error: CollectiveError) -> None:
@@ -157,7 +163,7 @@ class ChiefService:
         with self._cond:
             if self._phase in (Phase.STARTED, Phase.FAILED):
                 return
-            self._phase = Phase.FAILED
+            self._phase, self._phase_at = Phase.FAILED, time.monotonic()
             self._error = error
             logs.phase("failed")
             log.error("round aborted: %s", error)
@@ -181,7 +187,15 @@ class ChiefService:
             existing = self._members.get(req.worker_id)
             if existing is not None:
                 if existing.incarnation == req.incarnation:
+                    existing.last_seen = time.monotonic()
                     return self._join_reply(existing)  # a retried join: same rank
+                if self._phase is not Phase.JOINING:
+                    err = AbortedError(
+                        f"{existing.name()} restarted (incarnation {req.incarnation}, was "
+                        f"{existing.incarnation}) after the broadcast began; the round cannot go on"
+                    )
+                    self.fail(err)
+                    raise err
                 raise AlreadyExistsError(
                     f"worker id {req.worker_id!r} is held by incarnation {existing.incarnation} "
                     f"(host {existing.host}, pid {existing.pid}); incarnation {req.incarnation} "
@@ -225,8 +239,7 @@ class ChiefService:
             model=self.source.description,
         )
         self._chunker = Chunker(self._plan, self.arena)
-        self._phase = Phase.BROADCASTING
-        self._plan_at = time.monotonic()
+        self._phase, self._phase_at = Phase.BROADCASTING, time.monotonic()
         logs.phase("broadcast")
         log.info("all %d workers joined; plan released (%d chunks per worker)", self.num_workers, len(self._chunker))
         self._cond.notify_all()
@@ -288,7 +301,7 @@ class ChiefService:
             log.info("%s is ready with digest %s (%d/%d ready)", m.name(), req.worker_digest[:12], ready, self.num_workers)
             if ready == self.num_workers and self._phase is Phase.BROADCASTING:
                 self._ready_at = time.monotonic()
-                self._phase = Phase.STARTED
+                self._phase, self._phase_at = Phase.STARTED, time.monotonic()
                 logs.phase("start")
                 log.info(
                     "every worker is ready and every digest agrees; start released "
@@ -336,16 +349,75 @@ class ChiefService:
             self.fail(AbortedError(f"{m.name()} failed during {req.phase or 'the round'}: {req.message}"))
             return pb.FailureReply()
 
-    def status(self) -> pb.StatusReply:
+    def heartbeat(self, ref: pb.WorkerRef) -> pb.HeartbeatReply:
         with self._cond:
+            m = self._members.get(ref.worker_id)
+            if m is None or m.incarnation != ref.incarnation:
+                if self._phase is not Phase.FAILED:
+                    raise PreconditionError(
+                        f"chief {self.incarnation} does not know worker {ref.worker_id!r} "
+                        f"(incarnation {ref.incarnation}); was the chief restarted?"
+                    )
+            else:
+                m.last_seen = time.monotonic()
+                if self._phase is Phase.FAILED:
+                    m.told = True
+            return pb.HeartbeatReply(
+                chief_incarnation=self.incarnation, phase=self._phase.value, error=str(self._error or "")
+            )
+
+    def lost(self, ref: pb.WorkerRef, reason: str) -> None:
+        """A worker's call ended without an answer: the process is gone or its link is cut.
+
+        Before the broadcast its slot is freed for a restarted worker; during the broadcast the
+        round is aborted naming it; after start it no longer matters.
+        """
+        with self._cond:
+            m = self._members.get(ref.worker_id)
+            if m is None or m.incarnation != ref.incarnation or m.told:
+                return
+            if self._phase is Phase.JOINING:
+                del self._members[m.worker_id]
+                log.warning("%s left before the broadcast (%s); its slot is free again", m.name(), reason)
+                self._cond.notify_all()
+            elif self._phase is Phase.BROADCASTING:
+                m.phase = "lost"
+                # A process that is gone cannot be told; one that is only silent (frozen, link
+                # cut) may come back within the linger time and hear the outcome.
+                m.told = "no heartbeat" not in reason
+                self.fail(AbortedError(f"{m.name()} was lost during the broadcast: {reason}"))
+
+    def _check_leases(self) -> None:
+        if not self.heartbeats or self._phase not in (Phase.JOINING, Phase.BROADCASTING):
+            return
+        now = time.monotonic()
+        for m in list(self._members.values()):
+            silent = now - m.last_seen
+            if silent > self.timeouts.lease and not m.told:
+                ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation)
+                self.lost(ref, f"no heartbeat for {silent:.1f} s (lease {self.timeouts.lease:g} s)")
+
+    def status(self) -> pb.StatusReply:
+        """Who has joined, each worker's phase and progress, and whom the chief waits for."""
+        with self._cond:
+            now = time.monotonic()
+            total = int(self.arena.nbytes)
+            ends = sorted(v.offset + v.nbytes for v in self._plan.variables) if self._plan else []
             return pb.StatusReply(
                 phase=self._phase.value,
                 expected=self.num_workers,
                 joined=len(self._members),
+                chief_incarnation=self.incarnation,
+                seconds_in_phase=now - self._phase_at,
+                model=self.source.description,
+                waiting_for="" if self._phase in (Phase.STARTED, Phase.FAILED) else self._waiting_for(),
                 workers=[
                     pb.WorkerStatus(
                         rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices,
-                        phase=m.phase, bytes_received=m.bytes_sent,
+                        phase=m.phase, bytes_received=m.bytes_sent, bytes_total=total,
+                        variables_received=bisect.bisect_right(ends, m.bytes_sent),
+                        variables_total=len(self.specs),
+                        seconds_since_heartbeat=now - m.last_seen,
                     )
                     for m in sorted(self._members.values(), key=lambda m: m.rank)
                 ],
@@ -367,6 +439,15 @@ class ChiefService:
     def _joined_summary(self) -> str:
         names = ", ".join(f"{m.worker_id} rank {m.rank}" for m in sorted(self._members.values(), key=lambda m: m.rank))
         return f"{len(self._members)}/{self.num_workers} workers joined ({names or 'none'})"
+
+    def _poll(self) -> float:
+        return min(self.timeouts.straggler_log, self.timeouts.heartbeat / 2, self.timeouts.lease / 4)
+
+    def _log_stragglers(self, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last_straggler_log >= self.timeouts.straggler_log:
+            self._last_straggler_log = now
+            log.info(fmt, *args)
 
     def supervise(self) -> None:
         """Block until the round has an outcome, enforcing the join and ready deadlines.
@@ -390,8 +471,9 @@ class ChiefService:
                     )
                     self.fail(err)  # the lock is reentrant
                     break
-                if not self._wait(lambda: self._phase is not Phase.JOINING, min(left, t.straggler_log)):
-                    log.info("waiting for %s; %s", self._waiting_for(), self._joined_summary())
+                self._check_leases()
+                if not self._wait(lambda: self._phase is not Phase.JOINING, min(left, self._poll())):
+                    self._log_stragglers("waiting for %s; %s", self._waiting_for(), self._joined_summary())
             deadline = time.monotonic() + t.ready
             while self._phase is Phase.BROADCASTING:
                 left = deadline - time.monotonic()
@@ -399,8 +481,9 @@ class ChiefService:
                     err = DeadlineError(f"not every worker was ready within {t.ready:g} s; not ready: {self._waiting_for()}")
                     self.fail(err)  # the lock is reentrant
                     break
-                if not self._wait(lambda: self._phase is not Phase.BROADCASTING, min(left, t.straggler_log)):
-                    log.info("broadcasting; waiting for %s", self._waiting_for())
+                self._check_leases()
+                if not self._wait(lambda: self._phase is not Phase.BROADCASTING, min(left, self._poll())):
+                    self._log_stragglers("broadcasting; waiting for %s", self._waiting_for())
             # Keep serving a little so every worker hears the outcome from us, not from a dead port.
             self._wait(lambda: all(m.told for m in self._members.values()), t.linger)
             if self._phase is Phase.FAILED:

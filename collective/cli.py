@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(launch, "token", help="cluster token (default: a random one per run)", default=None)
     add_option(launch, "run-dir", help="where each process's log and the summary go (default: a new temp dir)", default=None)
     add_option(launch, "chunk-bytes", help="bytes per data message", type=positive_int, default=None)
-    add_timeout_options(launch, "join", "ready", "start")
+    add_timeout_options(launch, "join", "ready", "start", "heartbeat")
     launch.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
     launch.add_argument("--quiet", action="store_true", help="do not echo the processes' log lines")
 

@@ -29,6 +29,8 @@ class Timeouts:
     ready: float = 600.0         # chief: from plan release until every worker reported ready
     start: float = 900.0         # worker: from ready until start is released
     linger: float = 5.0          # chief: how long to keep serving after the outcome so workers hear it
+    heartbeat: float = 5.0       # worker: seconds between heartbeats, from join until start
+    lease: float = 15.0          # both: a peer silent this long is dead (chief: no heartbeat; worker: no answer)
 
 
 def env_name(option: str) -> str:
@@ -96,9 +98,17 @@ def parse_address(text: str, *, what: str) -> tuple[str, int]:
 
 
 def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
-    fields = {k: getattr(args, k.replace("-", "_") + "_timeout") for k in ("join", "stall", "ready", "start")
+    fields = {k: getattr(args, k + "_timeout") for k in ("join", "stall", "ready", "start")
               if hasattr(args, k + "_timeout")}
-    return Timeouts(**{k: v for k, v in fields.items() if v is not None})
+    if hasattr(args, "heartbeat_interval"):
+        fields["heartbeat"] = args.heartbeat_interval
+        fields["lease"] = args.heartbeat_timeout
+    t = Timeouts(**{k: v for k, v in fields.items() if v is not None})
+    if t.lease <= t.heartbeat:
+        raise UsageError(
+            f"--heartbeat-timeout ({t.lease:g} s) must be longer than --heartbeat-interval ({t.heartbeat:g} s)"
+        )
+    return t
 
 
 def add_timeout_options(parser: argparse.ArgumentParser, *phases: str) -> None:
@@ -109,6 +119,12 @@ def add_timeout_options(parser: argparse.ArgumentParser, *phases: str) -> None:
         "start": "seconds a ready worker waits for start",
     }
     defaults = Timeouts()
+    if "heartbeat" in phases:
+        add_option(parser, "heartbeat-interval", type=positive_float, default=defaults.heartbeat,
+                   help=f"seconds between a worker's heartbeats; default {defaults.heartbeat:g}")
+        add_option(parser, "heartbeat-timeout", type=positive_float, default=defaults.lease,
+                   help=f"a peer silent this long is declared dead; default {defaults.lease:g}")
+        phases = tuple(p for p in phases if p != "heartbeat")
     for phase in phases:
         add_option(
             parser,

@@ -75,7 +75,8 @@ def _chief(comm, args, watchdog) -> int:
     watchdog.phase("load model", timeouts.join)
     source = load_source(args.model, seed=args.seed)
     service = ChiefService(
-        source, comm.size - 1, timeouts=timeouts, chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi"
+        source, comm.size - 1, timeouts=timeouts, chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi",
+        heartbeats=False,
     )
     log.info("chief %s on rank 0; %d worker rank(s)", service.incarnation, comm.size - 1)
     MpiChiefDriver(comm, service, watchdog, timeouts).serve()

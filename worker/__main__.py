@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "worker-id", help="this worker's id; default HOSTNAME-PID", default=None)
     add_option(p, "rank", help="preferred rank (the chief gives another if it is taken)", type=int, default=-1)
     add_option(p, "token", help="the cluster token", default=None)
-    add_timeout_options(p, "join", "stall", "start")
+    add_timeout_options(p, "join", "stall", "start", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
     return p
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -21,7 +22,13 @@ from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.config import Timeouts
 from collective.digest import array_digest, combined_digest
-from collective.errors import AbortedError, ChiefUnreachableError, CollectiveError, IntegrityError
+from collective.errors import (
+    AbortedError,
+    ChiefUnreachableError,
+    CollectiveError,
+    DeadlineError,
+    IntegrityError,
+)
 from collective.keys import parse_devices
 from collective.plan import Receiver, spec_of, validate_plan
 from collective.transport.api import ChiefLink
@@ -112,6 +119,7 @@ class WorkerAgent:
 
     def run(self) -> WorkerResult:
         """Join, receive, verify, report ready and wait for start. Blocks; see the module doc."""
+        self._stop_heartbeat = threading.Event()
         try:
             return self._run()
         except CollectiveError as exc:
@@ -123,6 +131,44 @@ class WorkerAgent:
                     timeout=min(5.0, self.timeouts.rpc),
                 )
             raise
+        finally:
+            self._stop_heartbeat.set()
+
+    def _heartbeat_loop(self, chief_incarnation: str) -> None:
+        """Every interval: prove we are alive, and learn early if the chief is gone or failed.
+
+        The chief's silence for a whole lease, a different chief incarnation or a failed round
+        interrupts the main thread's call in progress with the reason.
+        """
+        t = self.timeouts
+        last_ok = time.monotonic()
+        while not self._stop_heartbeat.wait(t.heartbeat):
+            try:
+                reply = self.link.heartbeat(self.ref, timeout=min(t.heartbeat, t.lease / 2))
+            except (ChiefUnreachableError, DeadlineError):
+                silent = time.monotonic() - last_ok
+                if silent > t.lease:
+                    self.link.interrupt(ChiefUnreachableError(
+                        f"chief at {self.link.address} unresponsive: no heartbeat answer for {silent:.1f} s "
+                        f"(lease {t.lease:g} s) during {logs.current('phase')}"
+                    ))
+                    return
+                continue
+            except CollectiveError as exc:
+                self.link.interrupt(exc)
+                return
+            if reply is None:
+                return  # this backend has no heartbeats
+            last_ok = time.monotonic()
+            if reply.chief_incarnation != chief_incarnation:
+                self.link.interrupt(AbortedError(
+                    f"chief at {self.link.address} restarted (incarnation {reply.chief_incarnation}, "
+                    f"we joined {chief_incarnation}); this round is over"
+                ))
+                return
+            if reply.phase == "failed":
+                self.link.interrupt(AbortedError(f"round aborted by the chief at {self.link.address}: {reply.error}"))
+                return
 
     def _run(self) -> WorkerResult:
         t = self.timeouts
@@ -141,6 +187,9 @@ class WorkerAgent:
         )
         self.rank = reply.rank
         logs.set_context(rank=self.rank)
+        threading.Thread(
+            target=self._heartbeat_loop, args=(reply.chief_incarnation,), name="heartbeat", daemon=True
+        ).start()
         log.info(
             "joined chief at %s as rank %d of %d (incarnation %s); waiting for the plan",
             self.link.address, reply.rank, reply.num_workers, self.incarnation,
@@ -174,6 +223,7 @@ class WorkerAgent:
             pb.ReadyRequest(worker=self.ref, replicas=digests, worker_digest=worker_digest), timeout=t.rpc
         )
         start = self.link.await_start(self.ref, timeout=t.start)
+        self._stop_heartbeat.set()
         store.start()
         logs.phase("started")
         return WorkerResult(

@@ -180,6 +180,16 @@ class StartReply(_message.Message):
     broadcast_seconds: float
     def __init__(self, start: _Optional[bool] = ..., broadcast_seconds: _Optional[float] = ...) -> None: ...
 
+class HeartbeatReply(_message.Message):
+    __slots__ = ("chief_incarnation", "phase", "error")
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    chief_incarnation: str
+    phase: str
+    error: str
+    def __init__(self, chief_incarnation: _Optional[str] = ..., phase: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
 class FailureReport(_message.Message):
     __slots__ = ("worker", "phase", "message")
     WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -199,7 +209,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("rank", "worker_id", "host", "devices", "phase", "bytes_received", "detail")
+    __slots__ = ("rank", "worker_id", "host", "devices", "phase", "bytes_received", "detail", "seconds_since_heartbeat", "bytes_total", "variables_received", "variables_total")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +217,10 @@ class WorkerStatus(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     rank: int
     worker_id: str
     host: str
@@ -214,18 +228,30 @@ class WorkerStatus(_message.Message):
     phase: str
     bytes_received: int
     detail: str
-    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., bytes_received: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    seconds_since_heartbeat: float
+    bytes_total: int
+    variables_received: int
+    variables_total: int
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., bytes_received: _Optional[int] = ..., detail: _Optional[str] = ..., seconds_since_heartbeat: _Optional[float] = ..., bytes_total: _Optional[int] = ..., variables_received: _Optional[int] = ..., variables_total: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("phase", "expected", "joined", "workers", "error")
+    __slots__ = ("phase", "expected", "joined", "workers", "error", "waiting_for", "chief_incarnation", "seconds_in_phase", "model")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_IN_PHASE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     phase: str
     expected: int
     joined: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     error: str
-    def __init__(self, phase: _Optional[str] = ..., expected: _Optional[int] = ..., joined: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    waiting_for: str
+    chief_incarnation: str
+    seconds_in_phase: float
+    model: str
+    def __init__(self, phase: _Optional[str] = ..., expected: _Optional[int] = ..., joined: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., error: _Optional[str] = ..., waiting_for: _Optional[str] = ..., chief_incarnation: _Optional[str] = ..., seconds_in_phase: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...

@@ -64,6 +64,11 @@ class CollectiveStub:
                 request_serializer=collective__pb2.FailureReport.SerializeToString,
                 response_deserializer=collective__pb2.FailureReply.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/collective.v1.Collective/Heartbeat',
+                request_serializer=collective__pb2.WorkerRef.SerializeToString,
+                response_deserializer=collective__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/collective.v1.Collective/Status',
                 request_serializer=collective__pb2.StatusRequest.SerializeToString,
@@ -110,6 +115,12 @@ class CollectiveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -148,6 +159,11 @@ def add_CollectiveServicer_to_server(servicer, server):
                     servicer.ReportFailure,
                     request_deserializer=collective__pb2.FailureReport.FromString,
                     response_serializer=collective__pb2.FailureReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=collective__pb2.WorkerRef.FromString,
+                    response_serializer=collective__pb2.HeartbeatReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -317,6 +333,33 @@ class Collective:
             '/collective.v1.Collective/ReportFailure',
             collective__pb2.FailureReport.SerializeToString,
             collective__pb2.FailureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collective.v1.Collective/Heartbeat',
+            collective__pb2.WorkerRef.SerializeToString,
+            collective__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from collective._proto import collective_pb2 as pb
+from collective.errors import CollectiveError
 
 
 class ChiefHandler(Protocol):
@@ -35,6 +36,12 @@ class ChiefHandler(Protocol):
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply: ...
 
     def report_failure(self, req: pb.FailureReport) -> pb.FailureReply: ...
+
+    def heartbeat(self, ref: pb.WorkerRef) -> pb.HeartbeatReply: ...
+
+    def lost(self, ref: pb.WorkerRef, reason: str) -> None:
+        """A call from this worker ended without an answer (process gone, link cut)."""
+        ...
 
     def status(self) -> pb.StatusReply: ...
 
@@ -69,6 +76,13 @@ class ChiefLink(abc.ABC):
 
     @abc.abstractmethod
     def status(self, timeout: float) -> pb.StatusReply: ...
+
+    def heartbeat(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply | None:
+        """One heartbeat. None means this backend has no heartbeats (MPI watches its ranks)."""
+        return None
+
+    def interrupt(self, error: CollectiveError) -> None:  # noqa: B027 - optional
+        """Make the call in progress (and any later one) raise ``error``. Thread-safe."""
 
     def close(self) -> None:  # noqa: B027 - optional for backends without resources
         """Release the connection. Idempotent."""

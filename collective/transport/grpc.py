@@ -83,23 +83,50 @@ class _Servicer(pb_grpc.CollectiveServicer):
         except E.CollectiveError as exc:
             context.abort(status_code(exc), str(exc))
 
+    def _watch(self, context, ref: pb.WorkerRef, what: str) -> list[bool]:
+        """Tell the handler if this call ends before we answered: the worker is gone."""
+        answered = [False]
+
+        def on_end() -> None:
+            if not answered[0]:
+                self._h.lost(ref, f"its {what} call was cut off (process gone or connection lost)")
+
+        context.add_callback(on_end)
+        return answered
+
+    def _long_call(self, context, ref, what, fn, *args):
+        answered = self._watch(context, ref, what)
+        try:
+            return fn(*args)
+        except E.CollectiveError as exc:
+            answered[0] = True
+            context.abort(status_code(exc), str(exc))
+        finally:
+            answered[0] = True
+
     def Join(self, request, context):  # noqa: N802 - gRPC method names
         return self._call(context, self._h.join, request, context.peer())
 
     def GetPlan(self, request, context):  # noqa: N802
-        return self._call(context, self._h.get_plan, request, _remaining(context))
+        return self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
 
     def Fetch(self, request, context):  # noqa: N802
+        answered = self._watch(context, request, "data stream")
         try:
             yield from self._h.fetch(request)
         except E.CollectiveError as exc:
+            answered[0] = True
             context.abort(status_code(exc), str(exc))
+        answered[0] = True
 
     def ReportReady(self, request, context):  # noqa: N802
         return self._call(context, self._h.report_ready, request)
 
     def AwaitStart(self, request, context):  # noqa: N802
-        return self._call(context, self._h.await_start, request, _remaining(context))
+        return self._long_call(context, request, "start", self._h.await_start, request, _remaining(context))
+
+    def Heartbeat(self, request, context):  # noqa: N802
+        return self._call(context, self._h.heartbeat, request)
 
     def ReportFailure(self, request, context):  # noqa: N802
         return self._call(context, self._h.report_failure, request)
@@ -196,8 +223,31 @@ class GrpcChiefLink(ChiefLink):
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
         self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.CollectiveStub(self._channel)
+        self._lock = threading.Lock()
+        self._active: set = set()
+        self._interrupted: E.CollectiveError | None = None
 
-    def _error(self, exc: grpc.RpcError, phase: str, timeout: float) -> E.CollectiveError:
+    def interrupt(self, error: E.CollectiveError) -> None:
+        with self._lock:
+            if self._interrupted is None:
+                self._interrupted = error
+            active = list(self._active)
+        for call in active:
+            call.cancel()
+
+    def _track(self, call) -> None:
+        with self._lock:
+            if self._interrupted is not None:
+                call.cancel()
+            self._active.add(call)
+
+    def _untrack(self, call) -> None:
+        with self._lock:
+            self._active.discard(call)
+
+    def _error(self, exc: Exception, phase: str, timeout: float) -> E.CollectiveError:
+        if not isinstance(exc, grpc.RpcError):
+            return E.ChiefUnreachableError(f"chief at {self.address}: {phase} was cancelled")
         code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return E.AuthError(
@@ -214,10 +264,18 @@ class GrpcChiefLink(ChiefLink):
         return cls(f"chief at {self.address}: {details}" if cls is not E.AbortedError else f"round aborted by the chief at {self.address}: {details}")
 
     def _unary(self, method, request, phase: str, timeout: float):
+        if self._interrupted is not None:
+            raise self._interrupted
+        future = method.future(request, timeout=timeout, metadata=self._metadata)
+        self._track(future)
         try:
-            return method(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
+            return future.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            if self._interrupted is not None:
+                raise self._interrupted from None
             raise self._error(exc, phase, timeout) from None
+        finally:
+            self._untrack(future)
 
     def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
         deadline = time.monotonic() + timeout
@@ -243,7 +301,10 @@ class GrpcChiefLink(ChiefLink):
         return self._unary(self._stub.GetPlan, ref, "join (waiting for the plan)", timeout)
 
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
+        if self._interrupted is not None:
+            raise self._interrupted
         call = self._stub.Fetch(ref, metadata=self._metadata)
+        self._track(call)
         last = [time.monotonic()]
         stalled = threading.Event()
         done = threading.Event()
@@ -261,6 +322,8 @@ class GrpcChiefLink(ChiefLink):
                 last[0] = time.monotonic()
                 yield chunk
         except grpc.RpcError as exc:
+            if self._interrupted is not None:
+                raise self._interrupted from None
             if stalled.is_set():
                 raise E.ChiefUnreachableError(
                     f"chief at {self.address} sent nothing for {stall_timeout:g} s during receive"
@@ -269,6 +332,7 @@ class GrpcChiefLink(ChiefLink):
         finally:
             done.set()
             call.cancel()
+            self._untrack(call)
 
     def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply:
         return self._unary(self._stub.ReportReady, req, "ready", timeout)
@@ -281,6 +345,12 @@ class GrpcChiefLink(ChiefLink):
             self._stub.ReportFailure(req, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             log.debug("could not tell the chief about the failure: %s", exc.details())
+
+    def heartbeat(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
+        try:
+            return self._stub.Heartbeat(ref, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._error(exc, "heartbeat", timeout) from None
 
     def status(self, timeout: float) -> pb.StatusReply:
         return self._unary(self._stub.Status, pb.StatusRequest(), "status", timeout)

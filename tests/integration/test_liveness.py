@@ -1,0 +1,104 @@
+"""Liveness with real processes: killed, frozen and restarted workers and chiefs are named fast.
+
+Heartbeats are shrunk (every 0.3 s, dead after 1.5 s) so every case ends in seconds.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.procs import Cluster
+
+pytestmark = pytest.mark.integration
+
+HB = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def wait_for(proc, text: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proc.output():
+        if time.monotonic() > deadline or proc.proc.poll() is not None:
+            raise AssertionError(f"{text!r} not seen; output so far:\n{proc.output()}")
+        time.sleep(0.02)
+
+
+def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster):
+    chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
+                          "--join-timeout", "60", *HB)
+    victim = cluster.worker("victim", "--join-timeout", "60", *HB)
+    other = cluster.worker("other", "--join-timeout", "60", *HB)
+    wait_for(victim, "phase=receive")
+    victim.signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    assert chief.wait(30) != 0
+    detected = time.monotonic() - t0
+    assert "worker victim" in chief.output() and "lost during the broadcast" in chief.output()
+    assert other.wait(30) != 0
+    assert "victim" in other.output()
+    assert "training started" not in chief.output() + other.output()
+    assert detected < 10, f"the chief took {detected:.1f} s to notice"
+
+
+def test_a_frozen_worker_is_caught_by_the_lease_and_learns_of_the_abort_after_sigcont(cluster):
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
+    frozen = cluster.worker("frozen", "--join-timeout", "60", *HB)
+    wait_for(frozen, "waiting for the plan")
+    frozen.signal(signal.SIGSTOP)
+    try:
+        other = cluster.worker("other", "--join-timeout", "60", *HB)
+        assert chief.wait(30) != 0
+        assert "worker frozen" in chief.output() and "no heartbeat" in chief.output()
+        assert other.wait(30) != 0 and "frozen" in other.output()
+    finally:
+        frozen.signal(signal.SIGCONT)
+    assert frozen.wait(30) != 0
+    assert "training started" not in frozen.output()
+
+
+def test_a_worker_killed_before_the_broadcast_frees_its_slot_for_its_restart(cluster):
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
+    first = cluster.worker("w0", "--join-timeout", "60", *HB)
+    wait_for(first, "waiting for the plan")
+    first.signal(signal.SIGKILL)
+    wait_for(chief, "its slot is free again")
+    restarted = cluster.worker("w0", "--join-timeout", "60", *HB)
+    other = cluster.worker("w1", "--join-timeout", "60", *HB)
+    assert restarted.wait(60) == 0, restarted.output()
+    assert other.wait(60) == 0, other.output()
+    assert chief.wait(30) == 0, chief.output()
+
+
+def test_a_frozen_chief_is_named_by_its_workers_within_the_lease(cluster):
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
+    worker = cluster.worker("patient", "--join-timeout", "60", *HB)
+    wait_for(worker, "waiting for the plan")
+    chief.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert worker.wait(30) != 0
+        detected = time.monotonic() - t0
+    finally:
+        chief.signal(signal.SIGCONT)
+    assert f"chief at {cluster.address} unresponsive" in worker.output()
+    assert detected < 10, f"the worker took {detected:.1f} s to notice"
+
+
+def test_sigterm_to_the_chief_tells_every_worker_it_is_shutting_down(cluster):
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
+    worker = cluster.worker("w0", "--join-timeout", "60", *HB)
+    wait_for(worker, "waiting for the plan")
+    chief.signal(signal.SIGTERM)
+    assert chief.wait(30) != 0
+    assert worker.wait(30) != 0
+    assert "chief shutting down" in worker.output()
+    assert "Traceback" not in chief.output() + worker.output()
