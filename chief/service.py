@@ -432,8 +432,12 @@ class ChiefService:
             taken = {m.rank for m in self._members.values()}
             ranks = [str(r) for r in range(self.num_workers) if r not in taken]
             return f"{missing} more worker(s) to join (free ranks {','.join(ranks)})"
-        late = [m.name() + f" [{m.phase}]" for m in sorted(self._members.values(), key=lambda m: m.rank)
-                if m.phase not in ("ready", "started")]
+        total = self.arena.nbytes / 2**20
+        late = [
+            m.name() + (f" [receiving {m.bytes_sent / 2**20:.1f}/{total:.1f} MiB]" if m.phase == "receiving" else f" [{m.phase}]")
+            for m in sorted(self._members.values(), key=lambda m: m.rank)
+            if m.phase not in ("ready", "started")
+        ]
         return ", ".join(late) or "nobody"
 
     def _joined_summary(self) -> str:
@@ -486,6 +490,7 @@ class ChiefService:
                     self._log_stragglers("broadcasting; waiting for %s", self._waiting_for())
             # Keep serving a little so every worker hears the outcome from us, not from a dead port.
             self._wait(lambda: all(m.told for m in self._members.values()), t.linger)
+            self._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
             if self._phase is Phase.FAILED:
                 raise self._error or AbortedError("the round failed")
 

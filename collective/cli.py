@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(status, "chief", help="the chief's HOST:PORT", default=None)
     add_option(status, "token", help="the cluster token", default=None)
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("--watch", action="store_true", help="redraw every second until start or failure")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between redraws with --watch")
     return p
 
 
@@ -70,25 +72,28 @@ def _launch(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
+    from collective.config import parse_address
     from collective.errors import UsageError
+    from collective.status import status_text, watch
     from collective.transport.grpc import GrpcChiefLink
 
     if not args.chief:
         raise UsageError("pass --chief HOST:PORT or set COLLECTIVE_CHIEF")
+    parse_address(args.chief, what="--chief")
     link = GrpcChiefLink(args.chief, token=args.token)
     try:
-        st = link.status(timeout=5.0)
+        if args.watch and not args.json:
+            st = watch(link, args.chief, interval=args.interval)
+        else:
+            st = link.status(timeout=5.0)
     finally:
         link.close()
     if args.json:
-        print(json.dumps(json_format.MessageToDict(st, preserving_proto_field_name=True)))
-        return 0
-    print(f"chief {args.chief}: {st.phase}, {st.joined}/{st.expected} workers joined")
-    for w in st.workers:
-        print(f"  rank {w.rank:<3} {w.worker_id:<16} {w.host:<16} {','.join(w.devices):<16} {w.phase:<10} {w.bytes_received:>12} B")
-    if st.error:
-        print(f"  error: {st.error}")
-    return 0
+        print(json.dumps(json_format.MessageToDict(
+            st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+    elif not args.watch:
+        print(status_text(st, args.chief))
+    return 1 if st.phase == "failed" else 0
 
 
 if __name__ == "__main__":

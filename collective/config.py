@@ -29,6 +29,7 @@ class Timeouts:
     ready: float = 600.0         # chief: from plan release until every worker reported ready
     start: float = 900.0         # worker: from ready until start is released
     linger: float = 5.0          # chief: how long to keep serving after the outcome so workers hear it
+    status_grace: float = 0.5    # chief: keep answering Status this long after the outcome, for watchers
     heartbeat: float = 5.0       # worker: seconds between heartbeats, from join until start
     lease: float = 15.0          # both: a peer silent this long is dead (chief: no heartbeat; worker: no answer)
 

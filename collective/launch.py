@@ -70,6 +70,7 @@ class Launcher:
         self.quiet = quiet
         self.children: list[Child] = []
         self._print_lock = threading.Lock()
+        self._progress = None  # rich bars on a terminal, fed by the chief's Status RPC
 
     # --- processes ----------------------------------------------------------------------
 
@@ -104,8 +105,7 @@ class Launcher:
                 log.flush()
                 child.lines.append(line)
                 if not self.quiet and not line.startswith('{"ok"'):
-                    with self._print_lock:
-                        print(f"{child.label:<9}| {line}", end="", file=sys.stderr)
+                    self._echo(f"{child.label:<9}| {line.rstrip()}")
 
     def _stop_all(self, grace: float = 3.0) -> None:
         live = [c for c in self.children if c.proc.poll() is None]
@@ -145,6 +145,7 @@ class Launcher:
             chief = self._spawn("chief", chief_args, "chief.log")
             port = self._wait_for_port(chief, port_file, t.join)
             if port is not None:
+                self._start_progress(port)
                 for i in range(self.workers):
                     self._spawn(
                         f"worker {i}",
@@ -157,6 +158,7 @@ class Launcher:
                     )
             self._wait_all(deadline=time.monotonic() + t.join + t.ready + t.linger + 30)
         finally:
+            self._stop_progress()
             self._stop_all()
         return self._result(result_file)
 
@@ -214,8 +216,30 @@ class Launcher:
             time.sleep(0.05)
 
     def _note(self, text: str) -> None:
+        self._echo(f"{'launch':<9}| {text}")
+
+    def _echo(self, line: str) -> None:
         with self._print_lock:
-            print(f"{'launch':<9}| {text}", file=sys.stderr)
+            if self._progress is not None:
+                self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            else:
+                print(line, file=sys.stderr, flush=True)
+
+    def _start_progress(self, port: int) -> None:
+        if self.quiet or not sys.stderr.isatty():
+            return  # plain log lines only; the chief logs progress periodically
+        from collective.status import BroadcastProgress
+        from collective.transport.grpc import GrpcChiefLink
+
+        self._progress_link = GrpcChiefLink(f"127.0.0.1:{port}", token=self.token)
+        self._progress = BroadcastProgress(self._progress_link)
+        self._progress.start()
+
+    def _stop_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress_link.close()
+            self._progress = None
 
     def _result(self, result_file: Path) -> dict:
         codes = {c.label: c.proc.returncode for c in self.children}

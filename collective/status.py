@@ -1,0 +1,130 @@
+"""The operator's view of a running chief: a status table, a live watch, a progress bar.
+
+All of it reads the chief's Status RPC, so it works from any host that can reach the chief
+(with the cluster token). ``status_text`` is plain text (logs, pipes, tests); ``watch`` and
+``BroadcastProgress`` draw with rich when attached to a terminal.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from collective._proto import collective_pb2 as pb
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def status_text(st: pb.StatusReply, address: str) -> str:
+    """The status as a table of plain text lines."""
+    lines = [
+        f"chief {address} (incarnation {st.chief_incarnation or '-'}): {st.phase} for {st.seconds_in_phase:.1f} s; "
+        f"{st.joined}/{st.expected} workers joined; model {st.model or '-'}"
+    ]
+    if st.waiting_for:
+        lines.append(f"waiting for: {st.waiting_for}")
+    if st.error:
+        lines.append(f"error: {st.error}")
+    if st.workers:
+        lines.append(
+            f"  {'rank':<5}{'worker':<18}{'host':<16}{'devices':<14}{'phase':<11}{'variables':>11}{'bytes':>24}{'heartbeat':>11}"
+        )
+        for w in st.workers:
+            variables = f"{w.variables_received}/{w.variables_total}"
+            nbytes = f"{_mib(w.bytes_received)}/{_mib(w.bytes_total)}"
+            lines.append(
+                f"  {w.rank:<5}{w.worker_id[:17]:<18}{w.host[:15]:<16}{','.join(w.devices)[:13]:<14}{w.phase:<11}"
+                f"{variables:>11}{nbytes:>24}{w.seconds_since_heartbeat:>9.1f} s"
+            )
+    return "\n".join(lines)
+
+
+def watch(link, address: str, *, interval: float = 1.0, deadline: float | None = None, out=None) -> pb.StatusReply:
+    """Redraw the status every ``interval`` s until the round has an outcome (or ``deadline``).
+
+    Draws in place with rich on a terminal; prints a new block per change otherwise. Returns the
+    last status. Raises what ``link.status`` raises (the chief unreachable, token refused).
+    """
+    out = out or sys.stdout
+    if out.isatty():
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        with Live(console=Console(file=out), auto_refresh=False) as live:
+            while True:
+                st = link.status(timeout=5.0)
+                live.update(Text(status_text(st, address)), refresh=True)
+                if _over(st, deadline):
+                    return st
+                time.sleep(interval)
+    last = None
+    while True:
+        st = link.status(timeout=5.0)
+        text = status_text(st, address)
+        if text.split("\n", 1)[-1] != (last or "").split("\n", 1)[-1] or _over(st, deadline):
+            print(text + "\n", file=out, flush=True)
+            last = text
+        if _over(st, deadline):
+            return st
+        time.sleep(interval)
+
+
+def _over(st: pb.StatusReply, deadline: float | None) -> bool:
+    return st.phase in ("started", "failed") or (deadline is not None and time.monotonic() > deadline)
+
+
+class BroadcastProgress:
+    """A rich progress bar per worker (bytes, rate, ETA), fed from the chief's Status RPC.
+
+    Used by ``collective launch`` on a terminal. ``console`` is where other lines must be printed
+    while the bars are shown. ``stop`` is idempotent and never raises.
+    """
+
+    def __init__(self, link, interval: float = 0.2) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self.console = Console(file=sys.stderr)
+        self._link = link
+        self._interval = interval
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+            TransferSpeedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+        )
+        self._tasks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+
+    def start(self) -> None:
+        self._progress.start()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                st = self._link.status(timeout=2.0)
+            except Exception:  # noqa: BLE001 - the chief may be starting or gone; the bars just pause
+                continue
+            for w in st.workers:
+                key = w.worker_id
+                if key not in self._tasks:
+                    self._tasks[key] = self._progress.add_task(f"rank {w.rank} {key}", total=w.bytes_total or None)
+                self._progress.update(self._tasks[key], completed=w.bytes_received, total=w.bytes_total or None)
+            if st.phase in ("started", "failed"):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._progress.stop()

@@ -1,0 +1,71 @@
+"""`collective status`: who is being waited for, from the chief's Status RPC."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.procs import ROOT, Cluster
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def status(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "collective.cli", "status", *args], capture_output=True, text=True,
+                          timeout=30, cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def test_status_names_the_joined_worker_and_who_is_still_missing(cluster):
+    cluster.chief("--workers", "2", "--join-timeout", "60", env={"COLLECTIVE_TOKEN": "t0k"})
+    w = cluster.worker("early-bird", "--devices", "cpu:0,cpu:1", env={"COLLECTIVE_TOKEN": "t0k"})
+    deadline = time.monotonic() + 20
+    while "waiting for the plan" not in w.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc = status("--chief", cluster.address, "--token", "t0k", "--json")
+    assert proc.returncode == 0, proc.stderr
+    st = json.loads(proc.stdout)
+    assert st["phase"] == "joining" and st["expected"] == 2 and st["joined"] == 1
+    assert "1 more worker(s) to join" in st["waiting_for"]
+    [worker] = st["workers"]
+    assert worker["worker_id"] == "early-bird" and worker["devices"] == ["cpu:0", "cpu:1"]
+    assert worker["phase"] == "joined" and worker["seconds_since_heartbeat"] < 10
+    text = status("--chief", cluster.address, "--token", "t0k")
+    assert text.returncode == 0
+    assert "1/2 workers joined" in text.stdout and "early-bird" in text.stdout
+    assert "waiting for: 1 more worker(s) to join" in text.stdout
+
+
+def test_status_with_a_wrong_token_is_refused_with_exit_2(cluster):
+    cluster.chief("--workers", "1", "--join-timeout", "60", env={"COLLECTIVE_TOKEN": "right"})
+    proc = status("--chief", cluster.address, "--token", "wrong")
+    assert proc.returncode == 2
+    assert "refused the cluster token" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_status_watch_follows_the_round_until_start(cluster):
+    cluster.chief("--workers", "1", "--join-timeout", "60")
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "collective.cli", "status", "--chief", cluster.address, "--watch", "--interval", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(0.5)
+        cluster.worker("w0")
+        out, err = watcher.communicate(timeout=30)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
+    assert watcher.returncode == 0, err
+    assert "0/1 workers joined" in out and ": started for" in out
