@@ -37,7 +37,14 @@ from collective.errors import (
 )
 from collective.keys import parse_devices
 from collective.model import ModelSource, VariableSpec
-from collective.plan import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, Chunker, build_plan, layout
+from collective.plan import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    Chunker,
+    build_plan,
+    declaration_differences,
+    layout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +212,15 @@ class ChiefService:
                 raise PreconditionError(
                     f"worker {req.worker_id!r} cannot join: the cluster is {self._phase.value}; joins are closed"
                 )
+            if req.declared:
+                diffs = declaration_differences(self.specs, req.declared)
+                if diffs:
+                    shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
+                    log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
+                    raise PreconditionError(
+                        f"worker {req.worker_id!r} declares variables that differ from the chief's model "
+                        f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
+                    )
             if len(self._members) >= self.num_workers:
                 raise ResourceExhaustedError(
                     f"worker {req.worker_id!r} cannot join: all {self.num_workers} worker slots are taken"

@@ -95,6 +95,43 @@ def _trainable(spec: VariableSpec) -> bool:
     return spec.synchronization is not Synchronization.ON_READ
 
 
+def declared(specs: Sequence[VariableSpec]) -> list[pb.VariableInfo]:
+    """The declaration a worker sends at join: names, shapes, dtypes and modes."""
+    return [
+        pb.VariableInfo(
+            name=s.name, shape=list(s.shape), dtype=s.dtype, synchronization=s.synchronization.name,
+            aggregation=s.aggregation.name, trainable=_trainable(s),
+        )
+        for s in specs
+    ]
+
+
+def declaration_differences(chief: Sequence[VariableSpec], worker: Sequence[pb.VariableInfo]) -> list[str]:
+    """Every difference, one line each: ``name: chief (3, 4) float32 vs worker (4, 3) float32``."""
+    mine = {s.name: s for s in chief}
+    theirs = {v.name: v for v in worker}
+    out = []
+    for name, s in mine.items():
+        v = theirs.get(name)
+        if v is None:
+            out.append(f"{name}: chief {s.describe()} vs worker (missing)")
+            continue
+        try:
+            w = spec_of(v)
+        except ValueError as exc:
+            out.append(f"{name}: worker declaration is invalid ({exc})")
+            continue
+        if (w.shape, w.np_dtype) != (s.shape, s.np_dtype):
+            out.append(f"{name}: chief {s.describe()} vs worker {w.describe()}")
+        elif (w.synchronization, w.aggregation) != (s.synchronization, s.aggregation):
+            out.append(
+                f"{name}: chief {s.synchronization.name}/{s.aggregation.name} vs worker "
+                f"{w.synchronization.name}/{w.aggregation.name}"
+            )
+    out += [f"{name}: chief (missing) vs worker {spec_of(v).describe()}" for name, v in theirs.items() if name not in mine]
+    return out
+
+
 def spec_of(v: pb.VariableInfo) -> VariableSpec:
     return VariableSpec(
         name=v.name,

@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "worker-id", help="this worker's id; default HOSTNAME-PID", default=None)
     add_option(p, "rank", help="preferred rank (the chief gives another if it is taken)", type=int, default=-1)
     add_option(p, "token", help="the cluster token", default=None)
+    add_option(p, "expect-model", help="refuse to join unless the chief's variables match this model's "
+               "(preset, spec, .npz, .safetensors; only names, shapes, dtypes and modes are read)", default=None)
     add_timeout_options(p, "join", "stall", "start", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
     return p
@@ -41,6 +43,11 @@ def _run(args: argparse.Namespace) -> int:
     if not args.chief:
         raise UsageError("the chief's address is required: pass --chief HOST:PORT or set COLLECTIVE_CHIEF")
     parse_address(args.chief, what="--chief")
+    expected = None
+    if args.expect_model:
+        from collective.sources import load_source
+
+        expected = load_source(args.expect_model).specs()
     result = join_cluster(
         args.chief,
         devices=args.devices,
@@ -48,6 +55,7 @@ def _run(args: argparse.Namespace) -> int:
         rank=args.rank,
         token=args.token,
         timeouts=timeouts_from_args(args),
+        expected=expected,
     )
     log.info(
         "training started: %d variables x %d replicas, worker digest %s",

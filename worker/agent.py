@@ -30,7 +30,8 @@ from collective.errors import (
     IntegrityError,
 )
 from collective.keys import parse_devices
-from collective.plan import Receiver, spec_of, validate_plan
+from collective.model import VariableSpec
+from collective.plan import Receiver, declared, spec_of, validate_plan
 from collective.transport.api import ChiefLink
 from collective.variables import VariableStore, create_variable
 
@@ -105,8 +106,10 @@ class WorkerAgent:
         preferred_rank: int = -1,
         timeouts: Timeouts | None = None,
         host: str | None = None,
+        expected: Sequence[VariableSpec] | None = None,
     ) -> None:
         self.link = link
+        self.expected = list(expected) if expected else []
         self.worker_id = worker_id or default_worker_id()
         self.devices = parse_devices(devices)
         self.preferred_rank = preferred_rank
@@ -182,6 +185,7 @@ class WorkerAgent:
                 host=self.host,
                 preferred_rank=self.preferred_rank,
                 pid=os.getpid(),
+                declared=declared(self.expected),
             ),
             timeout=t.join,
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from collective.config import Timeouts
+from collective.model import VariableSpec
 from collective.transport.grpc import GrpcChiefLink
 from worker.agent import WorkerAgent, WorkerResult
 
@@ -29,10 +30,18 @@ def join_cluster(
     rank: int = -1,
     token: str | None = None,
     timeouts: Timeouts | None = None,
+    expected: Sequence[VariableSpec] | None = None,
 ) -> WorkerResult:
+    """Join the chief at ``chief`` and return once start is released (see the module doc).
+
+    ``expected``: the variables this process builds itself (SPMD style); the chief refuses the
+    join before any byte moves if its model differs, listing every difference.
+    """
     link = GrpcChiefLink(chief, token=token)
     try:
-        agent = WorkerAgent(link, worker_id=worker_id, devices=devices, preferred_rank=rank, timeouts=timeouts)
+        agent = WorkerAgent(
+            link, worker_id=worker_id, devices=devices, preferred_rank=rank, timeouts=timeouts, expected=expected
+        )
         return agent.run()
     finally:
         link.close()

@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "devices", "host", "preferred_rank", "pid")
+    __slots__ = ("worker_id", "incarnation", "devices", "host", "preferred_rank", "pid", "declared")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     devices: _containers.RepeatedScalarFieldContainer[str]
     host: str
     preferred_rank: int
     pid: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., preferred_rank: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    declared: _containers.RepeatedCompositeFieldContainer[VariableInfo]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., preferred_rank: _Optional[int] = ..., pid: _Optional[int] = ..., declared: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("rank", "num_workers", "chief_incarnation")

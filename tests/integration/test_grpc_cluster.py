@@ -171,3 +171,29 @@ def test_the_python_api_example_joins_and_gets_the_variables(cluster):
     assert chief.wait(30) == 0
     assert "trainable variables: 6" in example.output()
     assert "dense_1/kernel/replica_1" in example.output()
+
+
+def test_a_worker_declaring_a_different_model_is_refused_before_any_bytes_move(tmp_path, cluster):
+    chief_spec = tmp_path / "chief.yaml"
+    chief_spec.write_text(
+        "variables:\n"
+        "  - {name: w, shape: [3, 4], dtype: float32, initializer: zeros}\n"
+        "  - {name: b, shape: [4], dtype: float32, initializer: zeros}\n"
+    )
+    worker_spec = tmp_path / "worker.yaml"
+    worker_spec.write_text(
+        "variables:\n"
+        "  - {name: w, shape: [4, 3], dtype: float32, initializer: zeros}\n"
+        "  - {name: extra, shape: [2], dtype: int64, initializer: zeros}\n"
+    )
+    chief = cluster.chief("--workers", "1", "--model", str(chief_spec), *FAST)
+    odd = cluster.worker("odd", "--expect-model", str(worker_spec), *FAST)
+    assert odd.wait(30) != 0
+    out = odd.output()
+    assert "w: chief (3, 4) float32 vs worker (4, 3) float32" in out
+    assert "b: chief (4,) float32 vs worker (missing)" in out
+    assert "extra: chief (missing) vs worker (2,) int64" in out
+    assert "phase=receive" not in out  # refused at join: no plan, no bytes
+    same = cluster.worker("same", "--expect-model", str(chief_spec), *FAST)
+    assert same.wait(30) == 0, same.output()
+    assert chief.wait(30) == 0
