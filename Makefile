@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint proto install clean
+.PHONY: demo test lint proto install clean certs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ lint: $(STAMP)
 
 proto: $(STAMP)
 	$(PY) -m collective._protogen
+
+certs:
+	bash scripts/make-certs.sh certs worker-0 worker-1 worker-2
 
 clean:
 	rm -rf $(VENV) build *.egg-info

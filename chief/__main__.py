@@ -15,9 +15,11 @@ from collective import logs
 from collective.config import (
     add_option,
     add_timeout_options,
+    add_tls_options,
     parse_address,
     positive_int,
     timeouts_from_args,
+    tls_from_args,
 )
 from collective.entry import run_main
 from collective.plan import DEFAULT_CHUNK_BYTES
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "seed", help="seed for initializer specs (overrides the spec's)", type=int, default=None)
     add_option(p, "bind", help="HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051")
     add_option(p, "token", help="cluster token every worker must present", default=None)
+    add_tls_options(p, worker=False)
     add_option(p, "chunk-bytes", help="bytes per data message", type=positive_int, default=DEFAULT_CHUNK_BYTES)
     add_timeout_options(p, "join", "ready", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
@@ -58,11 +61,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.workers is None:
         raise UsageError("the number of workers is required: pass --workers N or set COLLECTIVE_WORKERS")
     parse_address(args.bind, what="--bind")
+    tls = tls_from_args(args)
+    if tls.enabled:
+        tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
     source = load_source(args.model, seed=args.seed)
     service = ChiefService(
         source, args.workers, timeouts=timeouts_from_args(args), chunk_bytes=args.chunk_bytes
     )
-    endpoint = GrpcEndpoint(args.bind, token=args.token, max_workers=3 * args.workers + 8)
+    endpoint = GrpcEndpoint(args.bind, token=args.token, max_workers=3 * args.workers + 8, tls=tls)
     address = endpoint.start(service)
     log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address, args.workers)
     if args.port_file:

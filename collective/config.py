@@ -134,3 +134,23 @@ def add_timeout_options(parser: argparse.ArgumentParser, *phases: str) -> None:
             type=positive_float,
             default=getattr(defaults, phase),
         )
+
+
+def add_tls_options(parser: argparse.ArgumentParser, *, worker: bool) -> None:
+    if worker:
+        add_option(parser, "tls-ca", help="CA certificate (PEM) that signed the chief's certificate; enables TLS")
+        add_option(parser, "tls-cert", help="this worker's certificate (PEM), for mutual TLS; its CN/SAN must be the worker id")
+        add_option(parser, "tls-key", help="this worker's private key (PEM)")
+        add_option(parser, "tls-server-name", help="name the chief's certificate must carry, if not the dialled host")
+    else:
+        add_option(parser, "tls-cert", help="the chief's certificate (PEM); enables TLS")
+        add_option(parser, "tls-key", help="the chief's private key (PEM)")
+        add_option(parser, "tls-ca", help="CA (PEM) of worker certificates: mutual TLS, client certificates required")
+
+
+def tls_from_args(args: argparse.Namespace):
+    from collective.transport.grpc import TlsFiles
+
+    return TlsFiles(
+        cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=getattr(args, "tls_server_name", None)
+    )

@@ -78,3 +78,9 @@ class ResourceExhaustedError(CollectiveError):
 
 class DeadlineError(CollectiveError):
     """A phase did not finish before its deadline; the message names the phase and who is late."""
+
+
+class PermissionDeniedError(CollectiveError):
+    """An authenticated peer asked for something its identity does not allow."""
+
+    exit_code = 2

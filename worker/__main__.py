@@ -7,7 +7,14 @@ import logging
 import sys
 
 from collective import logs
-from collective.config import add_option, add_timeout_options, parse_address, timeouts_from_args
+from collective.config import (
+    add_option,
+    add_timeout_options,
+    add_tls_options,
+    parse_address,
+    timeouts_from_args,
+    tls_from_args,
+)
 from collective.entry import run_main
 
 log = logging.getLogger("worker")
@@ -20,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "worker-id", help="this worker's id; default HOSTNAME-PID", default=None)
     add_option(p, "rank", help="preferred rank (the chief gives another if it is taken)", type=int, default=-1)
     add_option(p, "token", help="the cluster token", default=None)
+    add_tls_options(p, worker=True)
     add_option(p, "expect-model", help="refuse to join unless the chief's variables match this model's "
                "(preset, spec, .npz, .safetensors; only names, shapes, dtypes and modes are read)", default=None)
     add_timeout_options(p, "join", "stall", "start", "heartbeat")
@@ -56,6 +64,7 @@ def _run(args: argparse.Namespace) -> int:
         token=args.token,
         timeouts=timeouts_from_args(args),
         expected=expected,
+        tls=tls_from_args(args),
     )
     log.info(
         "training started: %d variables x %d replicas, worker digest %s",

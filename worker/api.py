@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from collective.config import Timeouts
 from collective.model import VariableSpec
-from collective.transport.grpc import GrpcChiefLink
+from collective.transport.grpc import GrpcChiefLink, TlsFiles
 from worker.agent import WorkerAgent, WorkerResult
 
 __all__ = ["join_cluster", "WorkerResult"]
@@ -31,13 +31,14 @@ def join_cluster(
     token: str | None = None,
     timeouts: Timeouts | None = None,
     expected: Sequence[VariableSpec] | None = None,
+    tls: TlsFiles | None = None,
 ) -> WorkerResult:
     """Join the chief at ``chief`` and return once start is released (see the module doc).
 
     ``expected``: the variables this process builds itself (SPMD style); the chief refuses the
     join before any byte moves if its model differs, listing every difference.
     """
-    link = GrpcChiefLink(chief, token=token)
+    link = GrpcChiefLink(chief, token=token, tls=tls)
     try:
         agent = WorkerAgent(
             link, worker_id=worker_id, devices=devices, preferred_rank=rank, timeouts=timeouts, expected=expected

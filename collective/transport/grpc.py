@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -52,6 +53,7 @@ SERVER_OPTIONS = _MESSAGE_OPTIONS + [
 # One table, read both ways: the chief's error class <-> the status code on the wire.
 _CODES: list[tuple[type[E.CollectiveError], grpc.StatusCode]] = [
     (E.AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (E.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (E.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
     (E.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (E.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -70,12 +72,86 @@ def status_code(exc: E.CollectiveError) -> grpc.StatusCode:
     return grpc.StatusCode.ABORTED  # any other failure of the round aborts it
 
 
+# --- TLS -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files. Chief: cert+key (its own), ca (clients' CA: mutual TLS, client auth required).
+    Worker: ca (the CA of the chief's certificate), cert+key (its client certificate, for mTLS)."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    server_name: str | None = None  # worker: the name the chief's certificate must carry
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.key or self.ca)
+
+    def read(self, which: str) -> bytes | None:
+        path = getattr(self, which)
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise E.UsageError(f"--tls-{which} {path}: cannot read it ({exc.strerror})") from None
+        if b"-----BEGIN" not in data:
+            raise E.UsageError(f"--tls-{which} {path}: not a PEM file")
+        return data
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Refuses a half-configured chief: cert without key, or a client CA without a cert."""
+        if bool(self.cert) != bool(self.key):
+            raise E.UsageError("--tls-cert and --tls-key go together: give the chief's certificate and its key")
+        if self.ca and not self.cert:
+            raise E.UsageError(
+                "--tls-ca (the CA of client certificates) needs the chief's own --tls-cert and --tls-key"
+            )
+        return grpc.ssl_server_credentials(
+            [(self.read("key"), self.read("cert"))],
+            root_certificates=self.read("ca"),
+            require_client_auth=bool(self.ca),  # a client CA always means client auth is required
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        if bool(self.cert) != bool(self.key):
+            raise E.UsageError("--tls-cert and --tls-key go together: give this worker's certificate and its key")
+        if not self.ca:
+            raise E.UsageError("--tls-ca is required with TLS: the CA that signed the chief's certificate")
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.read("ca"), private_key=self.read("key"), certificate_chain=self.read("cert")
+        )
+
+
+def peer_identities(context) -> set[str]:
+    """Names in the verified client certificate (CN and SANs); empty without mutual TLS."""
+    auth = context.auth_context() or {}
+    names = list(auth.get("x509_common_name", [])) + list(auth.get("x509_subject_alternative_name", []))
+    return {n.decode() if isinstance(n, bytes) else n for n in names}
+
+
 # --- server ------------------------------------------------------------------------------
 
 
 class _Servicer(pb_grpc.CollectiveServicer):
-    def __init__(self, handler: ChiefHandler) -> None:
+    def __init__(self, handler: ChiefHandler, *, bind_identity: bool = False) -> None:
         self._h = handler
+        self._bind_identity = bind_identity
+
+    def _identity(self, context, worker_id: str) -> None:
+        """With mutual TLS, a worker may only act under the id its certificate names."""
+        if not self._bind_identity:
+            return
+        names = peer_identities(context)
+        if worker_id not in names:
+            log.warning("refused worker id %r from %s: its certificate names %s", worker_id, context.peer(), sorted(names))
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"worker id {worker_id!r} refused: the client certificate names {', '.join(sorted(names)) or 'nobody'}",
+            )
 
     def _call(self, context, fn, *args):
         try:
@@ -105,12 +181,15 @@ class _Servicer(pb_grpc.CollectiveServicer):
             answered[0] = True
 
     def Join(self, request, context):  # noqa: N802 - gRPC method names
+        self._identity(context, request.worker_id)
         return self._call(context, self._h.join, request, context.peer())
 
     def GetPlan(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
         return self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
 
     def Fetch(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
         answered = self._watch(context, request, "data stream")
         try:
             yield from self._h.fetch(request)
@@ -120,15 +199,19 @@ class _Servicer(pb_grpc.CollectiveServicer):
         answered[0] = True
 
     def ReportReady(self, request, context):  # noqa: N802
+        self._identity(context, request.worker.worker_id)
         return self._call(context, self._h.report_ready, request)
 
     def AwaitStart(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
         return self._long_call(context, request, "start", self._h.await_start, request, _remaining(context))
 
     def Heartbeat(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
         return self._call(context, self._h.heartbeat, request)
 
     def ReportFailure(self, request, context):  # noqa: N802
+        self._identity(context, request.worker.worker_id)
         return self._call(context, self._h.report_failure, request)
 
     def Status(self, request, context):  # noqa: N802
@@ -173,9 +256,13 @@ class _TokenInterceptor(grpc.ServerInterceptor):
 class GrpcEndpoint(ChiefEndpoint):
     """Serves the chief on ``bind`` (``HOST:PORT``; port 0 picks a free one)."""
 
-    def __init__(self, bind: str, *, token: str | None = None, max_workers: int = 16) -> None:
+    def __init__(
+        self, bind: str, *, token: str | None = None, max_workers: int = 16, tls: TlsFiles | None = None
+    ) -> None:
         self.bind = bind
         self.token = token
+        self.tls = tls if tls is not None and tls.enabled else None
+        self._credentials = self.tls.server_credentials() if self.tls else None  # refuse bad setups early
         self.max_workers = max_workers
         self.port = 0
         self._server: grpc.Server | None = None
@@ -188,11 +275,15 @@ class GrpcEndpoint(ChiefEndpoint):
             interceptors=interceptors,
             options=SERVER_OPTIONS,
         )
-        pb_grpc.add_CollectiveServicer_to_server(_Servicer(handler), server)
+        bind_identity = bool(self.tls and self.tls.ca)
+        pb_grpc.add_CollectiveServicer_to_server(_Servicer(handler, bind_identity=bind_identity), server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
-            port = server.add_insecure_port(self.bind)
+            if self._credentials is not None:
+                port = server.add_secure_port(self.bind, self._credentials)
+            else:
+                port = server.add_insecure_port(self.bind)
         except RuntimeError as exc:
             raise E.UsageError(f"cannot listen on {self.bind}: {exc}; is the port in use?") from exc
         if not port:
@@ -218,10 +309,17 @@ class GrpcEndpoint(ChiefEndpoint):
 class GrpcChiefLink(ChiefLink):
     """A worker's channel to the chief at ``address``."""
 
-    def __init__(self, address: str, *, token: str | None = None) -> None:
+    def __init__(self, address: str, *, token: str | None = None, tls: TlsFiles | None = None) -> None:
         self.address = address
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self.tls = tls if tls is not None and tls.enabled else None
+        if self.tls is not None:
+            options = list(CLIENT_OPTIONS)
+            if self.tls.server_name:
+                options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+            self._channel = grpc.secure_channel(address, self.tls.channel_credentials(), options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.CollectiveStub(self._channel)
         self._lock = threading.Lock()
         self._active: set = set()
@@ -255,13 +353,25 @@ class GrpcChiefLink(ChiefLink):
                 f"pass the chief's token with --token or COLLECTIVE_TOKEN"
             )
         if code == grpc.StatusCode.UNAVAILABLE:
-            return E.ChiefUnreachableError(f"chief at {self.address} unreachable during {phase}: {details}")
+            return E.ChiefUnreachableError(f"chief at {self.address} unreachable during {phase}: {details}{self._tls_hint(details)}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
             return E.ChiefUnreachableError(f"chief at {self.address} did not answer within {timeout:g} s during {phase}")
         if code == grpc.StatusCode.CANCELLED:
             return E.ChiefUnreachableError(f"chief at {self.address}: {phase} was cancelled ({details})")
         cls = _CLASS_OF.get(code, E.AbortedError)
         return cls(f"chief at {self.address}: {details}" if cls is not E.AbortedError else f"round aborted by the chief at {self.address}: {details}")
+
+    def _tls_hint(self, details: str) -> str:
+        low = details.lower()
+        if self.tls is None and ("ssl" in low or "handshake" in low or "socket closed" in low):
+            return "; if the chief uses TLS, pass --tls-ca (and --tls-cert/--tls-key for mutual TLS)"
+        if self.tls is not None and any(w in low for w in ("ssl", "handshake", "certificate", "socket closed")):
+            return (
+                "; TLS handshake failed: check that --tls-ca is the CA that signed the chief's certificate, "
+                "that the chief's certificate names the host you dial (or set --tls-server-name), and that "
+                "your --tls-cert is signed by the CA the chief trusts"
+            )
+        return ""
 
     def _unary(self, method, request, phase: str, timeout: float):
         if self._interrupted is not None:
@@ -280,20 +390,27 @@ class GrpcChiefLink(ChiefLink):
     def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
         deadline = time.monotonic() + timeout
         last = "no answer"
+        backoff, refusals = 0.1, 0
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise E.ChiefUnreachableError(
                     f"chief at {self.address} unreachable for {timeout:g} s while joining ({last}); "
-                    f"check --chief / COLLECTIVE_CHIEF and that the chief is running"
+                    f"check --chief / COLLECTIVE_CHIEF and that the chief is running{self._tls_hint(last)}"
                 )
             try:
-                return self._stub.Join(req, timeout=min(left, 5.0), wait_for_ready=True, metadata=self._metadata)
+                # Fail fast (no wait_for_ready) so a refused handshake shows its real reason.
+                return self._stub.Join(req, timeout=min(left, 5.0), metadata=self._metadata)
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     last = exc.details() or exc.code().name
+                    hint = self._tls_hint(last)
+                    refusals = refusals + 1 if hint else 0
+                    if refusals >= 3:  # a listening chief that keeps closing on us: not a start-up race
+                        raise E.AuthError(f"chief at {self.address} refused the connection during join: {last}{hint}") from None
                     log.info("chief at %s not reachable yet (%s); retrying for %.0f s more", self.address, last, left)
-                    time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                    time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                    backoff = min(1.0, backoff * 2)
                     continue
                 raise self._error(exc, "join", timeout) from None
 

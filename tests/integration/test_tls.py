@@ -1,0 +1,90 @@
+"""TLS and mutual TLS with certificates from scripts/make-certs.sh (what `make certs` runs)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.procs import ROOT, Cluster
+
+pytestmark = pytest.mark.integration
+
+JOIN = ["--join-timeout", "4"]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    good = tmp_path_factory.mktemp("certs")
+    rogue = tmp_path_factory.mktemp("rogue")
+    for out, ids in ((good, ["worker-1", "worker-2"]), (rogue, ["worker-1"])):
+        subprocess.run(["bash", str(ROOT / "scripts" / "make-certs.sh"), str(out), *ids], check=True,
+                       capture_output=True, timeout=60)
+    return good, rogue
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def mtls_chief(cluster, certs, workers="1"):
+    good, _ = certs
+    return cluster.chief("--workers", workers, "--join-timeout", "30", "--tls-cert", str(good / "chief.pem"),
+                         "--tls-key", str(good / "chief.key"), "--tls-ca", str(good / "ca.pem"))
+
+
+def worker_tls(d, name):
+    return ["--tls-ca", str(d / "ca.pem"), "--tls-cert", str(d / f"{name}.pem"), "--tls-key", str(d / f"{name}.key")]
+
+
+def test_mutual_tls_lets_a_worker_with_its_own_certificate_join(cluster, certs):
+    good, _ = certs
+    chief = mtls_chief(cluster, certs)
+    w = cluster.worker("worker-1", *worker_tls(good, "worker-1"), *JOIN)
+    assert w.wait(60) == 0, w.output()
+    assert chief.wait(30) == 0, chief.output()
+
+
+def test_a_certificate_for_worker_1_cannot_claim_worker_2(cluster, certs):
+    good, _ = certs
+    chief = mtls_chief(cluster, certs)
+    w = cluster.worker("worker-2", *worker_tls(good, "worker-1"), *JOIN)
+    assert w.wait(30) != 0
+    assert "worker id 'worker-2' refused: the client certificate names" in w.output()
+    assert "worker-1" in w.output()
+    assert "refused worker id 'worker-2'" in chief.output()
+
+
+@pytest.mark.parametrize("case", ["no client certificate", "rogue CA", "plaintext"])
+def test_the_handshake_refuses_a_worker_without_a_trusted_certificate(cluster, certs, case):
+    good, rogue = certs
+    mtls_chief(cluster, certs)
+    args = {
+        "no client certificate": ["--tls-ca", str(good / "ca.pem")],
+        "rogue CA": ["--tls-ca", str(good / "ca.pem"), "--tls-cert", str(rogue / "worker-1.pem"),
+                     "--tls-key", str(rogue / "worker-1.key")],
+        "plaintext": [],
+    }[case]
+    w = cluster.worker("worker-1", *args, *JOIN)
+    assert w.wait(30) != 0
+    out = w.output()
+    assert "Traceback" not in out and "training started" not in out
+    assert "tls" in out.lower(), out
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--tls-ca", "CA"], "--tls-ca (the CA of client certificates) needs the chief's own --tls-cert"),
+        (["--tls-cert", "CERT"], "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_a_half_configured_chief_refuses_to_start(cluster, certs, args, words):
+    good, _ = certs
+    args = [a.replace("CA", str(good / "ca.pem")).replace("CERT", str(good / "chief.pem")) for a in args]
+    chief = cluster.chief("--workers", "1", *args, wait_port=False)
+    assert chief.wait(30) == 2
+    assert words in chief.output() and "Traceback" not in chief.output()
