@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/collective launch --workers 3
 
 test: $(STAMP)
+	bash scripts/install-test-deps.sh
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
