@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from collective import logs
-from collective.config import add_option, add_timeout_options, positive_int, timeouts_from_args
+from collective.config import (
+    add_option,
+    add_timeout_options,
+    add_tls_options,
+    positive_float,
+    positive_int,
+    timeouts_from_args,
+)
 from collective.entry import run_main
 
 
@@ -34,6 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(status, "token", help="the cluster token", default=None)
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument("--watch", action="store_true", help="redraw every second until start or failure")
+
+    lg = sub.add_parser("logs", help="merge a run directory's logs into one timeline")
+    lg.add_argument("run_dir", metavar="RUN_DIR")
+    lg.add_argument("--worker", default=None, help="only this worker: id (worker-1) or rank (1)")
+    lg.add_argument("--phase", default=None,
+                    help="only this phase (join, broadcast, receive, verify, ready, start, started, failed)")
+    lg.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    dr = sub.add_parser("doctor", help="pre-flight checks: versions, cluster env, and the path to a chief")
+    add_option(dr, "chief", help="the chief's HOST:PORT", default=None)
+    add_option(dr, "token", help="the cluster token", default=None)
+    add_tls_options(dr, worker=True)
+    dr.add_argument("--timeout", type=positive_float, default=3.0, help="seconds per network check")
+    dr.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument("--interval", type=float, default=1.0, help="seconds between redraws with --watch")
     return p
 
@@ -42,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         args = build_parser().parse_args(argv)
         logs.configure("launch")
-        return {"launch": _launch, "status": _status}[args.command](args)
+        return {"launch": _launch, "status": _status, "logs": _logs, "doctor": _doctor}[args.command](args)
 
     return run_main(go)
 
@@ -69,6 +91,20 @@ def _launch(args: argparse.Namespace) -> int:
     return 0 if result.get("ok") else 1
 
 
+def _logs(args: argparse.Namespace) -> int:
+    from collective.logmerge import logs_command
+
+    return logs_command(args.run_dir, worker=args.worker, phase=args.phase, as_json=args.json)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from collective.config import tls_from_args
+    from collective.doctor import doctor_command
+
+    return doctor_command(args.chief, token=args.token, timeout=args.timeout, as_json=args.json,
+                          tls=tls_from_args(args))
+
+
 def _status(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
@@ -77,6 +113,11 @@ def _status(args: argparse.Namespace) -> int:
     from collective.status import status_text, watch
     from collective.transport.grpc import GrpcChiefLink
 
+    if not args.chief:
+        from collective.clusterenv import from_environment
+
+        env = from_environment(os.environ)
+        args.chief = env.chief_address if env else None
     if not args.chief:
         raise UsageError("pass --chief HOST:PORT or set COLLECTIVE_CHIEF")
     parse_address(args.chief, what="--chief")

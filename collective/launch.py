@@ -31,8 +31,10 @@ class Child:
     label: str
     proc: subprocess.Popen
     log_path: Path
-    pump: threading.Thread | None = None
-    lines: list[str] = field(default_factory=list)
+    pumps: list[threading.Thread] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)   # both streams, as they came
+    stdout: list[str] = field(default_factory=list)  # stdout only: where the JSON summary is
+    open_streams: int = 2
 
 
 class Launcher:
@@ -75,7 +77,9 @@ class Launcher:
     # --- processes ----------------------------------------------------------------------
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # A launch describes its own cluster: other launchers' conventions must not leak in.
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
         env["COLLECTIVE_TOKEN"] = self.token  # not on the command line, where ps would show it
         env["PYTHONUNBUFFERED"] = "1"
         return env
@@ -86,26 +90,36 @@ class Launcher:
             argv or [sys.executable, *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,  # apart from stdout, so the JSON line never interleaves with logs
             env=self._env(),
             text=True,
             bufsize=1,
             start_new_session=True,  # Ctrl-C reaches us; we stop the children ourselves
         )
         child = Child(label, proc, log_path)
-        child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
-        child.pump.start()
+        log = open(log_path, "w")  # noqa: SIM115 - closed by the last pump to finish
+        lock = threading.Lock()
+        for stream, is_stdout in ((proc.stdout, True), (proc.stderr, False)):
+            t = threading.Thread(target=self._pump, args=(child, stream, is_stdout, log, lock), daemon=True)
+            t.start()
+            child.pumps.append(t)
         self.children.append(child)
         return child
 
-    def _pump(self, child: Child) -> None:
-        with open(child.log_path, "w") as log:
-            for line in child.proc.stdout:
+    def _pump(self, child: Child, stream, is_stdout: bool, log, lock: threading.Lock) -> None:
+        for line in stream:
+            with lock:
                 log.write(line)
                 log.flush()
                 child.lines.append(line)
-                if not self.quiet and not line.startswith('{"ok"'):
-                    self._echo(f"{child.label:<9}| {line.rstrip()}")
+                if is_stdout:
+                    child.stdout.append(line)
+            if not self.quiet and not line.startswith('{"ok"'):
+                self._echo(f"{child.label:<9}| {line.rstrip()}")
+        with lock:
+            child.open_streams -= 1
+            if child.open_streams == 0:
+                log.close()
 
     def _stop_all(self, grace: float = 3.0) -> None:
         live = [c for c in self.children if c.proc.poll() is None]
@@ -119,8 +133,8 @@ class Launcher:
                 _signal(c.proc, signal.SIGKILL)
                 c.proc.wait(5)
         for c in self.children:
-            if c.pump is not None:
-                c.pump.join(2)
+            for t in c.pumps:
+                t.join(2)
 
     # --- the run --------------------------------------------------------------------------
 
@@ -183,7 +197,7 @@ class Launcher:
             self._wait_all(deadline=time.monotonic() + t.join + t.ready + t.start + 30)
         finally:
             self._stop_all()
-        line = next((ln for ln in reversed(job.lines) if ln.startswith('{"ok"')), None)
+        line = next((ln for ln in reversed(job.stdout) if ln.startswith('{"ok"')), None)
         if line is not None:
             result_file.write_text(line)
         return self._result(result_file)

@@ -37,8 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     def go() -> int:
+        from collective.clusterenv import apply_to_environ, role_mismatch
+
+        # TF_CONFIG / torchrun variables become COLLECTIVE_* defaults, before the parser reads them.
+        cluster = apply_to_environ("worker")
         args = build_parser().parse_args(argv)
         logs.configure("worker", fmt=args.log_format)
+        if cluster is not None:
+            log.info("cluster from %s", cluster.describe())
+            warning = role_mismatch(cluster, "worker")
+            if warning:
+                log.warning("%s", warning)
         return _run(args)
 
     return run_main(go)

@@ -88,3 +88,20 @@ def test_a_half_configured_chief_refuses_to_start(cluster, certs, args, words):
     chief = cluster.chief("--workers", "1", *args, wait_port=False)
     assert chief.wait(30) == 2
     assert words in chief.output() and "Traceback" not in chief.output()
+
+
+def test_doctor_checks_a_mutual_tls_chief_with_the_workers_certificates(cluster, certs):
+    from collective.doctor import run_doctor
+    from collective.transport.grpc import TlsFiles
+
+    good, rogue = certs
+    mtls_chief(cluster, certs)
+    tls = TlsFiles(ca=str(good / "ca.pem"), cert=str(good / "worker-1.pem"), key=str(good / "worker-1.key"))
+    checks, ok = run_doctor(cluster.address, token=None, tls=tls)
+    by_name = {c.name: c for c in checks}
+    assert ok, checks
+    assert by_name["tls"].ok is True and "mutual TLS" in by_name["tls"].detail
+    assert by_name["grpc health"].ok is True and by_name["token"].ok is True
+    bad = TlsFiles(ca=str(good / "ca.pem"), cert=str(rogue / "worker-1.pem"), key=str(rogue / "worker-1.key"))
+    checks, ok = run_doctor(cluster.address, token=None, tls=bad)
+    assert not ok and {c.name: c for c in checks}["grpc health"].ok is False
