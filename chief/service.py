@@ -153,10 +153,14 @@ class ChiefService:
             m = self._members.get(ref.worker_id)
             if m is not None and m.incarnation == ref.incarnation:
                 m.told = True
+                self._cond.notify_all()  # supervise() lingers until every worker has heard
             raise AbortedError(str(self._error))
         m = self._members.get(ref.worker_id)
         if m is None:
-            raise PreconditionError(f"worker {ref.worker_id!r} has not joined this chief; join first")
+            raise PreconditionError(
+                f"chief {self.incarnation} does not know worker {ref.worker_id!r}: it never joined this "
+                f"chief (was the chief restarted?)"
+            )
         if m.incarnation != ref.incarnation:
             raise PreconditionError(
                 f"worker {ref.worker_id!r} joined as incarnation {m.incarnation}, "

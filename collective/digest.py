@@ -2,8 +2,9 @@
 
 A variable's digest is the xxh3-128 hex digest of its C-contiguous bytes, so anyone can
 recompute it with ``xxhash.xxh3_128_hexdigest(np.ascontiguousarray(a).tobytes())``. A worker's
-digest covers all its replicas: xxh3-128 over ``replica name, NUL, replica digest, LF`` for each
-replica in order, so two workers agree only if they hold the same replicas with the same bytes.
+digest covers all its replicas: xxh3-128 over each replica's name and digest in order, each field
+prefixed with its length (8 bytes, little-endian), so two workers agree only if they hold the
+same replicas with the same bytes, whatever characters the names contain.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ def combined_digest(named: Iterable[tuple[str, str]]) -> str:
     """Digest of an ordered list of (name, digest) pairs: a worker's or a manifest's digest."""
     h = xxhash.xxh3_128()
     for name, digest in named:
-        h.update(name.encode())
-        h.update(b"\0")
-        h.update(digest.encode())
-        h.update(b"\n")
+        for field in (name.encode(), digest.encode()):
+            h.update(len(field).to_bytes(8, "little"))
+            h.update(field)
     return h.hexdigest()

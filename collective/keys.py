@@ -16,7 +16,7 @@ from collective.errors import UsageError
 GROUP_KEY_START = 1
 INSTANCE_KEY_START = 1
 
-_DEVICE = re.compile(r"^(?:/?device:)?(?P<kind>[A-Za-z]+):(?P<index>\d+)$")
+_DEVICE = re.compile(r"^(?:/?device:)?(?P<kind>[A-Za-z]+):(?P<index>[0-9]+)$", re.ASCII)
 
 
 def parse_device(device: str) -> tuple[str, int]:

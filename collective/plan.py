@@ -10,6 +10,8 @@ truncated, reordered or corrupted stream is never taken as success.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ ALIGN = 64
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 16 << 20
 _ALLOWED_KINDS = set("biufc")
+_CANONICAL_DTYPE = re.compile(r"[<>|=][biufc][0-9]{1,2}", re.ASCII)
 
 
 def align(n: int) -> int:
@@ -157,15 +160,25 @@ def validate_plan(plan: pb.Plan) -> None:
             raise ProtocolError(f"{where}: instance key {v.instance_key} is used twice")
         if v.group_key not in group_keys:
             raise ProtocolError(f"{where}: group key {v.group_key} is not a group of the plan")
+        # Only numpy's canonical ``dtype.str`` forms (``<f4``, ``|b1``) are accepted on the wire.
+        if not _CANONICAL_DTYPE.fullmatch(v.dtype):
+            raise ProtocolError(f"{where}: invalid dtype {v.dtype!r}")
         try:
             dt = np.dtype(v.dtype)
-        except TypeError as exc:
+        except (TypeError, ValueError, SyntaxError) as exc:
             raise ProtocolError(f"{where}: invalid dtype {v.dtype!r}") from exc
+        if dt.str != v.dtype:
+            raise ProtocolError(f"{where}: dtype {v.dtype!r} is not in numpy's canonical form {dt.str!r}")
+        try:
+            Synchronization.parse(v.synchronization, variable=v.name)
+            Aggregation.parse(v.aggregation, variable=v.name)
+        except ValueError as exc:
+            raise ProtocolError(f"{where}: {exc}") from exc
         if dt.kind not in _ALLOWED_KINDS or dt.fields is not None:
             raise ProtocolError(f"{where}: dtype {v.dtype!r} is not allowed on the wire")
         if any(d < 0 for d in v.shape):
             raise ProtocolError(f"{where}: negative dimension in shape {tuple(v.shape)}")
-        expected = int(np.prod(v.shape, dtype=np.float64)) * dt.itemsize
+        expected = math.prod(v.shape) * dt.itemsize  # exact integers: no rounding for huge shapes
         if expected != v.nbytes:
             raise ProtocolError(f"{where}: {v.nbytes} bytes do not fit shape {tuple(v.shape)} {dt.name}")
         if v.offset < end or v.offset + v.nbytes > plan.total_bytes:
@@ -316,7 +329,8 @@ class Receiver:
     def _check_end(self, end: pb.StreamEnd) -> None:
         if end.total_bytes != self._plan.total_bytes or self._pos != self._plan.total_bytes:
             raise IntegrityError(
-                f"stream ended after {self._pos} bytes; the plan has {self._plan.total_bytes}"
+                f"stream end claims {end.total_bytes} bytes after {self._pos} received; "
+                f"the plan has {self._plan.total_bytes}"
             )
         if end.manifest_digest != self._plan.manifest_digest:
             raise IntegrityError("stream end carries a manifest digest that differs from the plan's")

@@ -109,6 +109,7 @@ class WorkerAgent:
         expected: Sequence[VariableSpec] | None = None,
     ) -> None:
         self.link = link
+        self.link.retry_window = (timeouts or Timeouts()).lease
         self.expected = list(expected) if expected else []
         self.worker_id = worker_id or default_worker_id()
         self.devices = parse_devices(devices)
@@ -148,12 +149,15 @@ class WorkerAgent:
         while not self._stop_heartbeat.wait(t.heartbeat):
             try:
                 reply = self.link.heartbeat(self.ref, timeout=min(t.heartbeat, t.lease / 2))
-            except (ChiefUnreachableError, DeadlineError):
+            except (ChiefUnreachableError, DeadlineError) as exc:
                 silent = time.monotonic() - last_ok
                 if silent > t.lease:
+                    # Refused connections mean the chief is gone; unanswered ones that it is frozen.
+                    frozen = isinstance(exc, DeadlineError) or "did not answer" in str(exc)
+                    how = "unresponsive" if frozen else "unreachable"
                     self.link.interrupt(ChiefUnreachableError(
-                        f"chief at {self.link.address} unresponsive: no heartbeat answer for {silent:.1f} s "
-                        f"(lease {t.lease:g} s) during {logs.current('phase')}"
+                        f"chief at {self.link.address} {how}: no heartbeat answer for {silent:.1f} s "
+                        f"(lease {t.lease:g} s) during {logs.current('phase')}; last error: {exc}"
                     ))
                     return
                 continue

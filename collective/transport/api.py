@@ -50,6 +50,7 @@ class ChiefLink(abc.ABC):
     """A worker's connection to the chief."""
 
     address: str
+    retry_window: float = 0.0  # how long an idempotent wait may ride out a dropped connection
 
     @abc.abstractmethod
     def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:

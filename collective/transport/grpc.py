@@ -324,6 +324,7 @@ class GrpcChiefLink(ChiefLink):
         self._lock = threading.Lock()
         self._active: set = set()
         self._interrupted: E.CollectiveError | None = None
+        self.retry_window = 0.0  # set by the worker to its heartbeat lease
 
     def interrupt(self, error: E.CollectiveError) -> None:
         with self._lock:
@@ -373,19 +374,32 @@ class GrpcChiefLink(ChiefLink):
             )
         return ""
 
-    def _unary(self, method, request, phase: str, timeout: float):
-        if self._interrupted is not None:
-            raise self._interrupted
-        future = method.future(request, timeout=timeout, metadata=self._metadata)
-        self._track(future)
-        try:
-            return future.result()
-        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+    def _unary(self, method, request, phase: str, timeout: float, *, retry: bool = False):
+        """One call with a deadline. ``retry``: an idempotent long-poll that rides out a dropped
+        connection for up to ``retry_window`` s (the chief restarting, a network blip); the
+        heartbeat thread interrupts it sooner if the chief is really gone or restarted."""
+        deadline = time.monotonic() + timeout
+        down_since = None
+        while True:
             if self._interrupted is not None:
-                raise self._interrupted from None
-            raise self._error(exc, phase, timeout) from None
-        finally:
-            self._untrack(future)
+                raise self._interrupted
+            future = method.future(request, timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata)
+            self._track(future)
+            try:
+                return future.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                if self._interrupted is not None:
+                    raise self._interrupted from None
+                now = time.monotonic()
+                unavailable = isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+                if retry and unavailable and now < deadline:
+                    down_since = down_since or now
+                    if now - down_since < self.retry_window:
+                        time.sleep(0.2)
+                        continue
+                raise self._error(exc, phase, timeout) from None
+            finally:
+                self._untrack(future)
 
     def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
         deadline = time.monotonic() + timeout
@@ -415,7 +429,7 @@ class GrpcChiefLink(ChiefLink):
                 raise self._error(exc, "join", timeout) from None
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
-        return self._unary(self._stub.GetPlan, ref, "join (waiting for the plan)", timeout)
+        return self._unary(self._stub.GetPlan, ref, "join (waiting for the plan)", timeout, retry=True)
 
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
         if self._interrupted is not None:
@@ -455,7 +469,7 @@ class GrpcChiefLink(ChiefLink):
         return self._unary(self._stub.ReportReady, req, "ready", timeout)
 
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
-        return self._unary(self._stub.AwaitStart, ref, "waiting for start", timeout + 1.0)
+        return self._unary(self._stub.AwaitStart, ref, "waiting for start", timeout + 1.0, retry=True)
 
     def report_failure(self, req: pb.FailureReport, timeout: float) -> None:
         try:

@@ -150,8 +150,9 @@ def test_an_unreachable_chief_is_named_by_the_worker(cluster):
 
 
 def test_a_chief_killed_while_workers_wait_is_named_by_them(cluster):
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60")
-    worker = cluster.worker("waiting", "--join-timeout", "60")
+    hb = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5"]
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *hb)
+    worker = cluster.worker("waiting", "--join-timeout", "60", *hb)
     deadline = time.monotonic() + 20
     while "waiting for the plan" not in worker.output() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -102,3 +102,32 @@ def test_sigterm_to_the_chief_tells_every_worker_it_is_shutting_down(cluster):
     assert worker.wait(30) != 0
     assert "chief shutting down" in worker.output()
     assert "Traceback" not in chief.output() + worker.output()
+
+
+def test_a_chief_killed_mid_broadcast_fails_every_worker_fast(cluster):
+    chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
+                          "--join-timeout", "60", *HB)
+    workers = [cluster.worker(f"w{i}", "--join-timeout", "60", *HB) for i in range(2)]
+    wait_for(workers[0], "phase=receive")
+    chief.signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    for w in workers:
+        assert w.wait(30) != 0
+        assert f"chief at {cluster.address}" in w.output()
+        assert "training started" not in w.output()
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_restarted_chief_makes_connected_workers_abort_naming_the_restart(cluster, tmp_path):
+    first = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
+    port = cluster.address.rsplit(":", 1)[1]
+    worker = cluster.worker("loyal", "--join-timeout", "60", *HB)
+    wait_for(worker, "waiting for the plan")
+    first.signal(signal.SIGKILL)
+    first.wait(10)
+    (tmp_path / "chief.port").unlink()
+    cluster.chief("--workers", "2", "--join-timeout", "60", "--bind", f"127.0.0.1:{port}", *HB)
+    assert worker.wait(30) != 0
+    out = worker.output()
+    assert "restarted" in out, out
+    assert "training started" not in out

@@ -62,11 +62,6 @@ def test_parse_device_raises_usage_error_for_an_invalid_string(text):
 
 
 @pytest.mark.parametrize("text", ["cpu:\u0663", "cpu:\uff11", "cpu:\u0967"])
-@pytest.mark.xfail(
-    reason="BUG: keys._DEVICE uses \\d without re.ASCII, so non-ASCII digits (Arabic-Indic, "
-    "fullwidth, Devanagari) are accepted and silently turned into an ASCII index",
-    strict=True,
-)
 def test_parse_device_rejects_an_index_written_with_non_ascii_digits(text):
     with pytest.raises(UsageError):
         parse_device(text)

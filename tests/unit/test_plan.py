@@ -1,0 +1,676 @@
+"""The broadcast plan: layout, build/validate, and the Chunker -> Receiver stream (collective.plan)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chief.service import materialize
+from collective._proto import collective_pb2 as pb
+from collective.digest import array_digest, combined_digest
+from collective.errors import IntegrityError, ProtocolError
+from collective.keys import GROUP_KEY_START, INSTANCE_KEY_START
+from collective.model import Aggregation, Synchronization, VariableSpec
+from collective.plan import (
+    ALIGN,
+    MAX_CHUNK_BYTES,
+    Chunker,
+    Receiver,
+    build_plan,
+    layout,
+    manifest_digest,
+    spec_of,
+    validate_plan,
+)
+from tests.conftest import ArraySource, small_arrays
+
+W0 = pb.WorkerInfo(rank=0, worker_id="w0", devices=["cpu:0"])
+W1 = pb.WorkerInfo(rank=1, worker_id="w1", devices=["cpu:0", "cpu:1"])
+
+
+def make_plan(arrays, *, chunk_bytes=4096, workers=(W0,)):
+    """Materialise arrays the way the chief does; return (plan, chief arena, specs, digests)."""
+    specs, arena, digests = materialize(ArraySource(dict(arrays)))
+    plan = build_plan(specs, digests, list(workers), chunk_bytes=chunk_bytes, chief_incarnation="x", model="test")
+    return plan, arena, specs, digests
+
+
+def stream(plan, arena):
+    return list(Chunker(plan, arena).chunks())
+
+
+def worker_arena(plan, fill=0xA5):
+    return np.full(plan.total_bytes, fill, dtype=np.uint8)
+
+
+def receive(plan, chunks):
+    """Feed every chunk to a fresh Receiver and finish; return the worker's arena."""
+    out = worker_arena(plan)
+    r = Receiver(plan, out)
+    for c in chunks:
+        r.accept(c)
+    r.finish()
+    return out
+
+
+def reseal(plan):
+    """Recompute the manifest digest after editing a plan, so only the edited rule is broken."""
+    plan.manifest_digest = manifest_digest(plan.variables)
+    return plan
+
+
+def var_bytes(arena, v):
+    return arena[v.offset : v.offset + v.nbytes].tobytes()
+
+
+# Three variables over 392 bytes; with 128-byte chunks the stream is:
+#   [0,128) a + trailer a | [128,256) b | [256,384) b + trailer b | [384,392) c + trailer c | end
+ABC = {
+    "a": np.arange(100, dtype=np.uint8),
+    "b": np.arange(50, dtype="<f4"),
+    "c": np.array(7, dtype=">i8"),
+}
+
+
+@pytest.fixture
+def abc():
+    plan, arena, _, _ = make_plan(ABC, chunk_bytes=128)
+    return plan, arena, stream(plan, arena)
+
+
+def expect_reject(plan, chunks, exc, match):
+    r = Receiver(plan, worker_arena(plan))
+    with pytest.raises(exc, match=match):
+        for c in chunks:
+            r.accept(c)
+        r.finish()
+
+
+# --- layout ------------------------------------------------------------------------------------
+
+
+def specs_of_sizes(sizes):
+    return [VariableSpec(f"v{i}", (n,), "|u1") for i, n in enumerate(sizes)]
+
+
+def test_layout_of_no_variables_is_empty():
+    assert layout([]) == ([], 0)
+
+
+def test_layout_aligns_each_variable_to_64_bytes_and_ends_at_the_last_byte():
+    offsets, total = layout(specs_of_sizes([1, 64, 0, 65, 3]))
+    assert offsets == [0, 64, 128, 128, 256]
+    assert total == 259
+
+
+def test_layout_accounts_for_shape_and_itemsize():
+    specs = [VariableSpec("k", (3, 5), "<f8"), VariableSpec("s", (), ">i2"), VariableSpec("e", (0, 7), "<c16")]
+    assert layout(specs) == ([0, 128, 192], 192)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=300), max_size=30))
+def test_layout_places_variables_aligned_in_order_without_overlap(sizes):
+    specs = specs_of_sizes(sizes)
+    offsets, total = layout(specs)
+    assert len(offsets) == len(specs)
+    end = 0
+    for off, spec in zip(offsets, specs, strict=True):
+        assert off % ALIGN == 0
+        assert end <= off < end + ALIGN
+        end = off + spec.nbytes
+    assert total == end
+
+
+# --- build_plan --------------------------------------------------------------------------------
+
+
+def test_build_plan_gives_one_group_of_every_workers_qualified_devices():
+    plan, *_ = make_plan(ABC, workers=(W0, W1))
+    assert [g.group_key for g in plan.groups] == [GROUP_KEY_START]
+    assert list(plan.groups[0].devices) == sorted(
+        [
+            "/job:worker/task:0/device:CPU:0",
+            "/job:worker/task:1/device:CPU:0",
+            "/job:worker/task:1/device:CPU:1",
+        ]
+    )
+    assert all(v.group_key == GROUP_KEY_START for v in plan.variables)
+    assert plan.num_workers == 2
+    assert list(plan.workers) == [W0, W1]
+
+
+def test_build_plan_numbers_instance_keys_in_model_order():
+    plan, *_ = make_plan({"z": np.zeros(1), "a": np.zeros(1), "m": np.zeros(1)})
+    assert [(v.name, v.instance_key) for v in plan.variables] == [
+        ("z", INSTANCE_KEY_START),
+        ("a", INSTANCE_KEY_START + 1),
+        ("m", INSTANCE_KEY_START + 2),
+    ]
+
+
+def test_build_plan_uses_the_layout_offsets_and_total():
+    plan, arena, specs, _ = make_plan(small_arrays())
+    offsets, total = layout(specs)
+    assert [v.offset for v in plan.variables] == offsets
+    assert [v.nbytes for v in plan.variables] == [s.nbytes for s in specs]
+    assert plan.total_bytes == total == arena.size
+    assert all(v.offset % ALIGN == 0 for v in plan.variables)
+
+
+def test_build_plan_records_shape_dtype_and_the_given_digests():
+    arrays = small_arrays()
+    plan, _, _, digests = make_plan(arrays)
+    assert [v.digest for v in plan.variables] == digests
+    for v, (name, a) in zip(plan.variables, arrays.items(), strict=True):
+        assert v.name == name
+        assert tuple(v.shape) == a.shape
+        assert v.dtype == a.dtype.str
+        assert v.digest == xxhash.xxh3_128_hexdigest(np.ascontiguousarray(a).tobytes())
+
+
+def test_build_plan_manifest_digest_covers_every_name_and_digest_in_order():
+    plan, _, specs, digests = make_plan(small_arrays())
+    assert plan.manifest_digest == combined_digest(zip([s.name for s in specs], digests, strict=True))
+
+
+def test_build_plan_copies_chunk_size_incarnation_and_model():
+    plan, *_ = make_plan(ABC, chunk_bytes=12345)
+    assert (plan.chunk_bytes, plan.chief_incarnation, plan.model) == (12345, "x", "test")
+
+
+def test_build_plan_writes_synchronization_aggregation_and_default_trainable():
+    specs = [
+        VariableSpec("w", (2,), "<f4"),
+        VariableSpec("acc", (2,), "<f4", Synchronization.ON_READ, Aggregation.SUM),
+        VariableSpec("frozen", (2,), "<f4", Synchronization.ON_WRITE, Aggregation.MEAN, trainable=False),
+    ]
+    digests = [array_digest(np.zeros(2, np.float32))] * 3
+    plan = build_plan(specs, digests, [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+    assert [(v.synchronization, v.aggregation, v.trainable) for v in plan.variables] == [
+        ("AUTO", "NONE", True),
+        ("ON_READ", "SUM", False),
+        ("ON_WRITE", "MEAN", False),
+    ]
+    assert [spec_of(v).synchronization for v in plan.variables] == [s.synchronization for s in specs]
+
+
+def test_build_plan_is_deterministic_byte_for_byte():
+    first, *_ = make_plan(small_arrays(), workers=(W0, W1))
+    second, *_ = make_plan(small_arrays(), workers=(W0, W1))
+    assert first.SerializeToString(deterministic=True) == second.SerializeToString(deterministic=True)
+    assert first.SerializeToString() == second.SerializeToString()
+
+
+def test_build_plan_refuses_a_digest_list_of_the_wrong_length():
+    specs = specs_of_sizes([1, 2])
+    with pytest.raises(ValueError):
+        build_plan(specs, ["d"], [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+
+
+def test_build_plan_of_an_empty_model_has_no_variables_and_no_bytes():
+    plan = build_plan([], [], [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+    assert list(plan.variables) == [] and plan.total_bytes == 0
+    assert plan.manifest_digest == xxhash.xxh3_128_hexdigest(b"")
+    validate_plan(plan)
+
+
+# --- validate_plan -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def valid_plan():
+    plan, *_ = make_plan(ABC, chunk_bytes=128)
+    validate_plan(plan)  # the starting point is accepted, so each rejection below is the edit's
+    return plan
+
+
+def test_validate_plan_accepts_a_built_plan_with_every_allowed_dtype():
+    arrays = {
+        f"{o}{c}": np.zeros((2, 3), f"{o}{c}")
+        for o in "<>"
+        for c in ["i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"]
+    }
+    arrays["bool"] = np.zeros(3, bool)
+    arrays["scalar"] = np.array(1.0)
+    arrays["empty"] = np.zeros((0, 4), np.int32)
+    plan, *_ = make_plan(arrays, workers=(W0, W1))
+    validate_plan(plan)
+
+
+def test_validate_plan_rejects_a_duplicate_name(valid_plan):
+    valid_plan.variables[1].name = "a"
+    with pytest.raises(ProtocolError, match="duplicate name"):
+        validate_plan(reseal(valid_plan))
+
+
+def test_validate_plan_rejects_an_empty_name(valid_plan):
+    valid_plan.variables[0].name = ""
+    with pytest.raises(ProtocolError, match="empty or duplicate name"):
+        validate_plan(reseal(valid_plan))
+
+
+def test_validate_plan_rejects_a_duplicate_instance_key(valid_plan):
+    valid_plan.variables[2].instance_key = valid_plan.variables[0].instance_key
+    with pytest.raises(ProtocolError, match="'c'.*instance key 1 is used twice"):
+        validate_plan(reseal(valid_plan))
+
+
+def test_validate_plan_rejects_an_unknown_group_key(valid_plan):
+    valid_plan.variables[1].group_key = 99
+    with pytest.raises(ProtocolError, match="'b'.*group key 99 is not a group"):
+        validate_plan(reseal(valid_plan))
+
+
+@pytest.mark.parametrize("dtype", ["|O", "|V8", "<U2", "|S4", "<M8[ns]", "<m8[s]", "<i4,<i4", "(2,)<i4"])
+def test_validate_plan_rejects_a_dtype_that_is_not_plain_numbers(valid_plan, dtype):
+    valid_plan.variables[0].dtype = dtype
+    with pytest.raises(ProtocolError, match="invalid dtype|not allowed on the wire"):
+        validate_plan(reseal(valid_plan))
+
+
+@pytest.mark.parametrize("dtype", ["", "float31", "x", "{}", "<f4 "])
+def test_validate_plan_rejects_a_dtype_numpy_does_not_understand(valid_plan, dtype):
+    valid_plan.variables[0].dtype = dtype
+    with pytest.raises(ProtocolError, match="invalid dtype"):
+        validate_plan(reseal(valid_plan))
+
+
+@pytest.mark.parametrize("dtype", ["(2,3", "i4,(2", "(-1,)i4", "(99999999999999999999,)u1"])
+def test_validate_plan_rejects_a_malformed_dtype_string_with_protocol_error(valid_plan, dtype):
+    valid_plan.variables[0].dtype = dtype
+    with pytest.raises(ProtocolError):
+        validate_plan(reseal(valid_plan))
+
+
+def test_validate_plan_rejects_a_negative_dimension(valid_plan):
+    valid_plan.variables[0].shape[:] = [-1, -100]
+    with pytest.raises(ProtocolError, match="'a'.*negative dimension"):
+        validate_plan(reseal(valid_plan))
+
+
+@pytest.mark.parametrize("nbytes", [99, 101, 0, 400])
+def test_validate_plan_rejects_nbytes_that_do_not_match_shape_times_itemsize(valid_plan, nbytes):
+    valid_plan.variables[0].nbytes = nbytes
+    with pytest.raises(ProtocolError, match="'a'.*do not fit shape"):
+        validate_plan(reseal(valid_plan))
+
+
+def test_validate_plan_rejects_a_dtype_whose_itemsize_does_not_match_nbytes(valid_plan):
+    valid_plan.variables[1].dtype = "<f8"  # 50 x 8 != 200
+    with pytest.raises(ProtocolError, match="'b'.*do not fit shape"):
+        validate_plan(reseal(valid_plan))
+
+
+def test_validate_plan_rejects_nbytes_one_short_of_a_huge_shape():
+    v = pb.VariableInfo(
+        name="huge", shape=[2**53 + 1], dtype="|u1", group_key=1, instance_key=1,
+        offset=0, nbytes=2**53, digest="d", synchronization="AUTO", aggregation="NONE",
+    )
+    plan = pb.Plan(groups=[pb.GroupInfo(group_key=1)], variables=[v], total_bytes=2**53, chunk_bytes=64)
+    with pytest.raises(ProtocolError, match="do not fit shape"):
+        validate_plan(reseal(plan))
+
+
+def test_validate_plan_rejects_overlapping_variables(valid_plan):
+    valid_plan.variables[1].offset = 64  # 'a' occupies 0..100
+    with pytest.raises(ProtocolError, match="'b'.*overlap or pass the arena end"):
+        validate_plan(reseal(valid_plan))
+
+
+def test_validate_plan_rejects_variables_out_of_arena_order(valid_plan):
+    valid_plan.variables[0].offset, valid_plan.variables[1].offset = 128, 0
+    with pytest.raises(ProtocolError, match="overlap or pass the arena end"):
+        validate_plan(reseal(valid_plan))
+
+
+def test_validate_plan_rejects_a_variable_that_passes_the_arena_end(valid_plan):
+    valid_plan.variables[2].offset = valid_plan.total_bytes - 4  # 8 bytes from there pass the end
+    with pytest.raises(ProtocolError, match="'c'.*overlap or pass the arena end"):
+        validate_plan(reseal(valid_plan))
+
+
+def test_validate_plan_rejects_a_total_smaller_than_the_last_variable(valid_plan):
+    valid_plan.total_bytes -= 1
+    with pytest.raises(ProtocolError, match="'c'.*pass the arena end"):
+        validate_plan(reseal(valid_plan))
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, MAX_CHUNK_BYTES + 1, 2**32 - 1])
+def test_validate_plan_rejects_a_chunk_size_outside_the_allowed_range(valid_plan, chunk_bytes):
+    valid_plan.chunk_bytes = chunk_bytes
+    with pytest.raises(ProtocolError, match="chunk size"):
+        validate_plan(valid_plan)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, MAX_CHUNK_BYTES])
+def test_validate_plan_accepts_the_chunk_size_bounds(valid_plan, chunk_bytes):
+    valid_plan.chunk_bytes = chunk_bytes
+    validate_plan(valid_plan)
+
+
+def test_validate_plan_rejects_a_tampered_manifest_digest(valid_plan):
+    valid_plan.manifest_digest = "0" * 32
+    with pytest.raises(ProtocolError, match="manifest digest"):
+        validate_plan(valid_plan)
+
+
+def test_validate_plan_rejects_a_variable_digest_changed_without_the_manifest(valid_plan):
+    valid_plan.variables[1].digest = "f" * 32
+    with pytest.raises(ProtocolError, match="manifest digest"):
+        validate_plan(valid_plan)
+
+
+def test_validate_plan_rejects_a_renamed_variable_without_the_manifest(valid_plan):
+    valid_plan.variables[1].name = "b2"
+    with pytest.raises(ProtocolError, match="manifest digest"):
+        validate_plan(valid_plan)
+
+
+@pytest.mark.parametrize("field", ["synchronization", "aggregation"])
+def test_validate_plan_rejects_an_unknown_variable_mode(valid_plan, field):
+    setattr(valid_plan.variables[0], field, "SOMETIMES")
+    with pytest.raises(ProtocolError):
+        validate_plan(reseal(valid_plan))
+
+
+# --- Chunker + Receiver: honest streams --------------------------------------------------------
+
+
+def test_stream_round_trip_reproduces_the_chief_arena_byte_for_byte():
+    plan, arena, _, _ = make_plan(small_arrays(), chunk_bytes=1000)
+    out = receive(plan, stream(plan, arena))
+    assert out.tobytes() == arena.tobytes()
+    for v, a in zip(plan.variables, small_arrays().values(), strict=True):
+        assert var_bytes(out, v) == np.ascontiguousarray(a).tobytes()
+
+
+def test_receiver_reports_bytes_received_and_variables_verified(abc):
+    plan, _, chunks = abc
+    r = Receiver(plan, worker_arena(plan))
+    assert (r.bytes_received, r.variables_verified) == (0, 0)
+    r.accept(chunks[0])
+    assert (r.bytes_received, r.variables_verified) == (128, 1)
+    r.accept(chunks[1])
+    assert (r.bytes_received, r.variables_verified) == (256, 1)
+    for c in chunks[2:]:
+        r.accept(c)
+    assert (r.bytes_received, r.variables_verified) == (plan.total_bytes, 3)
+    r.finish()
+
+
+def test_chunker_lays_out_the_expected_frames(abc):
+    plan, _, chunks = abc
+    ka, kb, kc = (v.instance_key for v in plan.variables)
+    assert [c.offset for c in chunks] == [0, 128, 256, 384, 392]
+    assert [len(c.data) for c in chunks] == [128, 128, 128, 8, 0]
+    assert [list(c.instance_keys) for c in chunks] == [[ka], [kb], [kb], [kc], []]
+    assert [[t.instance_key for t in c.trailers] for c in chunks] == [[ka], [], [kb], [kc], []]
+    assert [c.HasField("end") for c in chunks] == [False, False, False, False, True]
+    assert chunks[-1].end.total_bytes == plan.total_bytes
+    assert chunks[-1].end.manifest_digest == plan.manifest_digest
+    assert all(c.group_key == GROUP_KEY_START for c in chunks)
+    assert len(Chunker(plan, np.zeros(plan.total_bytes, np.uint8))) == len(chunks)
+
+
+def test_trailers_carry_each_variables_byte_count_and_digest(abc):
+    plan, _, chunks = abc
+    trailers = [t for c in chunks for t in c.trailers]
+    assert [(t.instance_key, t.nbytes, t.digest) for t in trailers] == [
+        (v.instance_key, v.nbytes, v.digest) for v in plan.variables
+    ]
+
+
+def test_many_small_variables_fuse_into_few_chunks():
+    arrays = {f"v{i}": np.full(100, i % 256, np.uint8) for i in range(500)}
+    plan, arena, _, _ = make_plan(arrays, chunk_bytes=64 * 1024)
+    chunks = stream(plan, arena)
+    data = [c for c in chunks if c.data]
+    assert len(data) <= 2
+    assert len(chunks) == len(data) + 1 and not chunks[-1].data and chunks[-1].HasField("end")
+    assert sum(len(c.instance_keys) for c in data) == 500
+    assert sum(len(c.trailers) for c in chunks) == 500
+    out = receive(plan, chunks)
+    assert out.tobytes() == arena.tobytes()
+
+
+def test_one_large_variable_spans_ceil_total_over_chunk_size_chunks():
+    big = np.arange(100_003, dtype=np.uint8)
+    plan, arena, _, _ = make_plan({"big": big}, chunk_bytes=4096)
+    chunks = stream(plan, arena)
+    assert len(chunks) == math.ceil(100_003 / 4096) + 1 == 26
+    assert all(list(c.instance_keys) == [plan.variables[0].instance_key] for c in chunks[:-1])
+    assert [len(c.trailers) for c in chunks] == [0] * 24 + [1, 0]
+    assert len(chunks[-2].data) == 100_003 - 24 * 4096
+    assert var_bytes(receive(plan, chunks), plan.variables[0]) == big.tobytes()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 100, 128, 391, 392, 393, MAX_CHUNK_BYTES])
+def test_stream_count_is_ceil_total_over_chunk_size_plus_the_end_message(chunk_bytes):
+    plan, arena, _, _ = make_plan(ABC, chunk_bytes=chunk_bytes)
+    chunks = stream(plan, arena)
+    assert len(chunks) == math.ceil(plan.total_bytes / chunk_bytes) + 1
+    assert receive(plan, chunks).tobytes() == arena.tobytes()
+
+
+def test_zero_size_and_0d_variables_round_trip():
+    arrays = {
+        "empty_first": np.zeros((0,), np.float32),
+        "scalar": np.array(2.5, ">f8"),
+        "empty_mid": np.zeros((3, 0), np.int64),
+        "vec": np.arange(5, dtype=np.int16),
+        "empty_last": np.zeros((0, 0, 2), np.complex64),
+    }
+    plan, arena, _, _ = make_plan(arrays, chunk_bytes=16)
+    chunks = stream(plan, arena)
+    assert sorted(t.instance_key for c in chunks for t in c.trailers) == sorted(
+        v.instance_key for v in plan.variables
+    )
+    empty_keys = {v.instance_key for v in plan.variables if v.nbytes == 0}
+    assert not empty_keys & {k for c in chunks for k in c.instance_keys}
+    out = receive(plan, chunks)
+    assert out.tobytes() == arena.tobytes()
+    for v, a in zip(plan.variables, arrays.values(), strict=True):
+        assert var_bytes(out, v) == a.tobytes()
+
+
+def test_a_model_of_only_empty_variables_is_one_end_message_with_every_trailer():
+    plan, arena, _, _ = make_plan({"e1": np.zeros(0), "e2": np.zeros((0, 4))})
+    chunks = stream(plan, arena)
+    assert plan.total_bytes == 0
+    assert len(chunks) == 1 and chunks[0].HasField("end") and len(chunks[0].trailers) == 2
+    r = Receiver(plan, worker_arena(plan))
+    r.accept(chunks[0])
+    r.finish()
+    assert r.variables_verified == 2
+
+
+def test_an_empty_model_streams_a_single_end_message_of_total_zero():
+    plan = build_plan([], [], [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+    chunks = stream(plan, np.zeros(0, np.uint8))
+    assert len(chunks) == 1
+    assert chunks[0].HasField("end") and chunks[0].end.total_bytes == 0 and not chunks[0].data
+    assert receive(plan, chunks).size == 0
+
+
+def test_an_empty_model_stream_without_its_end_message_ended_early():
+    plan = build_plan([], [], [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+    with pytest.raises(IntegrityError, match="ended early"):
+        Receiver(plan, np.zeros(0, np.uint8)).finish()
+
+
+def test_the_stream_survives_protobuf_serialization():
+    plan, arena, _, _ = make_plan(small_arrays(), chunk_bytes=333)
+    plan = pb.Plan.FromString(plan.SerializeToString())
+    chunks = [pb.Chunk.FromString(c.SerializeToString()) for c in stream(plan, arena)]
+    assert receive(plan, chunks).tobytes() == arena.tobytes()
+
+
+def test_one_chunker_serves_several_receivers_identically(abc):
+    plan, arena, _ = abc
+    chunker = Chunker(plan, arena)
+    first, second = list(chunker.chunks()), list(chunker.chunks())
+    assert [c.SerializeToString() for c in first] == [c.SerializeToString() for c in second]
+
+
+# --- Receiver: rejected streams ----------------------------------------------------------------
+
+
+def test_receiver_rejects_an_unknown_instance_key(abc):
+    plan, _, chunks = abc
+    chunks[0].instance_keys.append(99)
+    expect_reject(plan, chunks, ProtocolError, "instance key 99, not in the plan")
+
+
+def test_receiver_rejects_an_unknown_group_key(abc):
+    plan, _, chunks = abc
+    chunks[1].group_key = 999
+    expect_reject(plan, chunks, ProtocolError, "offset 128 has group key 999, not in the plan")
+
+
+def test_receiver_rejects_a_chunk_that_skips_ahead(abc):
+    plan, _, chunks = abc
+    expect_reject(plan, chunks[1:], ProtocolError, "offset 128 arrived where offset 0 was expected")
+
+
+def test_receiver_rejects_a_repeated_chunk(abc):
+    plan, _, chunks = abc
+    expect_reject(plan, [chunks[0], chunks[0]], ProtocolError, "offset 0 arrived where offset 128")
+
+
+def test_receiver_rejects_chunks_out_of_order(abc):
+    plan, _, chunks = abc
+    swapped = [chunks[0], chunks[2], chunks[1], *chunks[3:]]
+    expect_reject(plan, swapped, ProtocolError, "offset 256 arrived where offset 128 was expected")
+
+
+def test_receiver_rejects_an_offset_that_is_not_a_chunk_boundary(abc):
+    plan, _, chunks = abc
+    chunks[0].offset = 1
+    expect_reject(plan, chunks, ProtocolError, "offset 1 arrived where offset 0")
+
+
+@pytest.mark.parametrize("delta", [-1, +1])
+def test_receiver_rejects_a_chunk_of_the_wrong_length(abc, delta):
+    plan, _, chunks = abc
+    chunks[1].data = chunks[1].data[:-1] if delta < 0 else chunks[1].data + b"\0"
+    expect_reject(plan, chunks, IntegrityError, f"offset 128 has {128 + delta} bytes; the plan says 128")
+
+
+def test_receiver_rejects_data_on_the_end_message(abc):
+    plan, _, chunks = abc
+    chunks[-1].data = b"x"
+    expect_reject(plan, chunks, IntegrityError, "has 1 bytes; the plan says 0")
+
+
+def test_receiver_rejects_instance_keys_that_do_not_match_the_plan_for_that_offset(abc):
+    plan, _, chunks = abc
+    ka, kb, _ = (v.instance_key for v in plan.variables)
+    chunks[1].instance_keys[:] = [ka]  # a known key, but 'a' has no bytes at offset 128
+    expect_reject(plan, chunks, ProtocolError, rf"names instance keys \[{ka}\]; the plan puts \[{kb}\]")
+
+
+def test_receiver_rejects_a_chunk_that_omits_its_instance_keys(abc):
+    plan, _, chunks = abc
+    del chunks[2].instance_keys[:]
+    expect_reject(plan, chunks, ProtocolError, "the plan puts")
+
+
+def test_receiver_rejects_a_trailer_with_the_wrong_count(abc):
+    plan, _, chunks = abc
+    chunks[2].trailers[0].nbytes = 199
+    expect_reject(plan, chunks, IntegrityError, "variable 'b': trailer counts 199 bytes; the plan says 200")
+
+
+def test_receiver_rejects_a_trailer_for_an_unknown_instance_key(abc):
+    plan, _, chunks = abc
+    chunks[0].trailers.add(instance_key=77, nbytes=1, digest="d")
+    expect_reject(plan, chunks, ProtocolError, "trailer for instance key 77")
+
+
+def test_receiver_rejects_a_trailer_that_arrives_before_the_variables_last_byte(abc):
+    plan, _, chunks = abc
+    chunks[1].trailers.extend(chunks[2].trailers)
+    del chunks[2].trailers[:]
+    expect_reject(plan, chunks, IntegrityError, "variable 'b': trailer arrived after 128 of 200 bytes")
+
+
+@pytest.mark.parametrize(("chunk", "name"), [(0, "a"), (1, "b"), (2, "b"), (3, "c")])
+def test_receiver_names_the_variable_whose_bytes_have_a_flipped_bit(abc, chunk, name):
+    plan, _, chunks = abc
+    data = bytearray(chunks[chunk].data)
+    data[len(data) // 3] ^= 0x10
+    chunks[chunk].data = bytes(data)
+    expect_reject(plan, chunks, IntegrityError, f"variable '{name}': digest of received bytes")
+
+
+def test_receiver_rejects_a_trailer_digest_that_differs_from_the_plan(abc):
+    plan, _, chunks = abc
+    chunks[0].trailers[0].digest = "0" * 32
+    expect_reject(plan, chunks, IntegrityError, "variable 'a': digest")
+
+
+def test_receiver_checks_received_bytes_against_the_plan_not_only_the_trailer(abc):
+    plan, _, chunks = abc
+    forged = bytes(b ^ 0xFF for b in chunks[0].data)
+    chunks[0].data = forged
+    chunks[0].trailers[0].digest = xxhash.xxh3_128_hexdigest(forged[: plan.variables[0].nbytes])
+    expect_reject(plan, chunks, IntegrityError, f"variable 'a': .* differs from the chief's {plan.variables[0].digest}")
+
+
+def test_receiver_rejects_a_message_after_the_end(abc):
+    plan, _, chunks = abc
+    r = Receiver(plan, worker_arena(plan))
+    for c in chunks:
+        r.accept(c)
+    with pytest.raises(ProtocolError, match="after the end of the stream"):
+        r.accept(chunks[-1])
+
+
+@pytest.mark.parametrize("kept", [0, 1, 3, 4])
+def test_a_truncated_stream_ended_early(abc, kept):
+    plan, _, chunks = abc
+    r = Receiver(plan, worker_arena(plan))
+    for c in chunks[:kept]:
+        r.accept(c)
+    with pytest.raises(IntegrityError, match=f"stream ended early: {r.bytes_received} of 392 bytes"):
+        r.finish()
+
+
+def test_a_truncated_stream_names_the_first_unverified_variable(abc):
+    plan, _, chunks = abc
+    r = Receiver(plan, worker_arena(plan))
+    r.accept(chunks[0])
+    with pytest.raises(IntegrityError, match=r"2 variable\(s\) unverified \(first: b\)"):
+        r.finish()
+
+
+def test_receiver_rejects_an_end_with_the_wrong_total(abc):
+    plan, _, chunks = abc
+    chunks[-1].end.total_bytes += 64
+    expect_reject(plan, chunks, IntegrityError, "stream end claims 456 bytes after 392 received; the plan has 392")
+
+
+def test_receiver_rejects_an_end_before_the_last_byte(abc):
+    plan, _, chunks = abc
+    chunks[1].end.total_bytes = plan.total_bytes
+    chunks[1].end.manifest_digest = plan.manifest_digest
+    expect_reject(plan, chunks, IntegrityError, "stream end claims 392 bytes after 256 received; the plan has 392")
+
+
+def test_receiver_rejects_an_end_with_the_wrong_manifest(abc):
+    plan, _, chunks = abc
+    chunks[-1].end.manifest_digest = "0" * 32
+    expect_reject(plan, chunks, IntegrityError, "manifest digest that differs from the plan's")
+
+
+def test_receiver_rejects_a_stream_whose_trailers_were_dropped(abc):
+    plan, _, chunks = abc
+    for c in chunks:
+        del c.trailers[:]
+    expect_reject(plan, chunks, IntegrityError, "variables never verified: a, b, c")
