@@ -74,8 +74,12 @@ class Cluster:
         return p
 
     def worker(self, name: str, *args: str, chief: str | None = None, env: dict[str, str] | None = None) -> Proc:
-        p = Proc(["-m", "worker", "--chief", chief or self.address, "--worker-id", name, *args],
-                 self.tmp / f"{name}.log", env)
+        log = self.tmp / f"{name}.log"
+        n = 1
+        while log.exists():  # a second process with the same id (a restart, a twin) gets its own log
+            n += 1
+            log = self.tmp / f"{name}-{n}.log"
+        p = Proc(["-m", "worker", "--chief", chief or self.address, "--worker-id", name, *args], log, env)
         self.procs.append(p)
         return p
 

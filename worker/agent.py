@@ -120,6 +120,7 @@ class WorkerAgent:
         self.ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation)
         self.rank = -1
         self.bytes_received = 0
+        self._last_data = 0.0
 
     def run(self) -> WorkerResult:
         """Join, receive, verify, report ready and wait for start. Blocks; see the module doc."""
@@ -150,7 +151,8 @@ class WorkerAgent:
             try:
                 reply = self.link.heartbeat(self.ref, timeout=min(t.heartbeat, t.lease / 2))
             except (ChiefUnreachableError, DeadlineError) as exc:
-                silent = time.monotonic() - last_ok
+                # Data still arriving proves the chief alive, whatever became of the heartbeat.
+                silent = time.monotonic() - max(last_ok, self._last_data)
                 if silent > t.lease:
                     # Refused connections mean the chief is gone; unanswered ones that it is frozen.
                     frozen = isinstance(exc, DeadlineError) or "did not answer" in str(exc)
@@ -216,6 +218,7 @@ class WorkerAgent:
         for chunk in self.link.fetch(self.ref, stall_timeout=t.stall):
             receiver.accept(chunk)
             self.bytes_received = receiver.bytes_received
+            self._last_data = time.monotonic()
         receiver.finish()
         recv_s = time.monotonic() - t_recv
         logs.phase("verify")

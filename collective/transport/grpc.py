@@ -313,18 +313,25 @@ class GrpcChiefLink(ChiefLink):
         self.address = address
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
         self.tls = tls if tls is not None and tls.enabled else None
-        if self.tls is not None:
-            options = list(CLIENT_OPTIONS)
-            if self.tls.server_name:
-                options.append(("grpc.ssl_target_name_override", self.tls.server_name))
-            self._channel = grpc.secure_channel(address, self.tls.channel_credentials(), options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._channel = self._open("data")
         self._stub = pb_grpc.CollectiveStub(self._channel)
+        # Heartbeats get a TCP connection of their own: on a slow link a reply queued behind
+        # megabytes of chunks in the data connection would arrive too late and look like death.
+        self._hb_channel = self._open("heartbeat")
+        self._hb_stub = pb_grpc.CollectiveStub(self._hb_channel)
         self._lock = threading.Lock()
         self._active: set = set()
         self._interrupted: E.CollectiveError | None = None
         self.retry_window = 0.0  # set by the worker to its heartbeat lease
+
+    def _open(self, purpose: str) -> grpc.Channel:
+        # A local subchannel pool keeps the two channels from sharing one connection.
+        options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1), ("collective.purpose", purpose)]
+        if self.tls is None:
+            return grpc.insecure_channel(self.address, options=options)
+        if self.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        return grpc.secure_channel(self.address, self.tls.channel_credentials(), options=options)
 
     def interrupt(self, error: E.CollectiveError) -> None:
         with self._lock:
@@ -479,7 +486,7 @@ class GrpcChiefLink(ChiefLink):
 
     def heartbeat(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
         try:
-            return self._stub.Heartbeat(ref, timeout=timeout, metadata=self._metadata)
+            return self._hb_stub.Heartbeat(ref, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise self._error(exc, "heartbeat", timeout) from None
 
@@ -488,3 +495,4 @@ class GrpcChiefLink(ChiefLink):
 
     def close(self) -> None:
         self._channel.close()
+        self._hb_channel.close()

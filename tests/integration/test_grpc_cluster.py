@@ -198,3 +198,31 @@ def test_a_worker_declaring_a_different_model_is_refused_before_any_bytes_move(t
     same = cluster.worker("same", "--expect-model", str(chief_spec), *FAST)
     assert same.wait(30) == 0, same.output()
     assert chief.wait(30) == 0
+
+
+def test_every_collective_rpc_refuses_a_wrong_token_before_any_state_changes(cluster):
+    import grpc
+
+    from collective._proto import collective_pb2 as pb
+    from collective._proto import collective_pb2_grpc as pb_grpc
+
+    cluster.chief("--workers", "1", *FAST, env={"COLLECTIVE_TOKEN": "right"})
+    ref = pb.WorkerRef(worker_id="x", incarnation="i")
+    calls = {
+        "Join": pb.JoinRequest(worker_id="x", incarnation="i", devices=["cpu:0"]),
+        "GetPlan": ref, "Fetch": ref, "AwaitStart": ref, "Heartbeat": ref,
+        "ReportReady": pb.ReadyRequest(worker=ref),
+        "ReportFailure": pb.FailureReport(worker=ref, message="boom"),
+        "Status": pb.StatusRequest(),
+    }
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.CollectiveStub(channel)
+        for name, request in calls.items():
+            method = getattr(stub, name)
+            with pytest.raises(grpc.RpcError) as info:
+                result = method(request, timeout=5, metadata=(("x-collective-token", "wrong"),))
+                if name == "Fetch":
+                    list(result)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        status = stub.Status(pb.StatusRequest(), timeout=5, metadata=(("x-collective-token", "right"),))
+    assert status.joined == 0 and status.phase == "joining"

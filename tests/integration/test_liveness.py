@@ -131,3 +131,60 @@ def test_a_restarted_chief_makes_connected_workers_abort_naming_the_restart(clus
     out = worker.output()
     assert "restarted" in out, out
     assert "training started" not in out
+
+
+def test_a_late_joiner_inside_the_join_window_still_makes_the_round(cluster):
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
+    early = cluster.worker("early", "--join-timeout", "60", *HB)
+    wait_for(early, "waiting for the plan")
+    time.sleep(1.0)  # several heartbeats pass while the chief waits
+    late = cluster.worker("late", "--join-timeout", "60", *HB)
+    assert late.wait(60) == 0 and early.wait(60) == 0
+    assert chief.wait(30) == 0
+
+
+def test_two_live_processes_claiming_one_id_the_second_is_refused_and_the_first_keeps_its_rank(cluster):
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
+    first = cluster.worker("twin", "--rank", "1", "--join-timeout", "60", *HB)
+    wait_for(first, "as rank 1 of 2")
+    second = cluster.worker("twin", "--join-timeout", "60", *HB)
+    assert second.wait(30) != 0
+    assert "worker id 'twin' is held by incarnation" in second.output()
+    other = cluster.worker("other", "--join-timeout", "60", *HB)
+    assert first.wait(60) == 0 and other.wait(60) == 0
+    assert chief.wait(30) == 0
+    assert "as rank 1 of 2" in first.output()
+
+
+def test_a_worker_restarted_after_the_broadcast_began_aborts_the_round_naming_it(cluster):
+    chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
+                          "--join-timeout", "60", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
+    old = cluster.worker("phoenix", "--join-timeout", "60", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
+    other = cluster.worker("other", "--join-timeout", "60", *HB)
+    wait_for(old, "phase=receive")
+    old.signal(signal.SIGSTOP)  # frozen, its connection still open: only the restart can tell
+    try:
+        reborn = cluster.worker("phoenix", "--join-timeout", "60", *HB)
+        assert chief.wait(30) != 0
+        assert "worker phoenix" in chief.output() and "restarted" in chief.output()
+        assert reborn.wait(30) != 0 and other.wait(30) != 0
+        assert "restarted" in other.output()
+    finally:
+        old.signal(signal.SIGCONT)
+
+
+def test_sigterm_mid_broadcast_tells_everyone_and_releases_the_port(cluster):
+    import socket
+
+    chief = cluster.chief("--workers", "1", "--model", "transformer-100m", "--chunk-bytes", "65536",
+                          "--join-timeout", "60", *HB)
+    worker = cluster.worker("w0", "--join-timeout", "60", *HB)
+    wait_for(worker, "phase=receive")
+    chief.signal(signal.SIGTERM)
+    assert chief.wait(30) != 0
+    assert worker.wait(30) != 0
+    assert "chief shutting down" in worker.output()
+    host, port = cluster.address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, int(port)))  # the chief released its port

@@ -160,3 +160,29 @@ def test_a_worker_whose_link_is_cut_after_joining_is_named_by_the_chief(tmp_path
         f"{w2_seconds:.1f} s naming the chief as unreachable"
     )
 
+
+
+def test_a_slow_link_completes_with_identical_digests_and_no_false_heartbeat_timeouts(tmp_path, namespaces, report_figure):
+    """Case 14: one worker behind a 20 Mbit/s link, heartbeats every 0.3 s with a 1.5 s lease."""
+    spec = tmp_path / "model.yaml"
+    spec.write_text("seed: 1\nvariables:\n  - {name: w, shape: [1024, 1536], dtype: float32, initializer: glorot_uniform}\n")
+    env = compose_env(COLLECTIVE_WORKERS="2", COLLECTIVE_MODEL=str(spec), COLLECTIVE_HEARTBEAT_INTERVAL="0.3",
+                      COLLECTIVE_HEARTBEAT_TIMEOUT="1.5", COLLECTIVE_CHUNK_BYTES="1048576")
+    services = load_compose(env=env)
+    result_file = tmp_path / "result.json"
+    with Topology(["chief", "worker-1", "worker-2"], tmp_path) as net:
+        net.shape("worker-2", "20mbit")
+        chief = net.run_service(services["chief"], "chief", extra_env={"COLLECTIVE_RESULT_FILE": str(result_file)})
+        chief.wait_for("serving on", 30)
+        workers = [net.run_service(services["worker"], h) for h in ("worker-1", "worker-2")]
+        codes = wait_all([chief, *workers], 90)
+        chief_log = chief.output()
+    assert set(codes.values()) == {0}, chief_log
+    result = json.loads(result_file.read_text())
+    assert result["ok"] is True and len({w["digest"] for w in result["workers"]}) == 1
+    assert "no heartbeat" not in chief_log and "lost" not in chief_log
+    seconds = result["seconds"]
+    # 6 MiB over 20 Mbit/s takes at least 2.5 s: the shaping was real.
+    assert seconds > 2.0, seconds
+    report_figure(f"slow link: {result['bytes']} bytes to 2 workers, one behind 20 Mbit/s, in {seconds:.2f} s; "
+                  f"heartbeat lease 1.5 s, no false timeout")

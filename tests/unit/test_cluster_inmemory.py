@@ -127,3 +127,56 @@ def test_a_corrupted_chunk_is_caught_naming_the_variable_and_start_is_never_rele
     # The worker told the chief, so the chief aborted at once rather than at its ready deadline.
     assert isinstance(sup, AbortedError) and "w0" in str(sup) and "'b'" in str(sup)
     assert service.phase is Phase.FAILED
+
+
+def test_the_chief_refuses_a_ready_report_whose_digest_differs_naming_worker_variable_and_replica():
+    from collective._proto import collective_pb2 as pb
+
+    service, endpoint, agents = cluster({"a": np.arange(4, dtype=np.float32)}, [["cpu:0", "cpu:1"]])
+    link = endpoint.link()
+    ref = pb.WorkerRef(worker_id="forger", incarnation="i1")
+    link.join(pb.JoinRequest(worker_id="forger", incarnation="i1", devices=["cpu:0", "cpu:1"]), 1)
+    link.get_plan(ref, 1)
+    list(link.fetch(ref, 1))
+    good = service.digests[0]
+    forged = pb.ReadyRequest(worker=ref, replicas=[
+        pb.ReplicaDigest(variable="a", replica="a", device="cpu:0", digest=good),
+        pb.ReplicaDigest(variable="a", replica="a/replica_1", device="cpu:1", digest="0" * 32),
+    ])
+    with pytest.raises(AbortedError, match=r"forger.*'a'.*'a/replica_1'"):
+        link.report_ready(forged, 1)
+    assert service.phase is Phase.FAILED
+    with pytest.raises(AbortedError):
+        link.await_start(ref, 1)
+
+
+def test_a_join_after_start_is_refused_and_the_started_round_is_unaffected():
+    from collective._proto import collective_pb2 as pb
+    from collective.errors import PreconditionError
+
+    service, endpoint, agents = cluster({"w": np.ones(2)}, [["cpu:0"]])
+    r, _ = run_threads([agents[0].run, service.supervise])
+    assert service.phase is Phase.STARTED
+    with pytest.raises(PreconditionError, match="joins are closed"):
+        endpoint.link().join(pb.JoinRequest(worker_id="late", incarnation="x", devices=["cpu:0"]), 1)
+    assert service.phase is Phase.STARTED and service.result()["ok"] is True
+
+
+def test_a_variable_over_2_gib_arrives_bit_exact_in_bounded_memory():
+    """Case 18, in one process: chief arena + worker arena, and nothing near a third copy."""
+    import resource
+
+    n = (2**31 + 4096) // 4  # just over 2 GiB of float32
+    big = np.zeros(n, np.float32)
+    big[::1_000_003] = np.arange(len(big[::1_000_003]), dtype=np.float32)
+    small = np.arange(5, dtype=np.int16)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    service, _, agents = cluster({"big": big, "small": small}, [["cpu:0"]], chunk_bytes=16 << 20)
+    r, sup = run_threads([agents[0].run, service.supervise], timeout=300)
+    assert sup is None, sup
+    got = r.variables.get("big").replicas[0]
+    assert got.nbytes > 2**31
+    assert np.array_equal(got, big) and r.variables.get("small").replicas[0].tobytes() == small.tobytes()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # the test's own array, the chief's arena and the worker's arena: 3 payloads, plus slack
+    assert peak - before < 2.3 * big.nbytes + (512 << 20), f"peak grew by {(peak - before) / 2**30:.2f} GiB"
