@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint proto install clean certs
+.PHONY: demo test lint proto install clean certs soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	bash scripts/install-test-deps.sh
 	$(PY) -m pytest -q
+
+soak: $(STAMP)
+	$(PY) tests/soak.py --rounds 120
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -17,6 +17,7 @@ from collective.config import (
     add_timeout_options,
     add_tls_options,
     parse_address,
+    parse_bool,
     positive_int,
     timeouts_from_args,
     tls_from_args,
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "bind", help="HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051")
     add_option(p, "token", help="cluster token every worker must present", default=None)
     add_tls_options(p, worker=False)
+    add_option(p, "shm", help="offer the arena to workers on this host through shared memory (--no-shm: network only)",
+               type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
     add_option(p, "chunk-bytes", help="bytes per data message", type=positive_int, default=DEFAULT_CHUNK_BYTES)
     add_timeout_options(p, "join", "ready", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
@@ -75,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
         tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
     source = load_source(args.model, seed=args.seed)
     service = ChiefService(
-        source, args.workers, timeouts=timeouts_from_args(args), chunk_bytes=args.chunk_bytes
+        source, args.workers, timeouts=timeouts_from_args(args), chunk_bytes=args.chunk_bytes, shm=args.shm
     )
     endpoint = GrpcEndpoint(args.bind, token=args.token, max_workers=3 * args.workers + 8, tls=tls)
     address = endpoint.start(service)
@@ -98,6 +101,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.result_file:
             Path(args.result_file).write_text(json.dumps(service.result()))
         endpoint.stop(grace=1.0)
+        service.close()
 
 
 if __name__ == "__main__":

@@ -79,14 +79,17 @@ class Member:
         return [variable if i == 0 else f"{variable}/replica_{i}" for i in range(len(self.devices))]
 
 
-def materialize(source: ModelSource) -> tuple[list[VariableSpec], np.ndarray, list[str]]:
+def materialize(
+    source: ModelSource, allocate=lambda n: np.zeros(n, dtype=np.uint8)
+) -> tuple[list[VariableSpec], np.ndarray, list[str]]:
     """Fill every initial value straight into one arena; return specs, arena and digests.
 
-    Callable and seeded initializers run here, on the chief only.
+    ``allocate(nbytes)`` makes the arena (a memfd mapping for the shared-memory path). Callable
+    and seeded initializers run here, on the chief only.
     """
     specs = source.specs()
     offsets, total = layout(specs)
-    arena = np.zeros(total, dtype=np.uint8)
+    arena = allocate(total)
     digests = []
     for spec, off in zip(specs, offsets, strict=True):
         view = arena[off : off + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
@@ -108,6 +111,7 @@ class ChiefService:
         incarnation: str | None = None,
         transport: str = "grpc",
         heartbeats: bool = True,
+        shm: bool = False,
     ) -> None:
         if num_workers < 1:
             raise UsageError(f"--workers must be at least 1, got {num_workers}")
@@ -122,9 +126,26 @@ class ChiefService:
         self.heartbeats = heartbeats
         self.source = source
         t0 = time.monotonic()
-        self.specs, self.arena, self.digests = materialize(source)
+        self._shared = self._shm = None
+        if shm:
+            from collective.transport.shm import SharedArena
+
+            def allocate(n: int) -> np.ndarray:
+                self._shared = SharedArena(n)
+                return self._shared.array
+
+            self.specs, writable, self.digests = materialize(source, allocate)
+            del writable  # the seal needs every writable view of the mapping gone
+            self._shared.seal()  # read-only from here on, for the chief too
+            self.arena = self._shared.array
+        else:
+            self.specs, self.arena, self.digests = materialize(source)
         self.materialize_seconds = time.monotonic() - t0
         self._cond = threading.Condition(threading.RLock())  # reentrant: fail() may run under it
+        if self._shared is not None:
+            from collective.transport.shm import ShmServer
+
+            self._shm = ShmServer(self._shared, self._shm_admit)
         self._members: dict[str, Member] = {}
         self._phase = Phase.JOINING
         self._error: CollectiveError | None = None
@@ -258,6 +279,8 @@ class ChiefService:
             chief_incarnation=self.incarnation,
             model=self.source.description,
         )
+        if self._shm is not None:
+            self._plan.shm_socket, self._plan.shm_secret = self._shm.name, self._shm.secret
         self._chunker = Chunker(self._plan, self.arena)
         self._phase, self._phase_at = Phase.BROADCASTING, time.monotonic()
         logs.phase("broadcast")
@@ -306,6 +329,29 @@ class ChiefService:
                 m.bytes_sent += len(chunk.data)
         for m in members:
             m.phase = "verifying"
+
+    def _shm_admit(self, worker_id: str, incarnation: str) -> str | None:
+        """A member on this host asks for the shared arena: admit it (None) or say why not."""
+        with self._cond:
+            m = self._members.get(worker_id)
+            if m is None or m.incarnation != incarnation:
+                return f"worker {worker_id!r} (incarnation {incarnation}) is not a member"
+            if self._phase is not Phase.BROADCASTING:
+                return f"the round is {self._phase.value}"
+            if self._first_byte_at is None:
+                self._first_byte_at = time.monotonic()
+            m.phase, m.bytes_sent, m.last_seen = "verifying", int(self.arena.nbytes), time.monotonic()
+            log.info("%s takes the arena through shared memory", m.name())
+            return None
+
+    def close(self) -> None:
+        """Release the shared arena's socket and descriptor (workers keep their mappings)."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
         with self._cond:

@@ -12,6 +12,7 @@ from collective.config import (
     add_option,
     add_timeout_options,
     add_tls_options,
+    parse_bool,
     positive_float,
     positive_int,
     timeouts_from_args,
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(launch, "run-dir", help="where each process's log and the summary go (default: a new temp dir)", default=None)
     add_option(launch, "chunk-bytes", help="bytes per data message", type=positive_int, default=None)
     add_timeout_options(launch, "join", "ready", "start", "heartbeat")
+    add_option(launch, "shm", help="same-host workers take the arena through shared memory (--no-shm: network only)",
+               type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
     launch.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
     launch.add_argument("--quiet", action="store_true", help="do not echo the processes' log lines")
 
@@ -83,6 +86,7 @@ def _launch(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_bytes,
         quiet=args.quiet,
         transport=args.transport,
+        shm=args.shm,
     )
     result = launcher.run()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout)

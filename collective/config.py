@@ -54,6 +54,17 @@ def positive_float(text: str) -> float:
     return v
 
 
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    low = str(text).strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
 def positive_int(text: str) -> int:
     try:
         v = int(text)

@@ -52,7 +52,9 @@ class Launcher:
         out: TextIO | None = None,
         quiet: bool = False,
         transport: str = "grpc",
+        shm: bool = True,
     ) -> None:
+        self.shm = shm
         if transport not in ("grpc", "mpi"):
             raise UsageError(f"--transport {transport!r} is not one of grpc, mpi")
         self.transport = transport
@@ -151,6 +153,7 @@ class Launcher:
                 "-m", "chief", "--workers", str(self.workers), "--model", self.model,
                 "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--result-file", str(result_file),
                 "--join-timeout", str(t.join), "--ready-timeout", str(t.ready),
+                "--shm" if self.shm else "--no-shm",
             ]
             if self.seed is not None:
                 chief_args += ["--seed", str(self.seed)]
@@ -167,6 +170,7 @@ class Launcher:
                             "-m", "worker", "--chief", f"127.0.0.1:{port}", "--worker-id", f"worker-{i}",
                             "--rank", str(i), "--devices", self.devices,
                             "--join-timeout", str(t.join), "--start-timeout", str(t.start),
+                            "--shm" if self.shm else "--no-shm",
                         ],
                         f"worker-{i}.log",
                     )

@@ -340,6 +340,11 @@ class Receiver:
         """Raise IntegrityError unless the whole stream arrived and every variable verified."""
         missing = [v.name for v in self._plan.variables if v.instance_key not in self._verified]
         if not self._ended:
+            if self._pos == self._plan.total_bytes and not missing:
+                raise IntegrityError(
+                    f"stream ended without its end message (total and manifest digest) after all "
+                    f"{self._pos} bytes; a stream that does not end properly is never taken as complete"
+                )
             raise IntegrityError(
                 f"stream ended early: {self._pos} of {self._plan.total_bytes} bytes, "
                 f"{len(missing)} variable(s) unverified (first: {missing[0] if missing else '-'})"

@@ -12,6 +12,7 @@ from collective.config import (
     add_timeout_options,
     add_tls_options,
     parse_address,
+    parse_bool,
     timeouts_from_args,
     tls_from_args,
 )
@@ -28,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "rank", help="preferred rank (the chief gives another if it is taken)", type=int, default=-1)
     add_option(p, "token", help="the cluster token", default=None)
     add_tls_options(p, worker=True)
+    add_option(p, "shm", help="take the arena through shared memory when on the chief's host (--no-shm: network only)",
+               type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
     add_option(p, "expect-model", help="refuse to join unless the chief's variables match this model's "
                "(preset, spec, .npz, .safetensors; only names, shapes, dtypes and modes are read)", default=None)
     add_timeout_options(p, "join", "stall", "start", "heartbeat")
@@ -74,6 +77,7 @@ def _run(args: argparse.Namespace) -> int:
         timeouts=timeouts_from_args(args),
         expected=expected,
         tls=tls_from_args(args),
+        shm=args.shm,
     )
     log.info(
         "training started: %d variables x %d replicas, worker digest %s",

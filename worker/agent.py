@@ -107,8 +107,10 @@ class WorkerAgent:
         timeouts: Timeouts | None = None,
         host: str | None = None,
         expected: Sequence[VariableSpec] | None = None,
+        shm: bool = True,
     ) -> None:
         self.link = link
+        self.use_shm = shm
         self.link.retry_window = (timeouts or Timeouts()).lease
         self.expected = list(expected) if expected else []
         self.worker_id = worker_id or default_worker_id()
@@ -125,6 +127,7 @@ class WorkerAgent:
     def run(self) -> WorkerResult:
         """Join, receive, verify, report ready and wait for start. Blocks; see the module doc."""
         self._stop_heartbeat = threading.Event()
+        self._stream = None
         try:
             return self._run()
         except CollectiveError as exc:
@@ -138,6 +141,37 @@ class WorkerAgent:
             raise
         finally:
             self._stop_heartbeat.set()
+            if self._stream is not None:
+                self._stream.close()
+
+    def _attach_shared(self, plan: pb.Plan) -> np.ndarray | None:
+        """The chief's arena mapped copy-on-write when we share its host, else None.
+
+        Not verified here: every replica's digest is checked below, replica 0 being this view.
+        """
+        if not (self.use_shm and plan.shm_socket):
+            return None
+        from collective.transport.shm import attach
+
+        arena = attach(plan.shm_socket, plan.shm_secret, self.worker_id, self.incarnation, plan.total_bytes)
+        if arena is not None:
+            self.bytes_received = plan.total_bytes
+            self._last_data = time.monotonic()
+        return arena
+
+    def _receive(self, plan: pb.Plan) -> np.ndarray:
+        """The data stream into one pre-allocated arena, checked chunk by chunk."""
+        arena = np.empty(plan.total_bytes, dtype=np.uint8)
+        receiver = Receiver(plan, arena)
+        # Held open until run() has reported a failure: closing it first would make the chief see
+        # a cut-off stream ("lost") before it hears the real cause (a digest mismatch).
+        self._stream = self.link.fetch(self.ref, stall_timeout=self.timeouts.stall)
+        for chunk in self._stream:
+            receiver.accept(chunk)
+            self.bytes_received = receiver.bytes_received
+            self._last_data = time.monotonic()
+        receiver.finish()
+        return arena
 
     def _heartbeat_loop(self, chief_incarnation: str) -> None:
         """Every interval: prove we are alive, and learn early if the chief is gone or failed.
@@ -212,22 +246,19 @@ class WorkerAgent:
             len(plan.variables), plan.total_bytes, plan.chunk_bytes,
             ",".join(str(g.group_key) for g in plan.groups),
         )
-        arena = np.empty(plan.total_bytes, dtype=np.uint8)
-        receiver = Receiver(plan, arena)
         t_recv = time.monotonic()
-        for chunk in self.link.fetch(self.ref, stall_timeout=t.stall):
-            receiver.accept(chunk)
-            self.bytes_received = receiver.bytes_received
-            self._last_data = time.monotonic()
-        receiver.finish()
+        arena = self._attach_shared(plan)
+        via = "shared memory"
+        if arena is None:
+            arena, via = self._receive(plan), "the network"
         recv_s = time.monotonic() - t_recv
         logs.phase("verify")
         store = make_replicas(plan, arena, self.devices)
         digests = replica_digests(plan, store)
         worker_digest = combined_digest((d.replica, d.digest) for d in digests)
         log.info(
-            "received %d bytes in %.3f s; %d replicas on %d device(s) verified; worker digest %s",
-            plan.total_bytes, recv_s, len(digests), len(self.devices), worker_digest,
+            "received %d bytes through %s in %.3f s; %d replicas on %d device(s) verified; worker digest %s",
+            plan.total_bytes, via, recv_s, len(digests), len(self.devices), worker_digest,
         )
         logs.phase("ready")
         self.link.report_ready(

@@ -32,6 +32,7 @@ def join_cluster(
     timeouts: Timeouts | None = None,
     expected: Sequence[VariableSpec] | None = None,
     tls: TlsFiles | None = None,
+    shm: bool = True,
 ) -> WorkerResult:
     """Join the chief at ``chief`` and return once start is released (see the module doc).
 
@@ -41,7 +42,8 @@ def join_cluster(
     link = GrpcChiefLink(chief, token=token, tls=tls)
     try:
         agent = WorkerAgent(
-            link, worker_id=worker_id, devices=devices, preferred_rank=rank, timeouts=timeouts, expected=expected
+            link, worker_id=worker_id, devices=devices, preferred_rank=rank, timeouts=timeouts, expected=expected,
+            shm=shm,
         )
         return agent.run()
     finally:

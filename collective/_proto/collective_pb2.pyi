@@ -83,7 +83,7 @@ class VariableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., synchronization: _Optional[str] = ..., aggregation: _Optional[str] = ..., trainable: _Optional[bool] = ..., group_key: _Optional[int] = ..., instance_key: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model")
+    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model", "shm_socket", "shm_secret")
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class Plan(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SHM_SECRET_FIELD_NUMBER: _ClassVar[int]
     chief_incarnation: str
     num_workers: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -102,7 +104,9 @@ class Plan(_message.Message):
     chunk_bytes: int
     manifest_digest: str
     model: str
-    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    shm_socket: str
+    shm_secret: str
+    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "incarnation")

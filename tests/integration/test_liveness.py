@@ -34,7 +34,7 @@ def wait_for(proc, text: str, timeout: float = 30.0) -> None:
 
 def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster):
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
-                          "--join-timeout", "60", *HB)
+                          "--join-timeout", "60", "--no-shm", *HB)  # the network stream, cut off mid-way
     victim = cluster.worker("victim", "--join-timeout", "60", *HB)
     other = cluster.worker("other", "--join-timeout", "60", *HB)
     wait_for(victim, "phase=receive")
@@ -106,7 +106,7 @@ def test_sigterm_to_the_chief_tells_every_worker_it_is_shutting_down(cluster):
 
 def test_a_chief_killed_mid_broadcast_fails_every_worker_fast(cluster):
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
-                          "--join-timeout", "60", *HB)
+                          "--join-timeout", "60", "--no-shm", *HB)
     workers = [cluster.worker(f"w{i}", "--join-timeout", "60", *HB) for i in range(2)]
     wait_for(workers[0], "phase=receive")
     chief.signal(signal.SIGKILL)
@@ -157,7 +157,7 @@ def test_two_live_processes_claiming_one_id_the_second_is_refused_and_the_first_
 
 
 def test_a_worker_restarted_after_the_broadcast_began_aborts_the_round_naming_it(cluster):
-    chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
+    chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
                           "--join-timeout", "60", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
     old = cluster.worker("phoenix", "--join-timeout", "60", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
     other = cluster.worker("other", "--join-timeout", "60", *HB)
@@ -177,7 +177,7 @@ def test_sigterm_mid_broadcast_tells_everyone_and_releases_the_port(cluster):
     import socket
 
     chief = cluster.chief("--workers", "1", "--model", "transformer-100m", "--chunk-bytes", "65536",
-                          "--join-timeout", "60", *HB)
+                          "--join-timeout", "60", "--no-shm", *HB)
     worker = cluster.worker("w0", "--join-timeout", "60", *HB)
     wait_for(worker, "phase=receive")
     chief.signal(signal.SIGTERM)

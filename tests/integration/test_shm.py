@@ -1,0 +1,83 @@
+"""The same-host fast path: the chief's arena as a sealed memfd, mapped copy-on-write."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from tests.procs import ROOT, Cluster
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def launch(tmp_path, *args):
+    proc = subprocess.run(
+        [sys.executable, "-m", "collective.cli", "launch", "--json", "--quiet", "--run-dir", str(tmp_path / "run"),
+         *args], capture_output=True, text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL,
+    )
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.parametrize("shm, via", [("--shm", "shared memory"), ("--no-shm", "the network")])
+def test_workers_on_the_chiefs_host_get_bit_exact_replicas_either_way(tmp_path, shm, via):
+    arrays = {"w": np.random.default_rng(3).standard_normal((300, 70)).astype(np.float32),
+              "ids": np.arange(11, dtype=">i8"), "flag": np.array(True)}
+    path = tmp_path / "m.npz"
+    np.savez(path, **arrays)
+    code, result, err = launch(tmp_path, "--workers", "3", "--devices-per-worker", "2", "--model", str(path), shm)
+    assert code == 0, err
+    want = {k: xxhash.xxh3_128_hexdigest(np.ascontiguousarray(a).tobytes()) for k, a in arrays.items()}
+    assert {v["name"]: v["digest"] for v in result["variables"]} == want
+    for w in result["workers"]:
+        assert w["replicas"] == ["w", "w/replica_1", "ids", "ids/replica_1", "flag", "flag/replica_1"]
+    for i in range(3):
+        log = (tmp_path / "run" / f"worker-{i}.log").read_text()
+        assert f"through {via}" in log, log
+
+
+def test_replicas_mapped_from_shared_memory_are_private_to_each_worker(tmp_path, cluster):
+    """A worker that writes its replica 0 changes neither the chief's arena nor another worker's."""
+    script = tmp_path / "writer.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from worker.api import join_cluster\n"
+        "r = join_cluster(sys.argv[1], worker_id=sys.argv[2], devices='cpu:0,cpu:1')\n"
+        "v = r.variables.get('dense_1/kernel')\n"
+        "before = float(v.replicas[1][0, 0])\n"
+        "if sys.argv[2] == 'writer':\n"
+        "    v.replicas[0][...] = 42.0\n"
+        "print('replica0', float(v.replicas[0][0, 0]), 'replica1', before, flush=True)\n"
+    )
+    from tests.procs import Proc
+
+    cluster.chief("--workers", "2", "--join-timeout", "30")
+    writer = Proc([str(script), cluster.address, "writer"], tmp_path / "writer.log")
+    reader = Proc([str(script), cluster.address, "reader"], tmp_path / "reader.log")
+    cluster.procs += [writer, reader]
+    assert writer.wait(60) == 0, writer.output()
+    assert reader.wait(60) == 0, reader.output()
+    assert "replica0 42.0" in writer.output()
+    reader_value = float(reader.output().split("replica0 ")[1].split()[0])
+    writer_replica1 = float(writer.output().split("replica1 ")[1].split()[0])
+    assert reader_value != 42.0 and reader_value == writer_replica1
+
+
+def test_the_shared_segment_leaves_nothing_behind_in_dev_shm(tmp_path):
+    before = set(os.listdir("/dev/shm"))
+    code, result, err = launch(tmp_path, "--workers", "2")
+    assert code == 0, err
+    assert set(os.listdir("/dev/shm")) - before == set()

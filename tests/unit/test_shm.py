@@ -1,0 +1,48 @@
+"""collective.transport.shm: handshake, refusal and sealing, without a cluster."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from collective.transport.shm import SharedArena, ShmServer, attach
+
+
+@pytest.fixture
+def served():
+    arena = SharedArena(4096)
+    arena.array[:] = np.arange(4096) % 251
+    arena.seal()
+    server = ShmServer(arena, lambda wid, inc: None if (wid, inc) == ("w0", "i0") else "not a member")
+    yield arena, server
+    server.close()
+    arena.close()
+
+
+def test_a_member_maps_the_arena_copy_on_write(served):
+    arena, server = served
+    view = attach(server.name, server.secret, "w0", "i0", 4096)
+    assert view is not None and np.array_equal(view, np.arange(4096) % 251)
+    view[0] = 200  # private: the chief's arena is untouched
+    assert arena.array[0] == 0
+
+
+def test_a_non_member_or_a_wrong_secret_is_refused_and_falls_back(served):
+    _, server = served
+    assert attach(server.name, server.secret, "stranger", "i0", 4096) is None
+    assert attach(server.name, "wrong", "w0", "i0", 4096) is None
+
+
+def test_a_socket_that_is_not_here_means_another_host(served):
+    assert attach("collective-shm-no-such-socket", "x", "w0", "i0", 4096) is None
+
+
+def test_the_sealed_arena_cannot_be_written_even_by_the_chief(served):
+    arena, _ = served
+    with pytest.raises(ValueError):
+        arena.array[0] = 1
+
+
+def test_a_segment_smaller_than_the_plan_says_is_not_used(served):
+    _, server = served
+    assert attach(server.name, server.secret, "w0", "i0", 8192) is None
