@@ -303,7 +303,14 @@ class ChiefService:
         return self.stream([ref])
 
     def stream(self, refs: list[pb.WorkerRef]) -> Iterator[pb.Chunk]:
-        """The data stream, once, for every worker in ``refs``.
+        """The data stream, once, for every worker in ``refs``: ``stream_views`` with the bytes
+        copied into each message, for transports that send whole messages (gRPC)."""
+        for msg, data in self.stream_views(refs):
+            msg.data = bytes(data)
+            yield msg
+
+    def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
+        """Each message of the data stream without its bytes, and a view of them in the arena.
 
         A point-to-point transport calls it per worker (``fetch``); a collective transport
         (MPI) calls it once for all workers and broadcasts each message. Raises AbortedError
@@ -318,15 +325,15 @@ class ChiefService:
                 m.phase, m.bytes_sent = "receiving", 0
             if self._first_byte_at is None:
                 self._first_byte_at = time.monotonic()
-        for chunk in chunker.chunks():
+        for chunk, data in chunker.frames():
             if self._phase is Phase.FAILED:
                 with self._cond:
                     for m in members:
                         m.told = True
                 raise AbortedError(str(self._error))
-            yield chunk
+            yield chunk, data
             for m in members:
-                m.bytes_sent += len(chunk.data)
+                m.bytes_sent += len(data)
         for m in members:
             m.phase = "verifying"
 

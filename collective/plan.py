@@ -240,19 +240,22 @@ class Chunker:
 
     def chunks(self) -> Iterator[pb.Chunk]:
         """Yield the stream's messages; the last one carries the stream end."""
+        for msg, data in self.frames():
+            msg.data = bytes(data)
+            yield msg
+
+    def frames(self) -> Iterator[tuple[pb.Chunk, memoryview]]:
+        """Each message without its bytes, and a view of those bytes in the arena.
+
+        For transports that send the bytes themselves without a copy (MPI's Bcast).
+        """
         last = len(self._frames) - 1
         for i, f in enumerate(self._frames):
-            msg = pb.Chunk(
-                offset=f.start,
-                data=bytes(self._arena[f.start : f.end]),
-                group_key=f.group_key,
-                instance_keys=f.instance_keys,
-                trailers=f.trailers,
-            )
+            msg = pb.Chunk(offset=f.start, group_key=f.group_key, instance_keys=f.instance_keys, trailers=f.trailers)
             if i == last:
                 msg.end.total_bytes = self._plan.total_bytes
                 msg.end.manifest_digest = self._plan.manifest_digest
-            yield msg
+            yield msg, self._arena[f.start : f.end]
 
 
 class Receiver:
@@ -281,7 +284,21 @@ class Receiver:
     def variables_verified(self) -> int:
         return len(self._verified)
 
-    def accept(self, chunk: pb.Chunk) -> None:
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """Where the next chunk's bytes go, for transports that write them in place.
+
+        Raises ProtocolError unless ``offset`` is where the stream stands and ``nbytes`` is the
+        plan's length for that chunk; then call ``accept(meta, placed=True)``.
+        """
+        frame = self._frames.get(offset)
+        if offset != self._pos or frame is None or nbytes != frame.end - frame.start:
+            raise ProtocolError(
+                f"chunk of {nbytes} bytes at offset {offset} does not fit the plan (the stream stands at {self._pos})"
+            )
+        return self._arena[frame.start : frame.end]
+
+    def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
+        """Check one message and write its bytes (already written with ``placed``)."""
         if self._ended:
             raise ProtocolError("message received after the end of the stream")
         if chunk.group_key not in self._groups and (chunk.data or chunk.instance_keys):
@@ -292,7 +309,7 @@ class Receiver:
         frame = self._frames.get(chunk.offset)
         if chunk.offset != self._pos or frame is None:
             raise ProtocolError(f"chunk at offset {chunk.offset} arrived where offset {self._pos} was expected")
-        if len(chunk.data) != frame.end - frame.start:
+        if not placed and len(chunk.data) != frame.end - frame.start:
             raise IntegrityError(
                 f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; the plan says {frame.end - frame.start}"
             )
@@ -301,7 +318,7 @@ class Receiver:
                 f"chunk at offset {chunk.offset} names instance keys {list(chunk.instance_keys)}; "
                 f"the plan puts {list(frame.instance_keys)} there"
             )
-        if chunk.data:
+        if chunk.data and not placed:
             self._arena[frame.start : frame.end] = np.frombuffer(chunk.data, dtype=np.uint8)
         self._pos = frame.end
         for t in chunk.trailers:

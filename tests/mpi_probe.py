@@ -40,18 +40,27 @@ if os.environ.get("PROBE_BCAST_LOG") and MPI.COMM_WORLD.rank == 0:
     transport.MpiChiefDriver.__init__ = counting_init
 
 if os.environ.get("PROBE_CORRUPT_RANK") and MPI.COMM_WORLD.rank == int(os.environ["PROBE_CORRUPT_RANK"]):
-    real_fetch = transport.MpiChiefLink.fetch
+    real_receive = transport.MpiChiefLink.receive_into
 
-    def corrupt_fetch(self, ref, stall_timeout):
-        flipped = False
-        for chunk in real_fetch(self, ref, stall_timeout):
-            if chunk.data and not flipped:
-                data = bytearray(chunk.data)
-                data[0] ^= 0x10
-                chunk.data = bytes(data)
-                flipped = True
-            yield chunk
+    class _Flipper:
+        """Flips one bit of the first chunk's bytes after they landed, before they are checked."""
 
-    transport.MpiChiefLink.fetch = corrupt_fetch
+        def __init__(self, receiver):
+            self._r, self._flipped, self._last = receiver, False, None
+
+        def view(self, offset, nbytes):
+            self._last = self._r.view(offset, nbytes)
+            return self._last
+
+        def accept(self, chunk, placed=False):
+            if not self._flipped and self._last is not None and len(self._last):
+                self._last[0] ^= 0x10
+                self._flipped = True
+            return self._r.accept(chunk, placed=placed)
+
+    def corrupt_receive(self, ref, receiver, stall_timeout):
+        return real_receive(self, ref, _Flipper(receiver), stall_timeout)
+
+    transport.MpiChiefLink.receive_into = corrupt_receive
 
 sys.exit(entry.main())

@@ -166,8 +166,9 @@ class Soak:
             time.sleep(0.2)
             self.start_worker(wid)
 
-        self.helpers.append(threading.Thread(target=go, daemon=True))
-        self.helpers[-1].start()
+        helper = threading.Thread(target=go, daemon=True)
+        helper.start()
+        self.helpers.append(helper)  # only started threads: the round joins them
 
     def run_round(self, n: int, fault: str) -> Round:
         r = Round(n, fault)

@@ -75,16 +75,18 @@ def make_replicas(plan: pb.Plan, arena: np.ndarray, devices: Sequence[str]) -> V
     return store
 
 
-def replica_digests(plan: pb.Plan, store: VariableStore) -> list[pb.ReplicaDigest]:
+def replica_digests(plan: pb.Plan, store: VariableStore, *, first_verified: bool = False) -> list[pb.ReplicaDigest]:
     """Digest every replica and compare it with the chief's digest of the variable.
 
-    Raises IntegrityError naming the variable and replica on the first difference.
+    ``first_verified``: replica 0 is the arena view whose bytes the Receiver already checked
+    against the chief's digest, so it is not hashed twice. Raises IntegrityError naming the
+    variable and replica on the first difference.
     """
     out = []
     for v in plan.variables:
         var = store.get(v.name)
-        for replica, name, device in zip(var.replicas, var.replica_names, var.devices, strict=True):
-            digest = array_digest(replica)
+        for i, (replica, name, device) in enumerate(zip(var.replicas, var.replica_names, var.devices, strict=True)):
+            digest = v.digest if (i == 0 and first_verified) else array_digest(replica)
             if digest != v.digest:
                 raise IntegrityError(
                     f"variable {v.name!r}: replica {name!r} on {device} has digest {digest}, "
@@ -92,6 +94,32 @@ def replica_digests(plan: pb.Plan, store: VariableStore) -> list[pb.ReplicaDiges
                 )
             out.append(pb.ReplicaDigest(variable=v.name, replica=name, device=device, digest=digest))
     return out
+
+
+class _Watched:
+    """A Receiver that records progress for the heartbeat and reports a bad chunk at once.
+
+    Reporting from inside ``accept`` matters: the stream is still open then, so the chief hears
+    the real cause (say a digest mismatch) before it sees the stream cut off.
+    """
+
+    def __init__(self, receiver: Receiver, agent: WorkerAgent) -> None:
+        self._r, self._agent = receiver, agent
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self._r.view(offset, nbytes)
+
+    def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
+        try:
+            self._r.accept(chunk, placed=placed)
+        except CollectiveError as exc:
+            self._agent._report_failure(exc)
+            raise
+        self._agent.bytes_received = self._r.bytes_received
+        self._agent._last_data = time.monotonic()
+
+    def finish(self) -> None:
+        self._r.finish()
 
 
 class WorkerAgent:
@@ -127,22 +155,15 @@ class WorkerAgent:
     def run(self) -> WorkerResult:
         """Join, receive, verify, report ready and wait for start. Blocks; see the module doc."""
         self._stop_heartbeat = threading.Event()
-        self._stream = None
+        self._reported = False
         try:
             return self._run()
         except CollectiveError as exc:
-            # The chief must hear of our failure at once, not at its ready deadline; a failure
-            # the chief itself told us about (AbortedError) needs no echo.
-            if self.rank >= 0 and not isinstance(exc, (AbortedError, ChiefUnreachableError)):
-                self.link.report_failure(
-                    pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc)),
-                    timeout=min(5.0, self.timeouts.rpc),
-                )
+            # The chief must hear of our failure at once, not at its ready deadline.
+            self._report_failure(exc)
             raise
         finally:
             self._stop_heartbeat.set()
-            if self._stream is not None:
-                self._stream.close()
 
     def _attach_shared(self, plan: pb.Plan) -> np.ndarray | None:
         """The chief's arena mapped copy-on-write when we share its host, else None.
@@ -162,16 +183,20 @@ class WorkerAgent:
     def _receive(self, plan: pb.Plan) -> np.ndarray:
         """The data stream into one pre-allocated arena, checked chunk by chunk."""
         arena = np.empty(plan.total_bytes, dtype=np.uint8)
-        receiver = Receiver(plan, arena)
-        # Held open until run() has reported a failure: closing it first would make the chief see
-        # a cut-off stream ("lost") before it hears the real cause (a digest mismatch).
-        self._stream = self.link.fetch(self.ref, stall_timeout=self.timeouts.stall)
-        for chunk in self._stream:
-            receiver.accept(chunk)
-            self.bytes_received = receiver.bytes_received
-            self._last_data = time.monotonic()
+        receiver = _Watched(Receiver(plan, arena), self)
+        self.link.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
         receiver.finish()
         return arena
+
+    def _report_failure(self, exc: CollectiveError) -> None:
+        """Tell the chief once; never raises. A failure it announced itself needs no echo."""
+        if self._reported or self.rank < 0 or isinstance(exc, (AbortedError, ChiefUnreachableError)):
+            return
+        self._reported = True
+        self.link.report_failure(
+            pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc)),
+            timeout=min(5.0, self.timeouts.rpc),
+        )
 
     def _heartbeat_loop(self, chief_incarnation: str) -> None:
         """Every interval: prove we are alive, and learn early if the chief is gone or failed.
@@ -254,7 +279,7 @@ class WorkerAgent:
         recv_s = time.monotonic() - t_recv
         logs.phase("verify")
         store = make_replicas(plan, arena, self.devices)
-        digests = replica_digests(plan, store)
+        digests = replica_digests(plan, store, first_verified=via == "the network")
         worker_digest = combined_digest((d.replica, d.digest) for d in digests)
         log.info(
             "received %d bytes through %s in %.3f s; %d replicas on %d device(s) verified; worker digest %s",

@@ -64,6 +64,15 @@ class ChiefLink(abc.ABC):
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
         """The data stream; raises if no message arrives for ``stall_timeout`` seconds."""
 
+    def receive_into(self, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
+        """Feed the whole data stream to ``receiver`` (a ``collective.plan.Receiver``).
+
+        The default takes ``fetch``'s messages; a backend that can write bytes in place
+        (MPI's Bcast into ``receiver.view(...)``) overrides it to save a copy.
+        """
+        for chunk in self.fetch(ref, stall_timeout):
+            receiver.accept(chunk)
+
     @abc.abstractmethod
     def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply: ...
 

@@ -206,14 +206,13 @@ class MpiChiefDriver:
     def _stream(self) -> bool:
         header = np.zeros(2, dtype=np.int64)
         try:
-            for chunk in self.h.stream(self.refs):
-                data = chunk.data
-                chunk.data = b""
+            for chunk, data in self.h.stream_views(self.refs):
                 meta = bytes([_OK]) + chunk.SerializeToString()
                 header[:] = (len(meta), len(data))
                 self.comm.Bcast([header, MPI.INT64_T], root=0)
                 self.comm.Bcast([np.frombuffer(meta, np.uint8), MPI.BYTE], root=0)
-                if data:
+                if len(data):
+                    # Straight from the chief's arena: no copy on this side.
                     self.comm.Bcast([np.frombuffer(data, np.uint8), MPI.BYTE], root=0)
         except E.CollectiveError as exc:
             meta = encode_error(exc)
@@ -264,7 +263,8 @@ class MpiChiefLink(ChiefLink):
         self.watchdog.phase("plan", self.t.join)
         return self._decode(bcast_bytes(self.comm, None), pb.Plan)
 
-    def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
+    def receive_into(self, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
+        """The data stream, each chunk's bytes broadcast straight into the receiver's arena."""
         self.watchdog.phase("broadcast", self.t.ready)
         header = np.zeros(2, dtype=np.int64)
         while True:
@@ -273,12 +273,14 @@ class MpiChiefLink(ChiefLink):
             self.comm.Bcast([meta, MPI.BYTE], root=0)
             chunk = self._decode(meta.tobytes(), pb.Chunk)
             if header[1]:
-                data = np.empty(int(header[1]), dtype=np.uint8)
-                self.comm.Bcast([data, MPI.BYTE], root=0)
-                chunk.data = data.tobytes()
-            yield chunk
+                # The receiver checks offset and length against the plan before we write.
+                self.comm.Bcast([receiver.view(chunk.offset, int(header[1])), MPI.BYTE], root=0)
+            receiver.accept(chunk, placed=True)
             if chunk.HasField("end"):
                 return
+
+    def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
+        raise E.ProtocolError("over MPI the data stream is received in place: use receive_into")
 
     def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply:
         gather_bytes(self.comm, req.SerializeToString())

@@ -1,0 +1,159 @@
+"""`collective bench`: the JSON it prints, its peers, and its refusals. No timing is asserted:
+only that every figure is a positive time of the asked-for bytes and workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from collective.bench import (
+    Candidate,
+    TopologyOption,
+    candidates,
+    parse_rate,
+    parse_size,
+    parse_workers,
+    variable_lengths,
+    write_spec,
+)
+from collective.errors import UsageError
+from tests.procs import ROOT
+
+pytestmark = pytest.mark.integration
+
+MIB = 1 << 20
+SMALL = ["--workers", "2", "--size", "1MiB", "--variables", "4", "--repeat", "1"]
+
+
+def bench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    return subprocess.run([sys.executable, "-m", "collective.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+
+
+def one_json_line(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout  # the table and progress go to stderr with --json
+    return json.loads(lines[0])
+
+
+def check_entry(entry: dict, *, workers: int, size: int) -> None:
+    assert set(entry) == {"name", "workers", "bytes", "seconds"}, entry
+    assert isinstance(entry["name"], str) and entry["name"]
+    assert entry["workers"] == workers and entry["bytes"] == size
+    assert isinstance(entry["seconds"], float) and entry["seconds"] > 0, entry
+
+
+def test_json_has_one_result_per_project_topology_with_the_asked_bytes_and_workers():
+    out = one_json_line(bench(*SMALL, "--json"))
+    assert set(out) == {"results", "link_seconds"} and out["link_seconds"] is None
+    assert out["results"], out
+    for entry in out["results"]:
+        check_entry(entry, workers=2, size=MIB)
+        assert entry["name"] not in ("gloo", "mpi-bcast")  # no peers unless asked
+
+
+@pytest.mark.mpi
+def test_peers_add_a_bare_mpi_bcast_of_the_same_bytes_and_gloo_or_the_reason_it_is_skipped():
+    proc = bench(*SMALL, "--peers", "--json")
+    out = one_json_line(proc)
+    names = [e["name"] for e in out["results"]]
+    assert names.count("mpi-bcast") == 1, names
+    for entry in out["results"]:
+        check_entry(entry, workers=2, size=MIB)
+    if "gloo" not in names:
+        assert "gloo: torch not installed" in proc.stderr or "gloo:" in proc.stderr, proc.stderr
+    # The table (on stderr with --json) gives every result a ratio to the best peer.
+    assert "x best peer" in proc.stderr and "mpi-bcast" in proc.stderr
+
+
+@pytest.mark.mpi
+def test_the_mpi_transport_is_reported_as_mpi():
+    out = one_json_line(bench(*SMALL, "--transport", "mpi", "--json"))
+    assert [e["name"] for e in out["results"]] == ["mpi"]
+    check_entry(out["results"][0], workers=2, size=MIB)
+
+
+def test_without_json_it_prints_a_table():
+    proc = bench("--workers", "1", "--size", "64KiB", "--variables", "2", "--repeat", "1")
+    assert proc.returncode == 0, proc.stderr
+    header, rule, *rows = proc.stdout.splitlines()
+    assert header.split()[:5] == ["name", "workers", "bytes", "median", "s"], proc.stdout
+    assert rows and all(row.split()[1:3] == ["1", str(64 << 10)] for row in rows), proc.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--size", "0"], "--size"),
+    (["--workers", "0"], "--workers"),
+    (["--workers", "2,0"], "--workers"),
+    (["--variables", "0"], "--variables"),
+    (["--topology", "no-such-topology"], "unknown topology 'no-such-topology'"),
+    (["--transport", "carrier-pigeon"], "--transport"),
+    (["--rate", "200mbit"], "--emulate-hosts"),
+])
+def test_bad_options_exit_2_with_one_line_and_no_traceback(args, says):
+    proc = bench(*args, "--json", timeout=30)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_plot_draws_a_png_or_says_how_to_get_matplotlib(tmp_path):
+    png = tmp_path / "bench.png"
+    proc = bench("--workers", "1", "--size", "64KiB", "--variables", "1", "--repeat", "1", "--plot", str(png))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert proc.returncode == 2 and "pip install matplotlib" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the pieces, in process ------------------------------------------------------------------
+
+
+def test_sizes_rates_and_worker_lists_parse():
+    assert parse_size("256MiB") == 256 * MIB and parse_size("1MiB") == MIB and parse_size("20000KiB") == 20_480_000
+    assert parse_size("64MB") == 64_000_000 and parse_size("1.5GiB") == 3 << 29 and parse_size("4096") == 4096
+    assert parse_rate("200mbit") == 200e6 and parse_rate("1gbit") == 1e9 and parse_rate("25mbps") == 200e6
+    assert parse_workers(["2,4", "8", "4"]) == [2, 4, 8]
+    for bad in ("0", "-1", "1.5B", "12XB", ""):
+        with pytest.raises(UsageError):
+            parse_size(bad)
+    with pytest.raises(UsageError):
+        parse_rate("fast")
+
+
+def test_the_model_spec_has_k_float32_variables_totalling_the_size(tmp_path):
+    from collective.sources import load_source
+
+    for size, k in ((MIB, 4), (20000 * 1024, 20000), (4 * 1000 + 8, 3), (64, 16)):
+        lengths = variable_lengths(size, k)
+        assert len(lengths) == k and 4 * sum(lengths) == size
+    specs = load_source(str(write_spec(tmp_path / "m.yaml", MIB, 4))).specs()
+    assert len(specs) == 4 and sum(s.nbytes for s in specs) == MIB
+    assert {s.dtype for s in specs} == {"<f4"}
+    with pytest.raises(UsageError):
+        variable_lengths(10, 1)  # not whole float32s
+
+
+def test_candidates_follow_what_launch_offers():
+    none = TopologyOption(False)
+    assert candidates(["grpc", "mpi"], [], none) == [Candidate("star", "grpc"), Candidate("mpi", "mpi")]
+    assert candidates(["grpc"], ["star"], none) == [Candidate("star", "grpc")]
+    with pytest.raises(UsageError, match="unknown topology 'tree'"):
+        candidates(["grpc"], ["tree"], none)
+    some = TopologyOption(True, ("auto", "star", "tree", "chain"))
+    assert [c.name for c in candidates(["grpc"], [], some)] == ["star", "tree", "chain"]
+    assert candidates(["grpc"], ["tree"], some) == [Candidate("tree", "grpc", "tree")]
+    with pytest.raises(UsageError, match="use one of: auto, star, tree, chain"):
+        candidates(["grpc"], ["ring"], some)
