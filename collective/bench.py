@@ -5,8 +5,10 @@ float32 variables totalling SIZE bytes (seeded ``uniform`` initializers: the chi
 values, nothing big is written to disk), runs ``collective launch --workers N --model SPEC --json
 --quiet`` as a subprocess R times, and reports the median of the JSON ``seconds``: the broadcast
 phase, from the chief's first byte sent until every worker has reported ready with verified
-digests. Runs are interleaved (run 1 of every candidate, then run 2 ...) so a slow spell of the
-machine does not land on one candidate only. Nothing runs concurrently.
+digests. ``--no-shm`` passes ``--no-shm`` to launch (same-host workers then take the bytes over
+gRPC too); without it launch's default same-host path is timed. Runs are interleaved (run 1 of
+every candidate, then run 2 ...) so a slow spell of the machine does not land on one candidate
+only. Nothing runs concurrently.
 
 Peers (``--peers``) move the same SIZE bytes from rank 0 to N receivers:
 
@@ -439,8 +441,9 @@ class LocalRunner:
 
     link_seconds = None
 
-    def __init__(self, workdir: Path, say: Callable[[str], None]) -> None:
+    def __init__(self, workdir: Path, say: Callable[[str], None], extra: Sequence[str] = ()) -> None:
         self.workdir, self.say = workdir, say
+        self.extra = list(extra)  # more launch options (--no-shm), for the grpc transport
         self._serial = 0
 
     def close(self) -> None:
@@ -453,6 +456,8 @@ class LocalRunner:
                 "--json", "--quiet", "--transport", c.transport, "--run-dir", str(run_dir)]
         if c.topology is not None:
             argv += ["--topology", c.topology]
+        if c.transport == "grpc":
+            argv += self.extra
         run_dir.mkdir(parents=True)
         rc, out = _run_job(argv, timeout=_timeout(size, workers, 2e9), env=_clean_env(), log=run_dir / "bench.log")
         result = _last_json(out, "ok")
@@ -527,8 +532,10 @@ class EmulatedRunner:
     """Hosts ``chief``, ``worker-1``..``worker-N`` in network namespaces, every link shaped to
     ``rate`` both ways; one topology per worker count, rebuilt when the count changes."""
 
-    def __init__(self, workdir: Path, say: Callable[[str], None], rate: str, size: int) -> None:
+    def __init__(self, workdir: Path, say: Callable[[str], None], rate: str, size: int,
+                 extra: Sequence[str] = ()) -> None:
         self.workdir, self.say, self.rate = workdir, say, rate
+        self.extra = list(extra)  # more chief and worker options (--no-shm)
         self.bits = parse_rate(rate)
         self.link_seconds = size * 8 / self.bits
         self.net = None
@@ -575,13 +582,14 @@ class EmulatedRunner:
                       "--bind", f"0.0.0.0:{CHIEF_PORT}", "--result-file", str(result_file)]
         if c.topology is not None:
             chief_argv += ["--topology", c.topology]
+        chief_argv += self.extra
         chief = net.run("chief", chief_argv, env=env, name=f"chief-{tag}")
         procs = [chief]
         try:
             chief.wait_for("serving on", 120)
             procs += [
                 net.run(h, ["python", "-m", "worker", "--chief", f"chief:{CHIEF_PORT}", "--worker-id", h,
-                            "--rank", str(i)], env=env, name=f"{h}-{tag}")
+                            "--rank", str(i), *self.extra], env=env, name=f"{h}-{tag}")
                 for i, h in enumerate(self._hosts(workers)[1:])
             ]
             codes = wait_all(procs, self._timeout(size, workers))
@@ -709,6 +717,7 @@ class Settings:
     plot: Path | None
     emulate: bool
     rate: str | None
+    no_shm: bool = False
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -731,7 +740,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             raise UsageError(f"--emulate-hosts builds at most {MAX_EMULATED_WORKERS} worker hosts, not {max(workers)}")
     plot = Path(args.plot) if args.plot else None
     return Settings(workers, size, variables, repeat, transports, topologies, bool(args.peers), bool(args.json),
-                    plot, bool(args.emulate_hosts), rate)
+                    plot, bool(args.emulate_hosts), rate, bool(getattr(args, "no_shm", False)))
 
 
 def _check_plot_available() -> None:
@@ -755,8 +764,13 @@ def _check_emulation_available() -> None:
 
 def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], float | None]:
     """Run every configuration; returns the results and link_seconds (None on one host)."""
-    option = TopologyOption.of(_chief_parser() if settings.emulate else _launch_parser())
-    cands = candidates(settings.transports, settings.topologies, option)
+    parser = _chief_parser() if settings.emulate else _launch_parser()
+    cands = candidates(settings.transports, settings.topologies, TopologyOption.of(parser))
+    extra: list[str] = []
+    if settings.no_shm:
+        if _option(parser, "--no-shm") is None:
+            raise UsageError("--no-shm: this build has no shared-memory path to switch off (launch has no --no-shm)")
+        extra.append("--no-shm")
     if any(c.transport == "mpi" for c in cands) and (problem := mpi_problem()):
         raise UsageError(f"--transport mpi: {problem}")
     peers: list[str] = []
@@ -775,9 +789,9 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
     runner: LocalRunner | EmulatedRunner
     if settings.emulate:
         assert settings.rate is not None
-        runner = EmulatedRunner(workdir, say, settings.rate, settings.size)
+        runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra)
     else:
-        runner = LocalRunner(workdir, say)
+        runner = LocalRunner(workdir, say, extra)
     ok = False
     try:
         spec = write_spec(workdir / "model.yaml", settings.size, settings.variables)
@@ -916,6 +930,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help='print one JSON line: {"results": [{"name", "workers", "bytes", "seconds"}], "link_seconds"}')
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw time against workers (needs matplotlib)")
+    p.add_argument("--no-shm", action="store_true",
+                   help="pass --no-shm to launch: same-host workers take the bytes over the network too "
+                        "(default: launch's default)")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="run on emulated hosts (network namespaces, every link shaped with tc; needs root)")
     p.add_argument("--rate", default=None, metavar="RATE",

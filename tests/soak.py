@@ -312,6 +312,7 @@ def main() -> int:
         times = [r.detect_s for r in rounds if r.fault == f and r.detect_s is not None]
         if times:
             print(f"  {f:<34} detection {min(times):.3f}-{max(times):.3f} s (median {statistics.median(times):.3f})")
+    print("threads at the end: " + ", ".join(sorted(t.name for t in threading.enumerate())))
     print(f"growth from rounds 6-15 to the last 10: fds {growth[0]:+.1f}, threads {growth[1]:+.1f}, rss {growth[2]:+.1f} MiB")
     leak = growth[0] > 5 or growth[1] > 3 or growth[2] > 64
     if leak:

@@ -266,12 +266,14 @@ class GrpcEndpoint(ChiefEndpoint):
         self.max_workers = max_workers
         self.port = 0
         self._server: grpc.Server | None = None
+        self._pool: futures.ThreadPoolExecutor | None = None
         self._health: health.HealthServicer | None = None
 
     def start(self, handler: ChiefHandler) -> str:
         interceptors = [_TokenInterceptor(self.token)] if self.token else []
+        self._pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="chief-rpc")
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="chief-rpc"),
+            self._pool,
             interceptors=interceptors,
             options=SERVER_OPTIONS,
         )
@@ -301,6 +303,9 @@ class GrpcEndpoint(ChiefEndpoint):
         if self._server is not None:
             self._server.stop(grace).wait(grace + 1.0)
             self._server = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)  # grpc does not own its pool
+            self._pool = None
 
 
 # --- client ------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -29,10 +30,10 @@ MIB = 1 << 20
 SMALL = ["--workers", "2", "--size", "1MiB", "--variables", "4", "--repeat", "1"]
 
 
-def bench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+def bench(*args: str, timeout: float = 90, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
-    return subprocess.run([sys.executable, "-m", "collective.cli", "bench", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+    return subprocess.run([*prefix, sys.executable, "-m", "collective.cli", "bench", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
 
 
 def one_json_line(proc: subprocess.CompletedProcess) -> dict:
@@ -103,6 +104,32 @@ def test_bad_options_exit_2_with_one_line_and_no_traceback(args, says):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_emulated_hosts_need_root():
+    # As root, drop to nobody for this one run (setpriv, util-linux); otherwise we are not root.
+    prefix = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups") if os.geteuid() == 0 else ()
+    if prefix and shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to run as a non-root user")
+    proc = bench("--emulate-hosts", "--workers", "1", "--size", "1MiB", "--repeat", "1", "--json", prefix=prefix,
+                 timeout=30)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs root" in lines[0], proc.stderr
+
+
+@pytest.mark.multihost
+def test_emulated_hosts_report_link_seconds_and_every_figure(tmp_path):
+    from collective.emulate import unavailable_reason
+
+    reason = unavailable_reason("emulated-hosts bench")
+    if reason:
+        pytest.skip(reason)
+    out = one_json_line(bench("--emulate-hosts", "--rate", "200mbit", *SMALL, "--json"))
+    assert out["link_seconds"] == pytest.approx(MIB * 8 / 200e6, rel=1e-4)
+    assert out["results"]
+    for entry in out["results"]:
+        check_entry(entry, workers=2, size=MIB)
 
 
 def test_plot_draws_a_png_or_says_how_to_get_matplotlib(tmp_path):
