@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_options(p, worker=False)
     add_option(p, "shm", help="offer the arena to workers on this host through shared memory (--no-shm: network only)",
                type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
+    add_option(p, "topology", help="who receives from whom: auto (tree below 16 MiB, chain above), star, tree, chain",
+               default="auto", choices=["auto", "star", "tree", "chain"])
     add_option(p, "chunk-bytes", help="bytes per data message", type=positive_int, default=DEFAULT_CHUNK_BYTES)
     add_timeout_options(p, "join", "ready", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
@@ -78,7 +80,8 @@ def _run(args: argparse.Namespace) -> int:
         tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
     source = load_source(args.model, seed=args.seed)
     service = ChiefService(
-        source, args.workers, timeouts=timeouts_from_args(args), chunk_bytes=args.chunk_bytes, shm=args.shm
+        source, args.workers, timeouts=timeouts_from_args(args), chunk_bytes=args.chunk_bytes, shm=args.shm,
+        topology=args.topology,
     )
     endpoint = GrpcEndpoint(args.bind, token=args.token, max_workers=3 * args.workers + 8, tls=tls)
     address = endpoint.start(service)

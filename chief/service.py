@@ -45,6 +45,7 @@ from collective.plan import (
     declaration_differences,
     layout,
 )
+from collective.topology import choose, parents
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,15 @@ class Member:
     told: bool = False
     joined_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
+    relay_port: int = 0
+
+    def relay_address(self) -> str:
+        """Where this worker relays: the address it connected from, with its relay port."""
+        if not self.relay_port:
+            return ""
+        kind, _, rest = self.peer.partition(":")
+        host = rest.rpartition(":")[0] if kind in ("ipv4", "ipv6") else ""
+        return f"{host}:{self.relay_port}" if host else ""
 
     def name(self) -> str:
         return f"worker {self.worker_id} (rank {self.rank}, host {self.host})"
@@ -112,6 +122,7 @@ class ChiefService:
         transport: str = "grpc",
         heartbeats: bool = True,
         shm: bool = False,
+        topology: str = "auto",
     ) -> None:
         if num_workers < 1:
             raise UsageError(f"--workers must be at least 1, got {num_workers}")
@@ -122,6 +133,8 @@ class ChiefService:
         self.chunk_bytes = chunk_bytes
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.transport = transport
+        choose(topology, 1, 0)  # an unknown name is a usage error before any work
+        self.topology = topology
         # Collective transports (MPI) have their own failure detection and no heartbeats.
         self.heartbeats = heartbeats
         self.source = source
@@ -253,7 +266,8 @@ class ChiefService:
             taken = {m.rank for m in self._members.values()}
             free = [r for r in range(self.num_workers) if r not in taken]
             rank = req.preferred_rank if req.preferred_rank in free else free[0]
-            m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid)
+            m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
+                       relay_port=req.relay_port)
             self._members[m.worker_id] = m
             log.info(
                 "%s joined with devices %s (%d/%d)",
@@ -267,9 +281,16 @@ class ChiefService:
         return pb.JoinReply(rank=m.rank, num_workers=self.num_workers, chief_incarnation=self.incarnation)
 
     def _release_plan(self) -> None:
+        members = sorted(self._members.values(), key=lambda m: m.rank)
+        topology = choose(self.topology, self.num_workers, int(self.arena.nbytes))
+        if topology != "star" and not all(m.relay_address() for m in members):
+            log.info("topology %s needs every worker to relay; some cannot, so: star", topology)
+            topology = "star"
+        parent_of = parents(topology, self.num_workers)
         workers = [
-            pb.WorkerInfo(rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices, incarnation=m.incarnation)
-            for m in sorted(self._members.values(), key=lambda m: m.rank)
+            pb.WorkerInfo(rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices, incarnation=m.incarnation,
+                          parent=parent_of[m.rank], relay_address=m.relay_address())
+            for m in members
         ]
         self._plan = build_plan(
             self.specs,
@@ -279,12 +300,16 @@ class ChiefService:
             chief_incarnation=self.incarnation,
             model=self.source.description,
         )
+        self._plan.topology = topology
         if self._shm is not None:
             self._plan.shm_socket, self._plan.shm_secret = self._shm.name, self._shm.secret
         self._chunker = Chunker(self._plan, self.arena)
         self._phase, self._phase_at = Phase.BROADCASTING, time.monotonic()
         logs.phase("broadcast")
-        log.info("all %d workers joined; plan released (%d chunks per worker)", self.num_workers, len(self._chunker))
+        log.info(
+            "all %d workers joined; plan released (%d chunks per worker, topology %s)",
+            self.num_workers, len(self._chunker), topology,
+        )
         self._cond.notify_all()
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(launch, "run-dir", help="where each process's log and the summary go (default: a new temp dir)", default=None)
     add_option(launch, "chunk-bytes", help="bytes per data message", type=positive_int, default=None)
     add_timeout_options(launch, "join", "ready", "start", "heartbeat")
+    add_option(launch, "topology", help="who receives from whom (gRPC): auto, star, tree, chain",
+               default="auto", choices=["auto", "star", "tree", "chain"])
     add_option(launch, "shm", help="same-host workers take the arena through shared memory (--no-shm: network only)",
                type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
     launch.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
@@ -87,6 +89,7 @@ def _launch(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         transport=args.transport,
         shm=args.shm,
+        topology=args.topology,
     )
     result = launcher.run()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout)

@@ -84,3 +84,7 @@ class PermissionDeniedError(CollectiveError):
     """An authenticated peer asked for something its identity does not allow."""
 
     exit_code = 2
+
+
+class RelayError(TransportError):
+    """The worker this one receives from (its relay parent) failed or went silent."""

@@ -53,8 +53,10 @@ class Launcher:
         quiet: bool = False,
         transport: str = "grpc",
         shm: bool = True,
+        topology: str = "auto",
     ) -> None:
         self.shm = shm
+        self.topology = topology
         if transport not in ("grpc", "mpi"):
             raise UsageError(f"--transport {transport!r} is not one of grpc, mpi")
         self.transport = transport
@@ -153,7 +155,7 @@ class Launcher:
                 "-m", "chief", "--workers", str(self.workers), "--model", self.model,
                 "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--result-file", str(result_file),
                 "--join-timeout", str(t.join), "--ready-timeout", str(t.ready),
-                "--shm" if self.shm else "--no-shm",
+                "--shm" if self.shm else "--no-shm", "--topology", self.topology,
             ]
             if self.seed is not None:
                 chief_args += ["--seed", str(self.seed)]

@@ -188,6 +188,24 @@ def validate_plan(plan: pb.Plan) -> None:
         ikeys.add(v.instance_key)
     if manifest_digest(plan.variables) != plan.manifest_digest:
         raise ProtocolError("plan manifest digest does not match its variables")
+    _validate_parents(plan)
+
+
+def _validate_parents(plan: pb.Plan) -> None:
+    """With a relay topology, every worker's parents lead to the chief, through relays that exist."""
+    if plan.topology in ("", "star"):
+        return
+    by_rank = {w.rank: w for w in plan.workers}
+    for w in plan.workers:
+        seen, node = set(), w
+        while node.parent != -1:
+            parent = by_rank.get(node.parent)
+            if parent is None or node.rank in seen:
+                raise ProtocolError(f"plan worker rank {w.rank}: its parents do not lead to the chief")
+            if not parent.relay_address:
+                raise ProtocolError(f"plan worker rank {parent.rank} relays to rank {node.rank} but has no relay address")
+            seen.add(node.rank)
+            node = parent
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from collective.errors import (
     CollectiveError,
     DeadlineError,
     IntegrityError,
+    RelayError,
 )
 from collective.keys import parse_devices
 from collective.model import VariableSpec
@@ -117,6 +118,8 @@ class _Watched:
             raise
         self._agent.bytes_received = self._r.bytes_received
         self._agent._last_data = time.monotonic()
+        if self._agent.relay is not None:
+            self._agent.relay.progress(self._r.bytes_received)
 
     def finish(self) -> None:
         self._r.finish()
@@ -136,9 +139,16 @@ class WorkerAgent:
         host: str | None = None,
         expected: Sequence[VariableSpec] | None = None,
         shm: bool = True,
+        relay=None,
+        connect=None,
     ) -> None:
+        """``relay``: this worker's relay server (``worker.relay.Relay``) for tree and chain
+        topologies; ``connect(address, name)``: a ChiefLink to the relay of the worker this one
+        receives from. Without them (MPI, in-memory) the chief streams to this worker itself."""
         self.link = link
         self.use_shm = shm
+        self.relay = relay
+        self.connect = connect
         self.link.retry_window = (timeouts or Timeouts()).lease
         self.expected = list(expected) if expected else []
         self.worker_id = worker_id or default_worker_id()
@@ -164,6 +174,8 @@ class WorkerAgent:
             raise
         finally:
             self._stop_heartbeat.set()
+            if self.relay is not None:
+                self.relay.stop()
 
     def _attach_shared(self, plan: pb.Plan) -> np.ndarray | None:
         """The chief's arena mapped copy-on-write when we share its host, else None.
@@ -181,10 +193,28 @@ class WorkerAgent:
         return arena
 
     def _receive(self, plan: pb.Plan) -> np.ndarray:
-        """The data stream into one pre-allocated arena, checked chunk by chunk."""
+        """The data stream into one pre-allocated arena, checked chunk by chunk.
+
+        From the chief, or from the relay of the worker the plan names as this one's parent.
+        """
         arena = np.empty(plan.total_bytes, dtype=np.uint8)
+        if self.relay is not None:
+            self.relay.feed(plan, arena)  # children may connect now; chunks go out as they land
         receiver = _Watched(Receiver(plan, arena), self)
-        self.link.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
+        me = next(w for w in plan.workers if w.rank == self.rank)
+        # A plan without a topology (a star, or an older chief) streams from the chief.
+        if plan.topology in ("", "star") or me.parent < 0 or self.connect is None:
+            self.link.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
+        else:
+            parent = next(w for w in plan.workers if w.rank == me.parent)
+            name = f"relay worker {parent.worker_id} (rank {parent.rank})"
+            source = self.connect(parent.relay_address, name)
+            try:
+                source.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
+            except (ChiefUnreachableError, AbortedError, DeadlineError) as exc:
+                raise RelayError(f"{name}, which this worker receives from, failed during receive: {exc}") from exc
+            finally:
+                source.close()
         receiver.finish()
         return arena
 
@@ -251,6 +281,7 @@ class WorkerAgent:
                 preferred_rank=self.preferred_rank,
                 pid=os.getpid(),
                 declared=declared(self.expected),
+                relay_port=self.relay.port if self.relay is not None else 0,
             ),
             timeout=t.join,
         )
@@ -267,15 +298,18 @@ class WorkerAgent:
         validate_plan(plan)
         logs.phase("receive")
         log.info(
-            "plan: %d variables, %d bytes in chunks of %d bytes, group key %s",
+            "plan: %d variables, %d bytes in chunks of %d bytes, group key %s, topology %s",
             len(plan.variables), plan.total_bytes, plan.chunk_bytes,
-            ",".join(str(g.group_key) for g in plan.groups),
+            ",".join(str(g.group_key) for g in plan.groups), plan.topology or "star",
         )
         t_recv = time.monotonic()
         arena = self._attach_shared(plan)
         via = "shared memory"
         if arena is None:
             arena, via = self._receive(plan), "the network"
+        elif self.relay is not None:
+            self.relay.feed(plan, arena)
+            self.relay.progress(plan.total_bytes)
         recv_s = time.monotonic() - t_recv
         logs.phase("verify")
         store = make_replicas(plan, arena, self.devices)

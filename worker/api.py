@@ -33,18 +33,32 @@ def join_cluster(
     expected: Sequence[VariableSpec] | None = None,
     tls: TlsFiles | None = None,
     shm: bool = True,
+    relay_host: str | None = "0.0.0.0",
 ) -> WorkerResult:
     """Join the chief at ``chief`` and return once start is released (see the module doc).
 
     ``expected``: the variables this process builds itself (SPMD style); the chief refuses the
     join before any byte moves if its model differs, listing every difference.
     """
+    from worker.relay import Relay
+
+    t = timeouts or Timeouts()
     link = GrpcChiefLink(chief, token=token, tls=tls)
+    # The relay listens on every interface; the chief tells children the address it saw us at.
+    relay = Relay(f"{relay_host}:0", token=token, tls=tls, stall_timeout=t.stall) if relay_host else None
+
+    def connect(address: str, name: str) -> GrpcChiefLink:
+        return GrpcChiefLink(address, token=token, tls=tls, name=name)
+
     try:
         agent = WorkerAgent(
             link, worker_id=worker_id, devices=devices, preferred_rank=rank, timeouts=timeouts, expected=expected,
             shm=shm,
+            relay=relay,
+            connect=connect,
         )
         return agent.run()
     finally:
         link.close()
+        if relay is not None:
+            relay.stop()

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "devices", "host", "preferred_rank", "pid", "declared")
+    __slots__ = ("worker_id", "incarnation", "devices", "host", "preferred_rank", "pid", "declared", "relay_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class JoinRequest(_message.Message):
     PREFERRED_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DECLARED_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     devices: _containers.RepeatedScalarFieldContainer[str]
@@ -22,7 +23,8 @@ class JoinRequest(_message.Message):
     preferred_rank: int
     pid: int
     declared: _containers.RepeatedCompositeFieldContainer[VariableInfo]
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., preferred_rank: _Optional[int] = ..., pid: _Optional[int] = ..., declared: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ...) -> None: ...
+    relay_port: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., preferred_rank: _Optional[int] = ..., pid: _Optional[int] = ..., declared: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., relay_port: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("rank", "num_workers", "chief_incarnation")
@@ -35,18 +37,22 @@ class JoinReply(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., chief_incarnation: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("rank", "worker_id", "host", "devices", "incarnation")
+    __slots__ = ("rank", "worker_id", "host", "devices", "incarnation", "parent", "relay_address")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     worker_id: str
     host: str
     devices: _containers.RepeatedScalarFieldContainer[str]
     incarnation: str
-    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    parent: int
+    relay_address: str
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ..., parent: _Optional[int] = ..., relay_address: _Optional[str] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
     __slots__ = ("group_key", "devices")
@@ -83,7 +89,7 @@ class VariableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., synchronization: _Optional[str] = ..., aggregation: _Optional[str] = ..., trainable: _Optional[bool] = ..., group_key: _Optional[int] = ..., instance_key: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model", "shm_socket", "shm_secret")
+    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model", "shm_socket", "shm_secret", "topology")
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +101,7 @@ class Plan(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SHM_SECRET_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     chief_incarnation: str
     num_workers: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -106,7 +113,8 @@ class Plan(_message.Message):
     model: str
     shm_socket: str
     shm_secret: str
-    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ...) -> None: ...
+    topology: str
+    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ..., topology: _Optional[str] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "incarnation")

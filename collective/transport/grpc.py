@@ -314,8 +314,12 @@ class GrpcEndpoint(ChiefEndpoint):
 class GrpcChiefLink(ChiefLink):
     """A worker's channel to the chief at ``address``."""
 
-    def __init__(self, address: str, *, token: str | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, address: str, *, token: str | None = None, tls: TlsFiles | None = None, name: str = "chief"
+    ) -> None:
+        """``name`` is who serves at ``address`` in messages: the chief, or a relay worker."""
         self.address = address
+        self.name = name
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
         self.tls = tls if tls is not None and tls.enabled else None
         self._channel = self._open("data")
@@ -358,21 +362,21 @@ class GrpcChiefLink(ChiefLink):
 
     def _error(self, exc: Exception, phase: str, timeout: float) -> E.CollectiveError:
         if not isinstance(exc, grpc.RpcError):
-            return E.ChiefUnreachableError(f"chief at {self.address}: {phase} was cancelled")
+            return E.ChiefUnreachableError(f"{self.name} at {self.address}: {phase} was cancelled")
         code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return E.AuthError(
-                f"chief at {self.address} refused the cluster token during {phase} ({details}); "
+                f"{self.name} at {self.address} refused the cluster token during {phase} ({details}); "
                 f"pass the chief's token with --token or COLLECTIVE_TOKEN"
             )
         if code == grpc.StatusCode.UNAVAILABLE:
-            return E.ChiefUnreachableError(f"chief at {self.address} unreachable during {phase}: {details}{self._tls_hint(details)}")
+            return E.ChiefUnreachableError(f"{self.name} at {self.address} unreachable during {phase}: {details}{self._tls_hint(details)}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
-            return E.ChiefUnreachableError(f"chief at {self.address} did not answer within {timeout:g} s during {phase}")
+            return E.ChiefUnreachableError(f"{self.name} at {self.address} did not answer within {timeout:g} s during {phase}")
         if code == grpc.StatusCode.CANCELLED:
-            return E.ChiefUnreachableError(f"chief at {self.address}: {phase} was cancelled ({details})")
+            return E.ChiefUnreachableError(f"{self.name} at {self.address}: {phase} was cancelled ({details})")
         cls = _CLASS_OF.get(code, E.AbortedError)
-        return cls(f"chief at {self.address}: {details}" if cls is not E.AbortedError else f"round aborted by the chief at {self.address}: {details}")
+        return cls(f"{self.name} at {self.address}: {details}" if cls is not E.AbortedError else f"round aborted by the chief at {self.address}: {details}")
 
     def _tls_hint(self, details: str) -> str:
         low = details.lower()
@@ -421,7 +425,7 @@ class GrpcChiefLink(ChiefLink):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise E.ChiefUnreachableError(
-                    f"chief at {self.address} unreachable for {timeout:g} s while joining ({last}); "
+                    f"{self.name} at {self.address} unreachable for {timeout:g} s while joining ({last}); "
                     f"check --chief / COLLECTIVE_CHIEF and that the chief is running{self._tls_hint(last)}"
                 )
             try:
@@ -433,7 +437,7 @@ class GrpcChiefLink(ChiefLink):
                     hint = self._tls_hint(last)
                     refusals = refusals + 1 if hint else 0
                     if refusals >= 3:  # a listening chief that keeps closing on us: not a start-up race
-                        raise E.AuthError(f"chief at {self.address} refused the connection during join: {last}{hint}") from None
+                        raise E.AuthError(f"{self.name} at {self.address} refused the connection during join: {last}{hint}") from None
                     log.info("chief at %s not reachable yet (%s); retrying for %.0f s more", self.address, last, left)
                     time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
                     backoff = min(1.0, backoff * 2)
@@ -469,7 +473,7 @@ class GrpcChiefLink(ChiefLink):
                 raise self._interrupted from None
             if stalled.is_set():
                 raise E.ChiefUnreachableError(
-                    f"chief at {self.address} sent nothing for {stall_timeout:g} s during receive"
+                    f"{self.name} at {self.address} sent nothing for {stall_timeout:g} s during receive"
                 ) from None
             raise self._error(exc, "receive", stall_timeout) from None
         finally:

@@ -188,3 +188,33 @@ def test_sigterm_mid_broadcast_tells_everyone_and_releases_the_port(cluster):
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, int(port)))  # the chief released its port
+
+
+@pytest.mark.parametrize("topology", ["chain", "tree"])
+def test_relay_topologies_deliver_bit_exact_replicas(cluster, topology):
+    chief = cluster.chief("--workers", "3", "--topology", topology, "--no-shm", "--chunk-bytes", "65536",
+                          "--join-timeout", "60", *HB)
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--join-timeout", "60", *HB) for i in range(3)]
+    for w in workers:
+        assert w.wait(60) == 0, w.output()
+    assert chief.wait(30) == 0, chief.output()
+    assert f"topology {topology}" in chief.output()
+    # chain: rank 1 receives from rank 0; tree (binomial): rank 1 from the chief, rank 2 from rank 0
+    child = {"chain": "w1", "tree": "w2"}[topology]
+    assert f"relaying to worker {child}" in workers[0].output()
+    assert len({w.output().rsplit("worker digest ", 1)[1].strip() for w in workers}) == 1
+
+
+def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
+    chief = cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
+                          "--chunk-bytes", "65536", "--join-timeout", "60", *HB)
+    relay = cluster.worker("relay", "--rank", "0", "--join-timeout", "60", *HB)
+    downstream = [cluster.worker(f"d{i}", "--rank", str(i), "--join-timeout", "60", *HB) for i in (1, 2)]
+    wait_for(relay, "relaying to worker d1")
+    relay.signal(signal.SIGKILL)
+    assert chief.wait(30) != 0
+    error = [ln for ln in chief.output().splitlines() if "round aborted" in ln][0]
+    assert "relay" in error, error
+    for d in downstream:
+        assert d.wait(30) != 0
+        assert "training started" not in d.output()

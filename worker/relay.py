@@ -1,0 +1,100 @@
+"""A worker's relay: serves the chunks it has received to the workers below it in the plan.
+
+For the tree and chain topologies each worker runs a small gRPC server speaking the same
+Collective service, of which only ``Fetch`` is answered. The stream it serves is cut from its
+own arena by the same ``Chunker`` as the chief's, each chunk released as soon as its bytes have
+arrived here (``progress``), so a chain pipelines: every link carries the model once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from collective._proto import collective_pb2 as pb
+from collective.errors import AbortedError, DeadlineError, PreconditionError
+from collective.plan import Chunker
+
+log = logging.getLogger(__name__)
+
+
+class RelayHandler:
+    """The ChiefHandler of a worker's relay server. Thread-safe; every wait is bounded."""
+
+    def __init__(self, stall_timeout: float) -> None:
+        self._cond = threading.Condition()
+        self._plan: pb.Plan | None = None
+        self._arena: np.ndarray | None = None
+        self._available = 0
+        self._failed: str | None = None
+        self._stall = stall_timeout
+
+    def feed(self, plan: pb.Plan, arena: np.ndarray) -> None:
+        with self._cond:
+            self._plan, self._arena = plan, arena
+            self._cond.notify_all()
+
+    def progress(self, nbytes: int) -> None:
+        with self._cond:
+            self._available = nbytes
+            self._cond.notify_all()
+
+    def fail(self, reason: str) -> None:
+        with self._cond:
+            self._failed = reason
+            self._cond.notify_all()
+
+    def _wait(self, ready, what: str) -> None:
+        if not self._cond.wait_for(lambda: ready() or self._failed is not None, timeout=self._stall):
+            raise DeadlineError(f"relay had nothing new for {self._stall:g} s while {what}")
+        if self._failed is not None:
+            raise AbortedError(f"relay stopped: {self._failed}")
+
+    def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
+        with self._cond:
+            self._wait(lambda: self._plan is not None, "waiting for the plan")
+            plan, arena = self._plan, self._arena
+            if not any(w.worker_id == ref.worker_id and w.incarnation == ref.incarnation for w in plan.workers):
+                raise PreconditionError(f"worker {ref.worker_id!r} is not in this round's plan")
+        log.info("relaying to worker %s", ref.worker_id)
+        for msg, data in Chunker(plan, arena).frames():
+            end = msg.offset + len(data)
+            with self._cond:
+                self._wait(lambda end=end: self._available >= end, f"relaying to {ref.worker_id}")
+            msg.data = bytes(data)
+            yield msg
+
+    def lost(self, ref: pb.WorkerRef, reason: str) -> None:
+        log.info("relay stream to worker %s ended early: %s", ref.worker_id, reason)
+
+    def _only_fetch(self, *args, **kwargs):
+        raise PreconditionError("this is a worker's relay: it answers Fetch only; talk to the chief")
+
+    join = get_plan = report_ready = await_start = report_failure = heartbeat = status = _only_fetch
+
+
+class Relay:
+    """A relay server on ``bind`` (port 0: any). ``port`` is known once constructed."""
+
+    def __init__(self, bind: str, *, token: str | None, tls, stall_timeout: float) -> None:
+        from collective.transport.grpc import GrpcEndpoint
+
+        self.handler = RelayHandler(stall_timeout)
+        self._endpoint = GrpcEndpoint(bind, token=token, tls=tls, max_workers=8)
+        self._endpoint.start(self.handler)
+        self.port = self._endpoint.port
+        self._started = time.monotonic()
+
+    def feed(self, plan: pb.Plan, arena: np.ndarray) -> None:
+        self.handler.feed(plan, arena)
+
+    def progress(self, nbytes: int) -> None:
+        self.handler.progress(nbytes)
+
+    def stop(self, reason: str = "the round is over") -> None:
+        self.handler.fail(reason)
+        self._endpoint.stop(grace=0.5)
