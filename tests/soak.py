@@ -173,7 +173,9 @@ class Soak:
     def run_round(self, n: int, fault: str) -> Round:
         r = Round(n, fault)
         self.fault, self.procs, self.helpers = fault, {}, []
-        service = ChiefService(ArraySource(self.arrays), self.workers, timeouts=TIMEOUTS, chunk_bytes=256 << 10)
+        # star: the in-process chief streams to every worker itself, so it can inject faults
+        service = ChiefService(ArraySource(self.arrays), self.workers, timeouts=TIMEOUTS, chunk_bytes=256 << 10,
+                               topology="star")
         handler = FaultyHandler(service, self)
         ids = [f"w{i}" for i in range(self.workers)]
         handler.victim = self.rng.choice(ids)
