@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only this phase (join, broadcast, receive, verify, ready, start, started, failed)")
     lg.add_argument("--json", action="store_true", help="one JSON object per line")
 
+    from collective.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
     dr = sub.add_parser("doctor", help="pre-flight checks: versions, cluster env, and the path to a chief")
     add_option(dr, "chief", help="the chief's HOST:PORT", default=None)
     add_option(dr, "token", help="the cluster token", default=None)
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         args = build_parser().parse_args(argv)
         logs.configure("launch")
-        return {"launch": _launch, "status": _status, "logs": _logs, "doctor": _doctor}[args.command](args)
+        return {"launch": _launch, "status": _status, "logs": _logs, "doctor": _doctor, "bench": _bench}[args.command](args)
 
     return run_main(go)
 
@@ -96,6 +100,12 @@ def _launch(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return 0 if result.get("ok") else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from collective.bench import run_bench
+
+    return run_bench(args)
 
 
 def _logs(args: argparse.Namespace) -> int:
