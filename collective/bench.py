@@ -388,13 +388,19 @@ def _free_port() -> int:
 
 
 def _last_json(text: str, key: str) -> dict | None:
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line.startswith("{") and f'"{key}"' in line:
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
+    """The last JSON object in ``text`` that starts with ``{"key"``, also when another process's
+    log line was glued to the same line (mpiexec merges the ranks' streams)."""
+    decoder = json.JSONDecoder()
+    marker = '{"' + key + '"'
+    pos = text.rfind(marker)
+    while pos >= 0:
+        try:
+            obj, _ = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            return obj
+        pos = text.rfind(marker, 0, pos)
     return None
 
 
@@ -468,12 +474,12 @@ class LocalRunner:
         shutil.rmtree(run_dir, ignore_errors=True)
         return float(result["seconds"])
 
-    def mpi_bcast(self, workers: int, size: int, repeat: int) -> float:
+    def mpi_bcast(self, workers: int, size: int, repeat: int) -> list[float]:
         argv = [mpiexec_path() or "mpiexec", "-n", str(workers + 1), sys.executable, "-c", MPI_BCAST_SCRIPT,
                 str(size), str(repeat)]
         return self._peer("mpi-bcast", workers, argv, size, repeat)
 
-    def gloo(self, workers: int, size: int, repeat: int) -> float:
+    def gloo(self, workers: int, size: int, repeat: int) -> list[float]:
         port = _free_port()
         env = _clean_env({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
         logs = [self.workdir / f"gloo-{workers}w-rank{r}.log" for r in range(workers + 1)]
@@ -502,15 +508,15 @@ class LocalRunner:
             rank = bad[0] if bad else 0
             raise BenchError(f"gloo with {workers} worker(s): rank {rank} failed: "
                              f"{_tail(logs[rank].read_text(errors='replace'))}; logs in {logs[rank]}")
-        return float(result["seconds"])
+        return _samples(result)
 
-    def _peer(self, name: str, workers: int, argv: list[str], size: int, repeat: int) -> float:
+    def _peer(self, name: str, workers: int, argv: list[str], size: int, repeat: int) -> list[float]:
         log = self.workdir / f"{name}-{workers}w.log"
         rc, out = _run_job(argv, timeout=_timeout(size, workers, 1e9) * (repeat + 1), env=_clean_env(), log=log)
         result = _last_json(out, "seconds")
         if rc != 0 or result is None:
             raise BenchError(f"{name} with {workers} worker(s) failed (exit {rc}): {_tail(out)}; log in {log}")
-        return float(result["seconds"])
+        return _samples(result)
 
 
 def _check_bytes(name: str, result: dict, size: int, where: Path) -> None:
@@ -644,15 +650,15 @@ class EmulatedRunner:
         _check_bytes(c.name, result, size, self.workdir)
         return float(result["seconds"])
 
-    def mpi_bcast(self, workers: int, size: int, repeat: int) -> float:
+    def mpi_bcast(self, workers: int, size: int, repeat: int) -> list[float]:
         out = self._mpiexec(workers, [sys.executable, "-c", MPI_BCAST_SCRIPT, str(size), str(repeat)], "mpi-bcast",
                             self._timeout(size, workers) * (repeat + 1))
         result = _last_json(out, "seconds")
         if result is None:
             raise BenchError(f"mpi-bcast with {workers} emulated worker host(s) printed no result: {_tail(out)}")
-        return float(result["seconds"])
+        return _samples(result)
 
-    def gloo(self, workers: int, size: int, repeat: int) -> float:
+    def gloo(self, workers: int, size: int, repeat: int) -> list[float]:
         from collective.emulate import HostProcessError, wait_all
 
         net = self._network(workers)
@@ -679,7 +685,12 @@ class EmulatedRunner:
             p = bad[0] if bad else procs[0]
             raise BenchError(f"gloo with {workers} emulated worker host(s): {p.name} failed: {_tail(outputs[p.name])}; "
                              f"log in {p.log}")
-        return float(result["seconds"])
+        return _samples(result)
+
+
+def _samples(result: dict) -> list[float]:
+    """A peer's timed repetitions (their median is the peer's figure)."""
+    return [float(x) for x in result.get("samples") or [result["seconds"]]]
 
 
 def _kill(procs) -> None:
@@ -697,7 +708,7 @@ class Result:
     workers: int
     bytes: int
     samples: list[float] = field(default_factory=list)
-    peer: bool = False  # a peer's one sample is already its median over --repeat inner runs
+    peer: bool = False  # a peer's samples are its inner repetitions (one process launch)
 
     @property
     def seconds(self) -> float:
@@ -805,9 +816,10 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
                     say(f"{c.name:<10} {n} worker(s), run {rep + 1}/{settings.repeat}: {seconds:.4f} s")
             results += mine
             for name in peers:
-                seconds = (runner.mpi_bcast if name == "mpi-bcast" else runner.gloo)(n, settings.size, settings.repeat)
-                results.append(Result(name, n, settings.size, [seconds], peer=True))
-                say(f"{name:<10} {n} worker(s), median of {settings.repeat}: {seconds:.4f} s")
+                samples = (runner.mpi_bcast if name == "mpi-bcast" else runner.gloo)(n, settings.size, settings.repeat)
+                r = Result(name, n, settings.size, samples, peer=True)
+                results.append(r)
+                say(f"{name:<10} {n} worker(s), median of {len(samples)}: {r.seconds:.4f} s")
         ok = True
         return results, runner.link_seconds
     finally:
@@ -823,13 +835,13 @@ def table(results: Sequence[Result], link_seconds: float | None) -> str:
     for r in results:
         if r.peer:
             best_peer[r.workers] = min(best_peer.get(r.workers, math.inf), r.seconds)
-    head = ["name", "workers", "bytes", "median s", "GiB/s", "x best peer"]
+    head = ["name", "workers", "bytes", "median s", "min-max s", "GiB/s", "x best peer"]
     if link_seconds is not None:
         head.append("x S/B")
     rows = [head]
     for r in results:
         peer = best_peer.get(r.workers)
-        row = [r.name, str(r.workers), str(r.bytes), f"{r.seconds:.4f}",
+        row = [r.name, str(r.workers), str(r.bytes), f"{r.seconds:.4f}", f"{min(r.samples):.4f}-{max(r.samples):.4f}",
                f"{r.bytes / r.seconds / GiB:.3f}" if r.seconds > 0 else "-",
                f"{r.seconds / peer:.2f}" if peer else "-"]
         if link_seconds is not None:
@@ -861,7 +873,11 @@ def plot(results: Sequence[Result], link_seconds: float | None, path: Path, titl
     ax.set_xlabel("workers")
     ax.set_ylabel("broadcast seconds (median)")
     ax.set_xticks(sorted({r.workers for r in results}))
-    ax.set_ylim(bottom=0)
+    times = [r.seconds for r in results if r.seconds > 0] + ([link_seconds] if link_seconds else [])
+    if times and max(times) / min(times) > 20:
+        ax.set_yscale("log")  # a slow path would flatten every other line to the axis
+    else:
+        ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()

@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
     add_option(p, "seed", help="seed for initializer specs", type=int, default=None)
     add_option(p, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
-    add_option(p, "chunk-bytes", help="bytes per broadcast call (every call stays below 2 GiB)", type=positive_int, default=None)
+    add_option(p, "chunk-bytes", help="bytes per chunk: the unit of keys, trailers and checks", type=positive_int,
+               default=None)
+    add_option(p, "split-bytes", help="largest Bcast call, whole chunks (default 256 MiB; must stay below 2 GiB)",
+               type=positive_int, default=None)
     add_timeout_options(p, "join", "ready", "start")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
     p.add_argument("--json", action="store_true", help="rank 0 prints the summary as one JSON line last")
@@ -79,7 +82,9 @@ def _chief(comm, args, watchdog) -> int:
         heartbeats=False,
     )
     log.info("chief %s on rank 0; %d worker rank(s)", service.incarnation, comm.size - 1)
-    MpiChiefDriver(comm, service, watchdog, timeouts).serve()
+    if args.split_bytes and args.split_bytes >= 2**31:
+        raise UsageError(f"--split-bytes {args.split_bytes} must stay below 2 GiB, MPI's count limit")
+    MpiChiefDriver(comm, service, watchdog, timeouts, split_bytes=args.split_bytes).serve()
     result = service.result()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
@@ -98,7 +103,7 @@ def _worker(comm, args, watchdog) -> int:
     timeouts = timeouts_from_args(args)
     watchdog.phase("join", timeouts.join)
     devices = [f"cpu:{i}" for i in range(args.devices_per_worker)]
-    link = MpiChiefLink(comm, watchdog, timeouts)
+    link = MpiChiefLink(comm, watchdog, timeouts, split_bytes=args.split_bytes)
     agent = WorkerAgent(
         link,
         worker_id=f"mpi-rank-{comm.rank}",

@@ -267,13 +267,24 @@ class Chunker:
 
         For transports that send the bytes themselves without a copy (MPI's Bcast).
         """
-        last = len(self._frames) - 1
-        for i, f in enumerate(self._frames):
-            msg = pb.Chunk(offset=f.start, group_key=f.group_key, instance_keys=f.instance_keys, trailers=f.trailers)
-            if i == last:
-                msg.end.total_bytes = self._plan.total_bytes
-                msg.end.manifest_digest = self._plan.manifest_digest
-            yield msg, self._arena[f.start : f.end]
+        for msg, start, end in frame_messages(self._plan):
+            yield msg, self._arena[start:end]
+
+
+def frame_messages(plan: pb.Plan) -> Iterator[tuple[pb.Chunk, int, int]]:
+    """Every message of a plan's stream without its bytes, with the arena range it covers.
+
+    Both ends can derive them from the plan alone, so a transport that moves the bytes in large
+    collective calls (MPI) need not send them: the receiver still checks every trailer.
+    """
+    frames = _frames(plan)
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        msg = pb.Chunk(offset=f.start, group_key=f.group_key, instance_keys=f.instance_keys, trailers=f.trailers)
+        if i == last:
+            msg.end.total_bytes = plan.total_bytes
+            msg.end.manifest_digest = plan.manifest_digest
+        yield msg, f.start, f.end
 
 
 class Receiver:
@@ -285,7 +296,7 @@ class Receiver:
     """
 
     def __init__(self, plan: pb.Plan, arena: np.ndarray) -> None:
-        self._plan = plan
+        self._plan = self.plan = plan
         self._arena = arena.reshape(-1).view(np.uint8)
         self._frames = {f.start: f for f in _frames(plan)}
         self._by_key = {v.instance_key: v for v in plan.variables}
@@ -314,6 +325,16 @@ class Receiver:
                 f"chunk of {nbytes} bytes at offset {offset} does not fit the plan (the stream stands at {self._pos})"
             )
         return self._arena[frame.start : frame.end]
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        """Where several consecutive chunks' bytes go, for one large in-place write.
+
+        ``start`` must be where the stream stands and ``end`` a chunk boundary of the plan (or
+        the arena's end); then ``accept(meta, placed=True)`` each chunk of the span in order.
+        """
+        if start != self._pos or not (end == self._plan.total_bytes or end in self._frames) or end < start:
+            raise ProtocolError(f"span {start}..{end} does not fit the plan (the stream stands at {self._pos})")
+        return self._arena[start:end]
 
     def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
         """Check one message and write its bytes (already written with ``placed``)."""

@@ -48,8 +48,12 @@ if os.environ.get("PROBE_CORRUPT_RANK") and MPI.COMM_WORLD.rank == int(os.enviro
         def __init__(self, receiver):
             self._r, self._flipped, self._last = receiver, False, None
 
-        def view(self, offset, nbytes):
-            self._last = self._r.view(offset, nbytes)
+        @property
+        def plan(self):
+            return self._r.plan
+
+        def span(self, start, end):
+            self._last = self._r.span(start, end)
             return self._last
 
         def accept(self, chunk, placed=False):

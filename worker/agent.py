@@ -107,8 +107,15 @@ class _Watched:
     def __init__(self, receiver: Receiver, agent: WorkerAgent) -> None:
         self._r, self._agent = receiver, agent
 
+    @property
+    def plan(self) -> pb.Plan:
+        return self._r.plan
+
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self._r.view(offset, nbytes)
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        return self._r.span(start, end)
 
     def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
         try:

@@ -29,6 +29,7 @@ from mpi4py import MPI
 
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.plan import frame_messages
 from collective.transport.api import ChiefHandler, ChiefLink
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,10 @@ def abort(comm: MPI.Comm, code: int) -> None:
 class MpiChiefDriver:
     """Rank 0: answers the workers' calls with ``handler``, one collective step at a time."""
 
-    def __init__(self, comm: MPI.Comm, handler: ChiefHandler, watchdog: PhaseWatchdog, timeouts) -> None:
+    def __init__(self, comm: MPI.Comm, handler: ChiefHandler, watchdog: PhaseWatchdog, timeouts,
+                 split_bytes: int = None) -> None:
         self.comm, self.h, self.watchdog, self.t = comm, handler, watchdog, timeouts
+        self.split_bytes = split_bytes or SPAN_BYTES
         self.refs: list[pb.WorkerRef] = []
 
     def _answer_each(self, requests: list[bytes], fn: Callable[[int, bytes], object]) -> bool:
@@ -193,6 +196,7 @@ class MpiChiefDriver:
         bcast_bytes(self.comm, plan)
         if plan[0] != _OK:
             return
+        self.plan = pb.Plan.FromString(plan[1:])
         self.watchdog.phase("broadcast", t.ready)
         if not self._stream():
             return
@@ -204,23 +208,47 @@ class MpiChiefDriver:
         self.watchdog.phase("done", t.start)
 
     def _stream(self) -> bool:
-        header = np.zeros(2, dtype=np.int64)
+        """The arena in a few large Bcasts (each below 2 GiB), straight from the chief's memory.
+
+        Both sides derive every chunk's keys and trailers from the plan (``frame_messages``),
+        so only the bytes move; before each span a one-int status says whether the round still
+        stands (else the error follows). Few calls matter: every collective costs a
+        synchronisation, dear when ranks outnumber cores.
+        """
+        status = np.zeros(1, dtype=np.int64)
+        views = self.h.stream_views(self.refs)
         try:
-            for chunk, data in self.h.stream_views(self.refs):
-                meta = bytes([_OK]) + chunk.SerializeToString()
-                header[:] = (len(meta), len(data))
-                self.comm.Bcast([header, MPI.INT64_T], root=0)
-                self.comm.Bcast([np.frombuffer(meta, np.uint8), MPI.BYTE], root=0)
-                if len(data):
-                    # Straight from the chief's arena: no copy on this side.
-                    self.comm.Bcast([np.frombuffer(data, np.uint8), MPI.BYTE], root=0)
+            for start, end in spans(self.plan, self.split_bytes):
+                for _msg, data in views:  # advances the chief's bookkeeping and checks for failure
+                    if _msg.offset + len(data) >= end:
+                        break
+                status[0] = 0
+                self.comm.Bcast([status, MPI.INT64_T], root=0)
+                if end > start:
+                    self.comm.Bcast([self.h.arena[start:end], MPI.BYTE], root=0)
+            for _ in views:  # the end message: marks every worker's stream complete
+                pass
         except E.CollectiveError as exc:
             meta = encode_error(exc)
-            header[:] = (len(meta), 0)
-            self.comm.Bcast([header, MPI.INT64_T], root=0)
+            status[0] = len(meta)
+            self.comm.Bcast([status, MPI.INT64_T], root=0)
             self.comm.Bcast([np.frombuffer(meta, np.uint8), MPI.BYTE], root=0)
             return False
         return True
+
+
+SPAN_BYTES = 256 << 20  # per Bcast call: far below MPI's 2 GiB count limit
+
+
+def spans(plan: pb.Plan, span_bytes: int = SPAN_BYTES) -> list[tuple[int, int]]:
+    """Consecutive ranges of whole chunks, each at most ``span_bytes`` (or one chunk)."""
+    out, start = [], 0
+    for _msg, _s, end in frame_messages(plan):
+        if end - start > span_bytes and _s > start:
+            out.append((start, _s))
+            start = _s
+    out.append((start, plan.total_bytes))
+    return out
 
 
 def decode_error(outcome: bytes) -> E.CollectiveError:
@@ -237,8 +265,9 @@ def decode_error(outcome: bytes) -> E.CollectiveError:
 class MpiChiefLink(ChiefLink):
     """Ranks 1..N: the worker's calls as the matching collectives with rank 0."""
 
-    def __init__(self, comm: MPI.Comm, watchdog: PhaseWatchdog, timeouts) -> None:
+    def __init__(self, comm: MPI.Comm, watchdog: PhaseWatchdog, timeouts, split_bytes: int = None) -> None:
         self.comm, self.watchdog, self.t = comm, watchdog, timeouts
+        self.split_bytes = split_bytes or SPAN_BYTES
         self.address = "mpi rank 0"
         # The chief's failure answers reach every rank at the same step; such a failure ends
         # this rank normally. Any other failure leaves the ranks out of step and must abort.
@@ -264,20 +293,24 @@ class MpiChiefLink(ChiefLink):
         return self._decode(bcast_bytes(self.comm, None), pb.Plan)
 
     def receive_into(self, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
-        """The data stream, each chunk's bytes broadcast straight into the receiver's arena."""
+        """The arena in the chief's large Bcasts, straight into the receiver's memory; then every
+        chunk of the span is checked as if it had arrived alone (keys, trailers, digests)."""
         self.watchdog.phase("broadcast", self.t.ready)
-        header = np.zeros(2, dtype=np.int64)
-        while True:
-            self.comm.Bcast([header, MPI.INT64_T], root=0)
-            meta = np.empty(int(header[0]), dtype=np.uint8)
-            self.comm.Bcast([meta, MPI.BYTE], root=0)
-            chunk = self._decode(meta.tobytes(), pb.Chunk)
-            if header[1]:
-                # The receiver checks offset and length against the plan before we write.
-                self.comm.Bcast([receiver.view(chunk.offset, int(header[1])), MPI.BYTE], root=0)
-            receiver.accept(chunk, placed=True)
-            if chunk.HasField("end"):
-                return
+        plan = receiver.plan
+        messages = list(frame_messages(plan))
+        status = np.zeros(1, dtype=np.int64)
+        i = 0
+        for start, end in spans(plan, self.split_bytes):
+            self.comm.Bcast([status, MPI.INT64_T], root=0)
+            if status[0]:
+                meta = np.empty(int(status[0]), dtype=np.uint8)
+                self.comm.Bcast([meta, MPI.BYTE], root=0)
+                self._decode(meta.tobytes(), pb.Chunk)  # raises the chief's error
+            if end > start:
+                self.comm.Bcast([receiver.span(start, end), MPI.BYTE], root=0)
+            while i < len(messages) and messages[i][2] <= end:  # every chunk of the span, end included
+                receiver.accept(messages[i][0], placed=True)
+                i += 1
 
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
         raise E.ProtocolError("over MPI the data stream is received in place: use receive_into")

@@ -88,12 +88,12 @@ def test_checkpoints_reach_every_rank_bit_exact(tmp_path, kind):
 
 
 def test_a_variable_larger_than_the_split_size_moves_in_calls_below_it(tmp_path):
-    """The >2 GiB path, cheaply: a 1000-byte split size and a 400 kB variable."""
+    """The >2 GiB path, cheaply: a 1000-byte split size (chunks of 500) and a 400 kB variable."""
     arrays = {"big": np.random.default_rng(1).standard_normal(50_000), "small": np.arange(7, dtype=np.int8)}
     path = tmp_path / "big.npz"
     np.savez(path, **arrays)
     log = tmp_path / "largest-bcast"
-    proc = mpirun(3, "--model", str(path), "--chunk-bytes", "1000", "--json",
+    proc = mpirun(3, "--model", str(path), "--chunk-bytes", "500", "--split-bytes", "1000", "--json",
                   script=["tests/mpi_probe.py"], env={"PROBE_BCAST_LOG": str(log)})
     assert proc.returncode == 0, proc.stderr
     assert {v["name"]: v["digest"] for v in last_json(proc.stdout)["variables"]} == {k: digest(a) for k, a in arrays.items()}
