@@ -23,7 +23,6 @@ from collective.config import (
     tls_from_args,
 )
 from collective.entry import run_main
-from collective.plan import DEFAULT_CHUNK_BYTES
 
 log = logging.getLogger("chief")
 
@@ -40,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
     add_option(p, "topology", help="who receives from whom: auto (tree below 16 MiB, chain above), star, tree, chain",
                default="auto", choices=["auto", "star", "tree", "chain"])
-    add_option(p, "chunk-bytes", help="bytes per data message", type=positive_int, default=DEFAULT_CHUNK_BYTES)
+    add_option(p, "chunk-bytes", help="bytes per data message; default 4 MiB, 512 KiB for a chain",
+               type=positive_int, default=None)
     add_timeout_options(p, "join", "ready", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
     add_option(p, "port-file", help="write the bound port here once serving (for launchers)", default=None)

@@ -45,7 +45,7 @@ from collective.plan import (
     declaration_differences,
     layout,
 )
-from collective.topology import choose, parents
+from collective.topology import CHAIN_CHUNK_BYTES, choose, parents
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class ChiefService:
         num_workers: int,
         *,
         timeouts: Timeouts | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         incarnation: str | None = None,
         transport: str = "grpc",
         heartbeats: bool = True,
@@ -126,7 +126,7 @@ class ChiefService:
     ) -> None:
         if num_workers < 1:
             raise UsageError(f"--workers must be at least 1, got {num_workers}")
-        if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
             raise UsageError(f"chunk size {chunk_bytes} must be between 1 and {MAX_CHUNK_BYTES} bytes")
         self.num_workers = num_workers
         self.timeouts = timeouts or Timeouts()
@@ -296,7 +296,8 @@ class ChiefService:
             self.specs,
             self.digests,
             workers,
-            chunk_bytes=self.chunk_bytes,
+            # A chain fills its pipeline one chunk per hop: small chunks keep that short.
+            chunk_bytes=self.chunk_bytes or (CHAIN_CHUNK_BYTES if topology == "chain" else DEFAULT_CHUNK_BYTES),
             chief_incarnation=self.incarnation,
             model=self.source.description,
         )

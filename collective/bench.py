@@ -6,9 +6,10 @@ values, nothing big is written to disk), runs ``collective launch --workers N --
 --quiet`` as a subprocess R times, and reports the median of the JSON ``seconds``: the broadcast
 phase, from the chief's first byte sent until every worker has reported ready with verified
 digests. ``--no-shm`` passes ``--no-shm`` to launch (same-host workers then take the bytes over
-gRPC too); without it launch's default same-host path is timed. Runs are interleaved (run 1 of
-every candidate, then run 2 ...) so a slow spell of the machine does not land on one candidate
-only. Nothing runs concurrently.
+gRPC too); without it launch's default same-host path is timed. ``--chunk-bytes`` is passed on
+to launch (or the chief) as well. Runs are interleaved (run 1 of every candidate, then run 2
+...) so a slow spell of the machine does not land on one candidate only. Nothing runs
+concurrently.
 
 Peers (``--peers``) move the same SIZE bytes from rank 0 to N receivers:
 
@@ -66,7 +67,6 @@ SPEC_SEED = 7
 CHIEF_PORT = 50051
 GLOO_PORT = 29500
 MAX_EMULATED_WORKERS = 99  # host names worker-1 .. worker-99 (the harness allows 13 characters)
-PEER_NAMES = ("mpi-bcast", "gloo")
 
 
 class BenchError(CollectiveError):
@@ -447,9 +447,11 @@ class LocalRunner:
 
     link_seconds = None
 
-    def __init__(self, workdir: Path, say: Callable[[str], None], extra: Sequence[str] = ()) -> None:
+    def __init__(self, workdir: Path, say: Callable[[str], None], extra: Sequence[str] = (),
+                 chunk: Sequence[str] = ()) -> None:
         self.workdir, self.say = workdir, say
         self.extra = list(extra)  # more launch options (--no-shm), for the grpc transport
+        self.chunk = list(chunk)  # --chunk-bytes N, for every transport
         self._serial = 0
 
     def close(self) -> None:
@@ -464,6 +466,7 @@ class LocalRunner:
             argv += ["--topology", c.topology]
         if c.transport == "grpc":
             argv += self.extra
+        argv += self.chunk
         run_dir.mkdir(parents=True)
         rc, out = _run_job(argv, timeout=_timeout(size, workers, 2e9), env=_clean_env(), log=run_dir / "bench.log")
         result = _last_json(out, "ok")
@@ -539,9 +542,10 @@ class EmulatedRunner:
     ``rate`` both ways; one topology per worker count, rebuilt when the count changes."""
 
     def __init__(self, workdir: Path, say: Callable[[str], None], rate: str, size: int,
-                 extra: Sequence[str] = ()) -> None:
+                 extra: Sequence[str] = (), chunk: Sequence[str] = ()) -> None:
         self.workdir, self.say, self.rate = workdir, say, rate
         self.extra = list(extra)  # more chief and worker options (--no-shm)
+        self.chunk = list(chunk)  # --chunk-bytes N for the chief (gRPC) or rank 0 (MPI)
         self.bits = parse_rate(rate)
         self.link_seconds = size * 8 / self.bits
         self.net = None
@@ -588,7 +592,7 @@ class EmulatedRunner:
                       "--bind", f"0.0.0.0:{CHIEF_PORT}", "--result-file", str(result_file)]
         if c.topology is not None:
             chief_argv += ["--topology", c.topology]
-        chief_argv += self.extra
+        chief_argv += self.extra + self.chunk
         chief = net.run("chief", chief_argv, env=env, name=f"chief-{tag}")
         procs = [chief]
         try:
@@ -641,7 +645,7 @@ class EmulatedRunner:
         return out
 
     def _project_mpi(self, c: Candidate, workers: int, spec: Path, size: int) -> float:
-        out = self._mpiexec(workers, [sys.executable, "-m", "collective.mpi", "--json", "--model", str(spec)], c.name,
+        out = self._mpiexec(workers, [sys.executable, "-m", "collective.mpi", "--json", "--model", str(spec), *self.chunk], c.name,
                             self._timeout(size, workers), env={"COLLECTIVE_TOKEN": secrets.token_hex(16)})
         result = _last_json(out, "ok")
         if not result or not result.get("ok"):
@@ -729,6 +733,7 @@ class Settings:
     emulate: bool
     rate: str | None
     no_shm: bool = False
+    chunk_bytes: int | None = None
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -751,7 +756,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             raise UsageError(f"--emulate-hosts builds at most {MAX_EMULATED_WORKERS} worker hosts, not {max(workers)}")
     plot = Path(args.plot) if args.plot else None
     return Settings(workers, size, variables, repeat, transports, topologies, bool(args.peers), bool(args.json),
-                    plot, bool(args.emulate_hosts), rate, bool(getattr(args, "no_shm", False)))
+                    plot, bool(args.emulate_hosts), rate, bool(getattr(args, "no_shm", False)),
+                    parse_size(args.chunk_bytes, option="--chunk-bytes") if getattr(args, "chunk_bytes", None) else None)
 
 
 def _check_plot_available() -> None:
@@ -782,6 +788,7 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
         if _option(parser, "--no-shm") is None:
             raise UsageError("--no-shm: this build has no shared-memory path to switch off (launch has no --no-shm)")
         extra.append("--no-shm")
+    chunk: list[str] = [] if settings.chunk_bytes is None else ["--chunk-bytes", str(settings.chunk_bytes)]
     if any(c.transport == "mpi" for c in cands) and (problem := mpi_problem()):
         raise UsageError(f"--transport mpi: {problem}")
     peers: list[str] = []
@@ -800,9 +807,9 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
     runner: LocalRunner | EmulatedRunner
     if settings.emulate:
         assert settings.rate is not None
-        runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra)
+        runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra, chunk)
     else:
-        runner = LocalRunner(workdir, say, extra)
+        runner = LocalRunner(workdir, say, extra, chunk)
     ok = False
     try:
         spec = write_spec(workdir / "model.yaml", settings.size, settings.variables)
@@ -946,6 +953,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help='print one JSON line: {"results": [{"name", "workers", "bytes", "seconds"}], "link_seconds"}')
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw time against workers (needs matplotlib)")
+    p.add_argument("--chunk-bytes", default=None, metavar="BYTES",
+                   help="bytes per data message, passed to launch / the chief (e.g. 1MiB; default: theirs)")
     p.add_argument("--no-shm", action="store_true",
                    help="pass --no-shm to launch: same-host workers take the bytes over the network too "
                         "(default: launch's default)")

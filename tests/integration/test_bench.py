@@ -98,6 +98,7 @@ def test_without_json_it_prints_a_table():
     (["--topology", "no-such-topology"], "unknown topology 'no-such-topology'"),
     (["--transport", "carrier-pigeon"], "--transport"),
     (["--rate", "200mbit"], "--emulate-hosts"),
+    (["--chunk-bytes", "0"], "--chunk-bytes"),
 ])
 def test_bad_options_exit_2_with_one_line_and_no_traceback(args, says):
     proc = bench(*args, "--json", timeout=30)
