@@ -118,10 +118,7 @@ def _worker(comm, args, watchdog) -> int:
             log.error("rank %d (worker on %s): %s", comm.rank, socket.gethostname(), exc)
             return exc.exit_code
         raise
-    log.info(
-        "training started: %d variables x %d replicas, worker digest %s",
-        len(result.variables), len(result.devices), result.worker_digest,
-    )
+    result.log_started()
     return 0
 
 

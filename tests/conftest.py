@@ -66,3 +66,13 @@ def run_threads(targets: Sequence, timeout: float = 30.0) -> list:
 @pytest.fixture
 def fast_timeouts() -> Timeouts:
     return FAST
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Chief and worker processes started by hand; whatever still runs is killed by pid."""
+    from tests.procs import Cluster
+
+    c = Cluster(tmp_path)
+    yield c
+    c.close()

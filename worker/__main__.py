@@ -79,10 +79,7 @@ def _run(args: argparse.Namespace) -> int:
         tls=tls_from_args(args),
         shm=args.shm,
     )
-    log.info(
-        "training started: %d variables x %d replicas, worker digest %s",
-        len(result.variables), len(result.devices), result.worker_digest,
-    )
+    result.log_started()
     return 0
 
 

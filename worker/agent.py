@@ -51,6 +51,13 @@ class WorkerResult:
     worker_digest: str
     broadcast_seconds: float
 
+    def log_started(self) -> None:
+        """The line every entry point ends a worker's successful round with."""
+        log.info(
+            "training started: %d variables x %d replicas, worker digest %s",
+            len(self.variables), len(self.devices), self.worker_digest,
+        )
+
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"

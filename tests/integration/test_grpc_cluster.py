@@ -13,18 +13,12 @@ import numpy as np
 import pytest
 import xxhash
 
-from tests.procs import ROOT, Cluster
+from tests.procs import ROOT
 
 pytestmark = pytest.mark.integration
 
 FAST = ["--join-timeout", "20"]
 
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.close()
 
 
 def launch_json(tmp_path, *args: str, timeout: float = 90) -> tuple[int, dict, str]:

@@ -10,18 +10,10 @@ import time
 
 import pytest
 
-from tests.procs import Cluster
-
 pytestmark = pytest.mark.integration
 
 HB = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5"]
 
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.close()
 
 
 def wait_for(proc, text: str, timeout: float = 30.0) -> None:

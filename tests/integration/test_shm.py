@@ -11,16 +11,10 @@ import numpy as np
 import pytest
 import xxhash
 
-from tests.procs import ROOT, Cluster
+from tests.procs import ROOT
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.close()
 
 
 def launch(tmp_path, *args):

@@ -9,16 +9,10 @@ import time
 
 import pytest
 
-from tests.procs import ROOT, Cluster
+from tests.procs import ROOT
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.close()
 
 
 def status(*args: str) -> subprocess.CompletedProcess:

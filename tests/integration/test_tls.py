@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.procs import ROOT, Cluster
+from tests.procs import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -22,12 +22,6 @@ def certs(tmp_path_factory):
                        capture_output=True, timeout=60)
     return good, rogue
 
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    yield c
-    c.close()
 
 
 def mtls_chief(cluster, certs, workers="1"):
