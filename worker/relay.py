@@ -55,6 +55,13 @@ class RelayHandler:
             raise AbortedError(f"relay stopped: {self._failed}")
 
     def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
+        for msg, data in self.stream_views([ref]):
+            msg.data = bytes(data)
+            yield msg
+
+    def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
+        """Each chunk without its bytes and a view of them, released once they have landed."""
+        [ref] = refs
         with self._cond:
             self._wait(lambda: self._plan is not None, "waiting for the plan")
             plan, arena = self._plan, self._arena
@@ -65,8 +72,7 @@ class RelayHandler:
             end = msg.offset + len(data)
             with self._cond:
                 self._wait(lambda end=end: self._available >= end, f"relaying to {ref.worker_id}")
-            msg.data = bytes(data)
-            yield msg
+            yield msg, data
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         log.info("relay stream to worker %s ended early: %s", ref.worker_id, reason)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from collective import errors as E
@@ -70,6 +73,36 @@ def status_code(exc: E.CollectiveError) -> grpc.StatusCode:
         if isinstance(exc, cls):
             return code
     return grpc.StatusCode.ABORTED  # any other failure of the round aborts it
+
+
+# --- raw frames -------------------------------------------------------------------------------
+
+# FetchRaw is not in the .proto: a generic handler with identity serialisation, so a chunk's
+# bytes are not wrapped in (and copied by) a protobuf message on either side.
+RAW_FETCH = f"/{SERVICE}/FetchRaw"
+_LEN = struct.Struct("<I")
+
+
+def frame(msg: pb.Chunk, data) -> bytes:
+    meta = msg.SerializeToString()
+    return b"".join((_LEN.pack(len(meta)), meta, data))
+
+
+def split_frame(raw: bytes) -> tuple[pb.Chunk, memoryview]:
+    """Metadata and bytes of a raw frame. Raises ProtocolError for a malformed frame."""
+    if len(raw) < _LEN.size:
+        raise E.ProtocolError(f"raw frame of {len(raw)} bytes is shorter than its length prefix")
+    (n,) = _LEN.unpack_from(raw, 0)
+    if _LEN.size + n > len(raw):
+        raise E.ProtocolError(f"raw frame says its metadata has {n} bytes; the frame has {len(raw)}")
+    view = memoryview(raw)
+    try:
+        meta = pb.Chunk.FromString(view[_LEN.size : _LEN.size + n])
+    except DecodeError as exc:
+        raise E.ProtocolError(f"raw frame metadata is not a Chunk: {exc}") from None
+    if meta.data:
+        raise E.ProtocolError("raw frame metadata carries bytes of its own")
+    return meta, view[_LEN.size + n :]
 
 
 # --- TLS -------------------------------------------------------------------------------------
@@ -188,6 +221,18 @@ class _Servicer(pb_grpc.CollectiveServicer):
         self._identity(context, request.worker_id)
         return self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
 
+    def FetchRaw(self, request, context):  # noqa: N802
+        """Fetch as raw frames (see ``frame``): the chunk's bytes are copied once, into the frame."""
+        self._identity(context, request.worker_id)
+        answered = self._watch(context, request, "data stream")
+        try:
+            for msg, data in self._h.stream_views([request]):
+                yield frame(msg, data)
+        except E.CollectiveError as exc:
+            answered[0] = True
+            context.abort(status_code(exc), str(exc))
+        answered[0] = True
+
     def Fetch(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
         answered = self._watch(context, request, "data stream")
@@ -278,7 +323,12 @@ class GrpcEndpoint(ChiefEndpoint):
             options=SERVER_OPTIONS,
         )
         bind_identity = bool(self.tls and self.tls.ca)
-        pb_grpc.add_CollectiveServicer_to_server(_Servicer(handler, bind_identity=bind_identity), server)
+        servicer = _Servicer(handler, bind_identity=bind_identity)
+        pb_grpc.add_CollectiveServicer_to_server(servicer, server)
+        raw = grpc.unary_stream_rpc_method_handler(
+            servicer.FetchRaw, request_deserializer=pb.WorkerRef.FromString, response_serializer=None
+        )
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"FetchRaw": raw}),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
@@ -448,9 +498,29 @@ class GrpcChiefLink(ChiefLink):
         return self._unary(self._stub.GetPlan, ref, "join (waiting for the plan)", timeout, retry=True)
 
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
+        return self._stream(self._stub.Fetch, ref, stall_timeout)
+
+    def receive_into(self, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
+        """The data stream as raw frames: each chunk's bytes are written once, into the arena.
+
+        A frame is a 4-byte little-endian length, the chunk's metadata (a Chunk without data)
+        and its bytes, carried by FetchRaw without protobuf around the bytes.
+        """
+        raw = self._channel.unary_stream(
+            RAW_FETCH, request_serializer=pb.WorkerRef.SerializeToString, response_deserializer=None
+        )
+        for frame in self._stream(raw, ref, stall_timeout):
+            meta, data = split_frame(frame)
+            view = receiver.view(meta.offset, len(data))  # checks offset and length first
+            if len(data):
+                view[...] = np.frombuffer(data, dtype=np.uint8)
+            receiver.accept(meta, placed=True)
+
+    def _stream(self, method, ref: pb.WorkerRef, stall_timeout: float) -> Iterator:
+        """A server stream with a stall watchdog; errors mapped as for every call."""
         if self._interrupted is not None:
             raise self._interrupted
-        call = self._stub.Fetch(ref, metadata=self._metadata)
+        call = method(ref, metadata=self._metadata)
         self._track(call)
         last = [time.monotonic()]
         stalled = threading.Event()
@@ -465,9 +535,9 @@ class GrpcChiefLink(ChiefLink):
 
         threading.Thread(target=watchdog, name="stall-watchdog", daemon=True).start()
         try:
-            for chunk in call:
+            for message in call:
                 last[0] = time.monotonic()
-                yield chunk
+                yield message
         except grpc.RpcError as exc:
             if self._interrupted is not None:
                 raise self._interrupted from None
