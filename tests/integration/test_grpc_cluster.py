@@ -218,5 +218,12 @@ def test_every_collective_rpc_refuses_a_wrong_token_before_any_state_changes(clu
                 if name == "Fetch":
                     list(result)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        from collective.transport.grpc import RAW_FETCH
+
+        raw = channel.unary_stream(RAW_FETCH, request_serializer=pb.WorkerRef.SerializeToString,
+                                   response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(ref, timeout=5, metadata=(("x-collective-token", "wrong"),)))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, "FetchRaw"
         status = stub.Status(pb.StatusRequest(), timeout=5, metadata=(("x-collective-token", "right"),))
     assert status.joined == 0 and status.phase == "joining"
