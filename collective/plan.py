@@ -221,13 +221,19 @@ def _frames(plan: pb.Plan) -> list[_ChunkFrame]:
     """Chunk boundaries and their metadata; the same for every receiver of the plan."""
     total, size = plan.total_bytes, plan.chunk_bytes
     group_key = plan.groups[0].group_key if plan.groups else 0
-    variables = list(plan.variables)
-    frames, vi = [], 0
+    variables = list(plan.variables)  # in arena order, without overlaps (validate_plan)
+    frames, vi, lo = [], 0, 0
     for start in range(0, total, size):
         end = min(start + size, total)
-        ik = tuple(
-            v.instance_key for v in variables if v.nbytes and v.offset < end and v.offset + v.nbytes > start
-        )
+        # Variables only move forward: skip those ended before this chunk, scan those starting in it.
+        while lo < len(variables) and variables[lo].offset + variables[lo].nbytes <= start:
+            lo += 1
+        ik, j = [], lo
+        while j < len(variables) and variables[j].offset < end:
+            if variables[j].nbytes:
+                ik.append(variables[j].instance_key)
+            j += 1
+        ik = tuple(ik)
         trailers = []
         while vi < len(variables):
             v = variables[vi]
