@@ -44,6 +44,7 @@ from collective.plan import (
     build_plan,
     declaration_differences,
     layout,
+    with_bytes,
 )
 from collective.topology import CHAIN_CHUNK_BYTES, choose, parents
 
@@ -331,9 +332,7 @@ class ChiefService:
     def stream(self, refs: list[pb.WorkerRef]) -> Iterator[pb.Chunk]:
         """The data stream, once, for every worker in ``refs``: ``stream_views`` with the bytes
         copied into each message, for transports that send whole messages (gRPC)."""
-        for msg, data in self.stream_views(refs):
-            msg.data = bytes(data)
-            yield msg
+        return with_bytes(self.stream_views(refs))
 
     def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
         """Each message of the data stream without its bytes, and a view of them in the arena.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -264,9 +264,7 @@ class Chunker:
 
     def chunks(self) -> Iterator[pb.Chunk]:
         """Yield the stream's messages; the last one carries the stream end."""
-        for msg, data in self.frames():
-            msg.data = bytes(data)
-            yield msg
+        return with_bytes(self.frames())
 
     def frames(self) -> Iterator[tuple[pb.Chunk, memoryview]]:
         """Each message without its bytes, and a view of those bytes in the arena.
@@ -275,6 +273,13 @@ class Chunker:
         """
         for msg, start, end in frame_messages(self._plan):
             yield msg, self._arena[start:end]
+
+
+def with_bytes(frames: Iterable[tuple[pb.Chunk, memoryview]]) -> Iterator[pb.Chunk]:
+    """Whole messages from (message without bytes, view of the bytes) pairs: one copy each."""
+    for msg, data in frames:
+        msg.data = bytes(data)
+        yield msg
 
 
 def frame_messages(plan: pb.Plan) -> Iterator[tuple[pb.Chunk, int, int]]:

@@ -35,7 +35,8 @@ import numpy as np  # noqa: E402
 from chief.service import ChiefService  # noqa: E402
 from collective.config import Timeouts  # noqa: E402
 from collective.digest import array_digest  # noqa: E402
-from collective.errors import CollectiveError  # noqa: E402
+from collective.errors import AbortedError, CollectiveError  # noqa: E402
+from collective.plan import with_bytes  # noqa: E402
 from collective.transport.grpc import GrpcEndpoint  # noqa: E402
 from tests.conftest import ArraySource  # noqa: E402
 
@@ -97,20 +98,22 @@ class FaultyHandler:
             self._inject(lambda: self.soak.kill_and_restart(req.worker_id))
         return reply
 
-    def fetch(self, ref):
+    def stream_views(self, refs):
+        """Where every stream passes (FetchRaw and Fetch alike): faults go in here."""
+        [ref] = refs
         fault = self.soak.fault
         sent = 0
-        for chunk in self.s.fetch(ref):
+        for chunk, data in self.s.stream_views(refs):
             if ref.worker_id == self.victim:
-                if fault == "corrupt_chunk" and chunk.data and sent == 0:
-                    data = bytearray(chunk.data)
-                    data[len(data) // 2] ^= 0x04
-                    chunk.data = bytes(data)
+                if fault == "corrupt_chunk" and len(data) and sent == 0:
+                    flipped = bytearray(data)
+                    flipped[len(flipped) // 2] ^= 0x04
+                    data = memoryview(bytes(flipped))
                     self._inject(lambda: None)
                 if fault == "truncated_stream" and chunk.HasField("end"):
                     self._inject(lambda: None)
                     return  # the sender returns early: no stream end
-            yield chunk
+            yield chunk, data
             sent += 1
             if ref.worker_id == self.victim and sent == 1:
                 if fault == "kill_mid_broadcast":
@@ -122,8 +125,11 @@ class FaultyHandler:
                                           self.soak.start_worker(ref.worker_id)))
                 elif fault == "chief_sigterm":
                     self._inject(lambda: threading.Thread(
-                        target=self.s.fail, args=(__import__("collective.errors").errors.AbortedError(
-                            "chief shutting down (SIGTERM)"),), daemon=True).start())
+                        target=self.s.fail, args=(AbortedError("chief shutting down (SIGTERM)"),),
+                        daemon=True).start())
+
+    def fetch(self, ref):
+        yield from with_bytes(self.stream_views([ref]))
 
 
 class Soak:

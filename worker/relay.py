@@ -17,7 +17,7 @@ import numpy as np
 
 from collective._proto import collective_pb2 as pb
 from collective.errors import AbortedError, DeadlineError, PreconditionError
-from collective.plan import Chunker
+from collective.plan import Chunker, with_bytes
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,7 @@ class RelayHandler:
             raise AbortedError(f"relay stopped: {self._failed}")
 
     def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
-        for msg, data in self.stream_views([ref]):
-            msg.data = bytes(data)
-            yield msg
+        return with_bytes(self.stream_views([ref]))
 
     def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
         """Each chunk without its bytes and a view of them, released once they have landed."""
