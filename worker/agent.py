@@ -32,7 +32,7 @@ from collective.errors import (
 )
 from collective.keys import parse_devices
 from collective.model import VariableSpec
-from collective.plan import Receiver, declared, spec_of, validate_plan
+from collective.plan import Receiver, declared, new_arena, spec_of, validate_plan
 from collective.transport.api import ChiefLink
 from collective.variables import VariableStore, create_variable
 
@@ -211,7 +211,7 @@ class WorkerAgent:
 
         From the chief, or from the relay of the worker the plan names as this one's parent.
         """
-        arena = np.empty(plan.total_bytes, dtype=np.uint8)
+        arena = new_arena(plan.total_bytes)
         if self.relay is not None:
             self.relay.feed(plan, arena)  # children may connect now; chunks go out as they land
         receiver = _Watched(Receiver(plan, arena), self)

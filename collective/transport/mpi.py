@@ -82,7 +82,24 @@ def unpack(data: bytes) -> list[bytes]:
     return out
 
 
+POLL_SECONDS = 0.0005
+
+
+def settle(comm: MPI.Comm) -> None:
+    """Wait, asleep, until every rank has reached this point.
+
+    MPI ranks spin while they wait in a collective. When ranks outnumber cores, a rank spinning
+    in the next step steals the core of a rank still working on this one (a worker checking its
+    digests, say). A non-blocking barrier polled with short sleeps gives that core back, and the
+    collective that follows finds everyone already there.
+    """
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(POLL_SECONDS)
+
+
 def bcast_bytes(comm: MPI.Comm, data: bytes | None, root: int = 0) -> bytes:
+    settle(comm)
     n = np.array([len(data) if comm.rank == root and data is not None else 0], dtype=np.int64)
     comm.Bcast([n, MPI.INT64_T], root=root)
     if comm.rank == root:
@@ -95,6 +112,7 @@ def bcast_bytes(comm: MPI.Comm, data: bytes | None, root: int = 0) -> bytes:
 
 
 def gather_bytes(comm: MPI.Comm, data: bytes, root: int = 0) -> list[bytes] | None:
+    settle(comm)
     sizes = np.zeros(comm.size, dtype=np.int64) if comm.rank == root else None
     comm.Gather([np.array([len(data)], dtype=np.int64), MPI.INT64_T], [sizes, MPI.INT64_T] if sizes is not None else None, root=root)
     send = np.frombuffer(data, dtype=np.uint8)
@@ -216,6 +234,7 @@ class MpiChiefDriver:
         synchronisation, dear when ranks outnumber cores.
         """
         status = np.zeros(1, dtype=np.int64)
+        settle(self.comm)  # every worker's arena is ready before the first byte leaves
         views = self.h.stream_views(self.refs)
         try:
             for start, end in spans(self.plan, self.split_bytes):
@@ -299,6 +318,7 @@ class MpiChiefLink(ChiefLink):
         plan = receiver.plan
         messages = list(frame_messages(plan))
         status = np.zeros(1, dtype=np.int64)
+        settle(self.comm)
         i = 0
         for start, end in spans(plan, self.split_bytes):
             self.comm.Bcast([status, MPI.INT64_T], root=0)
