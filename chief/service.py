@@ -22,7 +22,7 @@ import numpy as np
 from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.config import Timeouts
-from collective.digest import array_digest, combined_digest
+from collective.digest import array_digest, worker_digest
 from collective.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -70,6 +70,7 @@ class Member:
     phase: str = "joined"
     bytes_sent: int = 0
     worker_digest: str = ""
+    prepared: bool = False
     told: bool = False
     joined_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
@@ -297,6 +298,7 @@ class ChiefService:
             self.specs,
             self.digests,
             workers,
+            arena=self.arena,
             # A chain fills its pipeline one chunk per hop: small chunks keep that short.
             chunk_bytes=self.chunk_bytes or (CHAIN_CHUNK_BYTES if topology == "chain" else DEFAULT_CHUNK_BYTES),
             chief_incarnation=self.incarnation,
@@ -409,25 +411,66 @@ class ChiefService:
             return pb.ReadyReply(ready=ready)
 
     def _check_digests(self, m: Member, req: pb.ReadyRequest) -> str | None:
-        """The first difference between the worker's replicas and the chief's, or None."""
-        expected = [
-            (name, spec.name, digest)
-            for spec, digest in zip(self.specs, self.digests, strict=True)
-            for name in m.replica_names(spec.name)
-        ]
-        got = {r.replica: r for r in req.replicas}
-        for replica, variable, digest in expected:
-            r = got.pop(replica, None)
-            if r is None:
-                return f"variable {variable!r}: replica {replica!r} is missing from the ready report"
-            if r.digest != digest:
-                return f"variable {variable!r}: replica {replica!r} has digest {r.digest}, the chief's is {digest}"
-        if got:
-            return f"ready report lists replicas the plan does not have: {', '.join(sorted(got)[:5])}"
-        want = combined_digest((name, digest) for name, _, digest in expected)
-        if req.worker_digest != want:
-            return f"worker digest {req.worker_digest} differs from the chief's {want}"
+        """The first difference between the worker's replicas and the chief's, or None.
+
+        Every replica arena (one per device) must have the plan's chunk digests. A chunk that
+        differs is named by the variables it holds: one variable's replica exactly, several as
+        the range of their names.
+        """
+        plan = self._plan
+        want = list(plan.chunk_digests)
+        if [(d.replica, d.device) for d in req.devices] != list(enumerate(m.devices)):
+            return (
+                f"ready report covers devices {[d.device for d in req.devices]}; "
+                f"the worker joined with {list(m.devices)}"
+            )
+        for d in req.devices:
+            got = list(d.chunk_digests)
+            if got == want:
+                continue
+            if len(got) != len(want):
+                return f"replicas on {d.device}: {len(got)} chunk digests, the plan has {len(want)}"
+            k = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+            start = k * plan.chunk_bytes
+            end = min(start + plan.chunk_bytes, plan.total_bytes)
+            names = [v.name for v in plan.variables if v.nbytes and v.offset < end and v.offset + v.nbytes > start]
+            suffix = "" if d.replica == 0 else f"/replica_{d.replica}"
+            if len(names) == 1:
+                what = f"variable {names[0]!r}: replica {names[0] + suffix!r}"
+            elif names:
+                what = (f"one of the {len(names)} variables {names[0]!r}..{names[-1]!r}: replicas "
+                        f"{names[0] + suffix!r}..{names[-1] + suffix!r}")
+            else:
+                what = "padding between variables"
+            return (f"{what} on {d.device}: bytes {start}..{end} have digest {got[k]}, "
+                    f"the chief's are {want[k]}")
+        expected = worker_digest(plan.manifest_digest, [want] * len(m.devices))
+        if req.worker_digest != expected:
+            return f"worker digest {req.worker_digest} differs from the chief's {expected}"
         return None
+
+    def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
+        """A barrier before the first byte: every worker has checked the plan and prepared its
+        arena (its receiver, its relay) before any of them takes bytes. So the data stream is not
+        shared with other workers' setup (checking a plan of 20,000 variables takes each worker
+        tens of milliseconds), and all streams start together, as a collective's do."""
+        with self._cond:
+            m = self._member(ref)
+            if self._phase is not Phase.BROADCASTING:
+                raise PreconditionError(f"{m.name()} is prepared while the round is {self._phase.value}")
+            m.prepared = True
+            if m.phase == "joined":
+                m.phase = "prepared"
+            self._cond.notify_all()
+            members = list(self._members.values())
+            self._wait(lambda: self._phase is not Phase.BROADCASTING or all(x.prepared for x in members), timeout)
+            if self._phase is Phase.FAILED:
+                m.told = True
+                raise AbortedError(str(self._error))
+            if not all(x.prepared for x in members):
+                late = ", ".join(x.name() for x in members if not x.prepared)
+                raise DeadlineError(f"not every worker prepared within {timeout:g} s; waiting for: {late}")
+            return pb.PreparedReply(prepared=len(members))
 
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
         with self._cond:

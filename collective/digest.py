@@ -1,15 +1,18 @@
-"""xxh3-128 digests of variables and workers.
+"""xxh3-128 digests of variables, chunks and workers.
 
 A variable's digest is the xxh3-128 hex digest of its C-contiguous bytes, so anyone can
-recompute it with ``xxhash.xxh3_128_hexdigest(np.ascontiguousarray(a).tobytes())``. A worker's
-digest covers all its replicas: xxh3-128 over each replica's name and digest in order, each field
-prefixed with its length (8 bytes, little-endian), so two workers agree only if they hold the
-same replicas with the same bytes, whatever characters the names contain.
+recompute it with ``xxhash.xxh3_128_hexdigest(np.ascontiguousarray(a).tobytes())``. A chunk's
+digest is the same over one ``chunk_bytes`` slice of the arena: the unit a worker verifies, so
+20,000 small variables cost five digests, not 20,000 (the variables' own digests name the
+culprit when a chunk differs). A worker's digest covers all its replicas: xxh3-128 over the
+plan's manifest digest and every replica arena's chunk digests in order, each field prefixed
+with its length (8 bytes, little-endian), so two workers agree only if they hold the same
+replicas of the same variables with the same bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -34,3 +37,16 @@ def combined_digest(named: Iterable[tuple[str, str]]) -> str:
             h.update(len(field).to_bytes(8, "little"))
             h.update(field)
     return h.hexdigest()
+
+
+def chunk_digests(arena, chunk_bytes: int) -> list[str]:
+    """Digest of every ``chunk_bytes`` slice of a flat byte buffer, in order (last one shorter)."""
+    view = memoryview(arena).cast("B") if not isinstance(arena, memoryview) else arena
+    return [xxhash.xxh3_128_hexdigest(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)]
+
+
+def worker_digest(manifest: str, replicas: Sequence[Sequence[str]]) -> str:
+    """A worker's digest: the manifest it holds and each replica arena's chunk digests."""
+    return combined_digest(
+        [("manifest", manifest)] + [(f"replica_{i}", d) for i, digests in enumerate(replicas) for d in digests]
+    )

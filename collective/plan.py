@@ -1,15 +1,17 @@
 """The broadcast plan: arena layout, keys, chunking, and the receiver's checks.
 
 All variables are laid out back to back (64-byte aligned) in one *arena*. The data stream is the
-arena cut into chunks of at most ``chunk_bytes``: many small variables fuse into one chunk and a
-large variable spans many. Each chunk names the instance keys of the variables it carries; the
-chunk holding a variable's last byte carries its trailer (byte count + digest); the last message
-carries the stream end (total bytes + manifest digest). ``Receiver`` enforces all of it, so a
-truncated, reordered or corrupted stream is never taken as success.
+arena cut into chunks of at most ``chunk_bytes``: many small variables fuse into one chunk (a
+bucket) and a large variable spans many. Each chunk names the instance keys of the variables it
+carries and carries its trailer, the digest of its bytes, which the plan lists too
+(``chunk_digests``); the last message carries the stream end (total bytes + manifest digest).
+``Receiver`` enforces all of it, so a truncated, reordered or corrupted stream is never taken as
+success, and a chunk that differs is traced to the variable whose own digest differs.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -19,7 +21,7 @@ import numpy as np
 
 from collective import keys as keymod
 from collective._proto import collective_pb2 as pb
-from collective.digest import bytes_digest, combined_digest
+from collective.digest import bytes_digest, chunk_digests, combined_digest
 from collective.errors import IntegrityError, ProtocolError
 from collective.model import Aggregation, Synchronization, VariableSpec
 
@@ -27,6 +29,7 @@ ALIGN = 64
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 16 << 20
 _ALLOWED_KINDS = set("biufc")
+_EMPTY_DIGEST = bytes_digest(b"")
 _CANONICAL_DTYPE = re.compile(r"[<>|=][biufc][0-9]{1,2}", re.ASCII)
 
 
@@ -53,11 +56,15 @@ def build_plan(
     digests: Sequence[str],
     workers: Sequence[pb.WorkerInfo],
     *,
+    arena: np.ndarray,
     chunk_bytes: int,
     chief_incarnation: str,
     model: str,
 ) -> pb.Plan:
-    """Assign keys and offsets. Every variable goes to every device of every worker."""
+    """Assign keys and offsets. Every variable goes to every device of every worker.
+
+    ``arena`` holds the variables at the layout's offsets: the plan lists its chunk digests.
+    """
     offsets, total = layout(specs)
     devices = [keymod.qualified_device(w.rank, d) for w in workers for d in w.devices]
     groups = keymod.group_keys([devices])
@@ -89,6 +96,7 @@ def build_plan(
         chunk_bytes=chunk_bytes,
         manifest_digest=manifest_digest(variables),
         model=model,
+        chunk_digests=chunk_digests(arena.reshape(-1).view(np.uint8)[:total], chunk_bytes),
     )
 
 
@@ -150,6 +158,69 @@ def validate_plan(plan: pb.Plan) -> None:
     """Reject a plan that is inconsistent before any byte is written. Raises ProtocolError."""
     if not 0 < plan.chunk_bytes <= MAX_CHUNK_BYTES:
         raise ProtocolError(f"plan chunk size {plan.chunk_bytes} is outside 1..{MAX_CHUNK_BYTES}")
+    if not _variables_valid(plan):
+        _explain_invalid_variables(plan)  # raises, naming the first bad variable
+        raise ProtocolError("plan variables are inconsistent")
+    if manifest_digest(plan.variables) != plan.manifest_digest:
+        raise ProtocolError("plan manifest digest does not match its variables")
+    chunks = -(-plan.total_bytes // plan.chunk_bytes)
+    if len(plan.chunk_digests) != chunks:
+        raise ProtocolError(f"plan lists {len(plan.chunk_digests)} chunk digests for its {chunks} chunks")
+    _validate_parents(plan)
+
+
+def _dtype_allowed(text: str) -> bool:
+    # Only numpy's canonical ``dtype.str`` forms (``<f4``, ``|b1``) of plain numbers are accepted.
+    if not _CANONICAL_DTYPE.fullmatch(text):
+        return False
+    try:
+        dt = np.dtype(text)
+    except (TypeError, ValueError, SyntaxError):
+        return False
+    return dt.str == text and dt.kind in _ALLOWED_KINDS and dt.fields is None
+
+
+def _modes_allowed(sync: str, agg: str) -> bool:
+    try:
+        Synchronization.parse(sync)
+        Aggregation.parse(agg)
+    except ValueError:
+        return False
+    return True
+
+
+def _variables_valid(plan: pb.Plan) -> bool:
+    """Every rule of ``_explain_invalid_variables`` checked column by column: a plan of 20,000
+    variables is checked in a few milliseconds, since dtypes and modes repeat."""
+    vs = plan.variables
+    names = [v.name for v in vs]
+    if not all(names) or len(set(names)) != len(names):
+        return False
+    if len({v.instance_key for v in vs}) != len(vs):
+        return False
+    if not {v.group_key for v in vs} <= {g.group_key for g in plan.groups}:
+        return False
+    dtypes = [v.dtype for v in vs]
+    itemsize = {}
+    for text in set(dtypes):
+        if not _dtype_allowed(text):
+            return False
+        itemsize[text] = np.dtype(text).itemsize
+    if not all(_modes_allowed(s, a) for s, a in {(v.synchronization, v.aggregation) for v in vs}):
+        return False
+    end = 0
+    for v, dtype in zip(vs, dtypes, strict=True):
+        shape, offset, nbytes = v.shape, v.offset, v.nbytes
+        if (shape and min(shape) < 0) or math.prod(shape) * itemsize[dtype] != nbytes or offset < end:
+            return False
+        end = offset + nbytes
+        if not nbytes and v.digest != _EMPTY_DIGEST:
+            return False
+    return end <= plan.total_bytes
+
+
+def _explain_invalid_variables(plan: pb.Plan) -> None:
+    """Raise ProtocolError naming the first variable that breaks a rule of the plan."""
     group_keys = {g.group_key for g in plan.groups}
     names, ikeys, end = set(), set(), 0
     for v in plan.variables:
@@ -183,12 +254,11 @@ def validate_plan(plan: pb.Plan) -> None:
             raise ProtocolError(f"{where}: {v.nbytes} bytes do not fit shape {tuple(v.shape)} {dt.name}")
         if v.offset < end or v.offset + v.nbytes > plan.total_bytes:
             raise ProtocolError(f"{where}: bytes {v.offset}..{v.offset + v.nbytes} overlap or pass the arena end")
+        if not v.nbytes and v.digest != _EMPTY_DIGEST:
+            raise ProtocolError(f"{where}: an empty variable's digest must be {_EMPTY_DIGEST}, not {v.digest!r}")
         end = v.offset + v.nbytes
         names.add(v.name)
         ikeys.add(v.instance_key)
-    if manifest_digest(plan.variables) != plan.manifest_digest:
-        raise ProtocolError("plan manifest digest does not match its variables")
-    _validate_parents(plan)
 
 
 def _validate_parents(plan: pb.Plan) -> None:
@@ -214,40 +284,26 @@ class _ChunkFrame:
     end: int
     group_key: int
     instance_keys: tuple[int, ...]
-    trailers: tuple[pb.VariableTrailer, ...]
+    digest: str  # "" for the end message
 
 
 def _frames(plan: pb.Plan) -> list[_ChunkFrame]:
     """Chunk boundaries and their metadata; the same for every receiver of the plan."""
     total, size = plan.total_bytes, plan.chunk_bytes
     group_key = plan.groups[0].group_key if plan.groups else 0
-    variables = list(plan.variables)  # in arena order, without overlaps (validate_plan)
-    frames, vi, lo = [], 0, 0
-    for start in range(0, total, size):
+    variables = [v for v in plan.variables if v.nbytes]  # in arena order, without overlaps (validate_plan)
+    frames, lo = [], 0
+    for i, start in enumerate(range(0, total, size)):
         end = min(start + size, total)
         # Variables only move forward: skip those ended before this chunk, scan those starting in it.
         while lo < len(variables) and variables[lo].offset + variables[lo].nbytes <= start:
             lo += 1
-        ik, j = [], lo
+        j = lo
         while j < len(variables) and variables[j].offset < end:
-            if variables[j].nbytes:
-                ik.append(variables[j].instance_key)
             j += 1
-        ik = tuple(ik)
-        trailers = []
-        while vi < len(variables):
-            v = variables[vi]
-            last = v.offset + v.nbytes
-            if (v.nbytes and last <= end) or (not v.nbytes and v.offset < end):
-                trailers.append(pb.VariableTrailer(instance_key=v.instance_key, nbytes=v.nbytes, digest=v.digest))
-                vi += 1
-            else:
-                break
-        frames.append(_ChunkFrame(start, end, group_key, ik, tuple(trailers)))
-    rest = tuple(
-        pb.VariableTrailer(instance_key=v.instance_key, nbytes=v.nbytes, digest=v.digest) for v in variables[vi:]
-    )
-    frames.append(_ChunkFrame(total, total, group_key, (), rest))
+        ik = tuple(v.instance_key for v in variables[lo:j])
+        frames.append(_ChunkFrame(start, end, group_key, ik, plan.chunk_digests[i]))
+    frames.append(_ChunkFrame(total, total, group_key, (), ""))
     return frames
 
 
@@ -291,7 +347,7 @@ def frame_messages(plan: pb.Plan) -> Iterator[tuple[pb.Chunk, int, int]]:
     frames = _frames(plan)
     last = len(frames) - 1
     for i, f in enumerate(frames):
-        msg = pb.Chunk(offset=f.start, group_key=f.group_key, instance_keys=f.instance_keys, trailers=f.trailers)
+        msg = pb.Chunk(offset=f.start, group_key=f.group_key, instance_keys=f.instance_keys, digest=f.digest)
         if i == last:
             msg.end.total_bytes = plan.total_bytes
             msg.end.manifest_digest = plan.manifest_digest
@@ -314,23 +370,74 @@ def new_arena(nbytes: int) -> np.ndarray:
     return arena
 
 
+def culprit(
+    plan: pb.Plan, arena: np.ndarray, start: int, end: int, *, upto: int | None = None,
+    replica: tuple[int, str] | None = None, digests: tuple[str, str] | None = None,
+) -> str:
+    """Why the bytes ``start..end`` of ``arena`` differ from the chief's, naming the variable.
+
+    Each variable overlapping the range whose bytes all lie below ``upto`` (default: the arena
+    end) is hashed and compared with its own digest in the plan; the first that differs is named
+    with both digests. A variable that continues past ``upto`` cannot be hashed yet: it is named
+    as the owner of the differing bytes. Only the padding between variables is left otherwise.
+    ``replica`` (index, device): the arena holds that replica of every variable, not bytes just
+    received. ``digests`` (got, chief's) of the whole range are quoted when no variable could be
+    hashed on its own.
+    """
+    upto = plan.total_bytes if upto is None else upto
+    flat = arena.reshape(-1).view(np.uint8)
+    partial = []
+    for v in _overlapping(plan, start, end):
+        if v.offset + v.nbytes > upto:
+            partial.append(v)
+            continue
+        got = bytes_digest(memoryview(flat[v.offset : v.offset + v.nbytes]))
+        if got != v.digest and replica is not None:
+            name = v.name if replica[0] == 0 else f"{v.name}/replica_{replica[0]}"
+            return f"variable {v.name!r}: replica {name!r} on {replica[1]} has digest {got}, the chief's is {v.digest}"
+        if got != v.digest:
+            return f"variable {v.name!r}: digest of received bytes {got} differs from the chief's {v.digest}"
+    quoted = f": chunk digest {digests[0]}, the chief's {digests[1]}" if digests else ""
+    if partial:
+        v = partial[0]
+        return (
+            f"variable {v.name!r}: its bytes {max(start, v.offset) - v.offset}..{min(end, v.offset + v.nbytes) - v.offset} "
+            f"(in the chunk at offset {start}) differ from the chief's{quoted}"
+        )
+    return f"the padding between variables in bytes {start}..{end} differs from the chief's{quoted}"
+
+
+def _overlapping(plan: pb.Plan, start: int, end: int) -> list[pb.VariableInfo]:
+    ends = [v.offset + v.nbytes for v in plan.variables]
+    i = bisect.bisect_right(ends, start)
+    out = []
+    for v in plan.variables[i:]:
+        if v.offset >= end:
+            break
+        if v.nbytes:
+            out.append(v)
+    return out
+
+
 class Receiver:
     """Writes a stream into a worker's arena and checks it against the plan.
 
     ``accept`` raises ProtocolError for keys or offsets the plan does not allow, and
-    IntegrityError (naming the variable) for a count or digest mismatch. ``finish`` raises
-    IntegrityError unless the stream ended properly with every variable verified.
+    IntegrityError (naming the variable) for a chunk whose bytes differ from the chief's. Every
+    chunk is hashed once, whatever the number of variables it fuses. ``finish`` raises
+    IntegrityError unless the stream ended properly with every byte verified.
     """
 
     def __init__(self, plan: pb.Plan, arena: np.ndarray) -> None:
         self._plan = self.plan = plan
         self._arena = arena.reshape(-1).view(np.uint8)
         self._frames = {f.start: f for f in _frames(plan)}
-        self._by_key = {v.instance_key: v for v in plan.variables}
+        self._keys = {v.instance_key for v in plan.variables}
         self._groups = {g.group_key for g in plan.groups}
+        self._ends = sorted(v.offset + v.nbytes for v in plan.variables)
         self._pos = 0
-        self._verified: set[int] = set()
         self._ended = False
+        self.digests: list[str] = []  # of every chunk verified so far, in order
 
     @property
     def bytes_received(self) -> int:
@@ -338,7 +445,8 @@ class Receiver:
 
     @property
     def variables_verified(self) -> int:
-        return len(self._verified)
+        """Variables whose every byte has arrived in verified chunks."""
+        return len(self._ends) if self._ended else bisect.bisect_right(self._ends, self._pos)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """Where the next chunk's bytes go, for transports that write them in place.
@@ -369,9 +477,6 @@ class Receiver:
             raise ProtocolError("message received after the end of the stream")
         if chunk.group_key not in self._groups and (chunk.data or chunk.instance_keys):
             raise ProtocolError(f"chunk at offset {chunk.offset} has group key {chunk.group_key}, not in the plan")
-        for k in chunk.instance_keys:
-            if k not in self._by_key:
-                raise ProtocolError(f"chunk at offset {chunk.offset} has instance key {k}, not in the plan")
         frame = self._frames.get(chunk.offset)
         if chunk.offset != self._pos or frame is None:
             raise ProtocolError(f"chunk at offset {chunk.offset} arrived where offset {self._pos} was expected")
@@ -379,35 +484,38 @@ class Receiver:
             raise IntegrityError(
                 f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; the plan says {frame.end - frame.start}"
             )
-        if tuple(chunk.instance_keys) != frame.instance_keys:
+        keys = tuple(chunk.instance_keys)
+        if keys != frame.instance_keys:
+            unknown = [k for k in keys if k not in self._keys]
+            if unknown:
+                raise ProtocolError(f"chunk at offset {chunk.offset} has instance key {unknown[0]}, not in the plan")
             raise ProtocolError(
-                f"chunk at offset {chunk.offset} names instance keys {list(chunk.instance_keys)}; "
-                f"the plan puts {list(frame.instance_keys)} there"
+                f"chunk at offset {chunk.offset} names instance keys {list(keys)[:8]}; "
+                f"the plan puts {list(frame.instance_keys)[:8]} there"
             )
         if chunk.data and not placed:
             self._arena[frame.start : frame.end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        if frame.end > frame.start:
+            self._check_chunk(chunk, frame)
+        elif chunk.digest:
+            raise ProtocolError(f"message at offset {chunk.offset} has no bytes but claims digest {chunk.digest}")
         self._pos = frame.end
-        for t in chunk.trailers:
-            self._check_trailer(t)
         if chunk.HasField("end"):
             self._check_end(chunk.end)
 
-    def _check_trailer(self, t: pb.VariableTrailer) -> None:
-        v = self._by_key.get(t.instance_key)
-        if v is None:
-            raise ProtocolError(f"trailer for instance key {t.instance_key}, which is not in the plan")
-        if v.offset + v.nbytes > self._pos:
+    def _check_chunk(self, chunk: pb.Chunk, frame: _ChunkFrame) -> None:
+        """The chunk's trailer: its bytes' digest against the plan's (and the sender's claim)."""
+        got = bytes_digest(memoryview(self._arena[frame.start : frame.end]))
+        if got != frame.digest:
             raise IntegrityError(
-                f"variable {v.name!r}: trailer arrived after {max(0, self._pos - v.offset)} of {v.nbytes} bytes"
+                culprit(self._plan, self._arena, frame.start, frame.end, upto=frame.end, digests=(got, frame.digest))
             )
-        if t.nbytes != v.nbytes:
-            raise IntegrityError(f"variable {v.name!r}: trailer counts {t.nbytes} bytes; the plan says {v.nbytes}")
-        got = bytes_digest(memoryview(self._arena[v.offset : v.offset + v.nbytes]))
-        if got != t.digest or got != v.digest:
+        if chunk.digest != frame.digest:
             raise IntegrityError(
-                f"variable {v.name!r}: digest of received bytes {got} differs from the chief's {v.digest}"
+                f"chunk at offset {chunk.offset}: its trailer says digest {chunk.digest or '(none)'}, "
+                f"the plan and the received bytes say {frame.digest}"
             )
-        self._verified.add(v.instance_key)
+        self.digests.append(got)
 
     def _check_end(self, end: pb.StreamEnd) -> None:
         if end.total_bytes != self._plan.total_bytes or self._pos != self._plan.total_bytes:
@@ -420,17 +528,16 @@ class Receiver:
         self._ended = True
 
     def finish(self) -> None:
-        """Raise IntegrityError unless the whole stream arrived and every variable verified."""
-        missing = [v.name for v in self._plan.variables if v.instance_key not in self._verified]
+        """Raise IntegrityError unless the whole stream arrived, verified, with its end message."""
         if not self._ended:
-            if self._pos == self._plan.total_bytes and not missing:
+            if self._pos == self._plan.total_bytes:
                 raise IntegrityError(
                     f"stream ended without its end message (total and manifest digest) after all "
                     f"{self._pos} bytes; a stream that does not end properly is never taken as complete"
                 )
+            first = next((v.name for v in self._plan.variables if v.offset + v.nbytes > self._pos), "-")
+            missing = len(self._ends) - self.variables_verified
             raise IntegrityError(
                 f"stream ended early: {self._pos} of {self._plan.total_bytes} bytes, "
-                f"{len(missing)} variable(s) unverified (first: {missing[0] if missing else '-'})"
+                f"{missing} variable(s) unverified (first: {first})"
             )
-        if missing:
-            raise IntegrityError(f"variables never verified: {', '.join(missing[:5])}")

@@ -42,6 +42,7 @@ __all__ = [
     "VariableStore",
     "create_variable",
     "default_store",
+    "variable_over",
     "replica_name",
     "reset_default_store",
 ]
@@ -338,7 +339,10 @@ class VariableStore:
     """
 
     def __init__(self) -> None:
-        self._variables: dict[str, DistributedVariable] = {}
+        # A name maps to its variable, or to a _Pending index until the variable is first used.
+        self._variables: dict[str, DistributedVariable | _Pending] = {}
+        self._deferred: tuple[Callable[[], Sequence[str]], Callable[[int], DistributedVariable]] | None = None
+        self._make: Callable[[int], DistributedVariable] | None = None
         self._started = False
         # One lock for the name check, the freeze check and the insert, so two threads can
         # neither add the same name nor slip a variable in after start().
@@ -360,37 +364,78 @@ class VariableStore:
         """
         self._add(variable, verb="add")
 
+    def defer(self, names: Callable[[], Sequence[str]], make: Callable[[int], DistributedVariable]) -> None:
+        """Register variables whose objects are made on first use: ``make(i)`` for ``names()[i]``.
+
+        For a worker that holds 20,000 verified variables in its arenas: registering them costs
+        nothing per variable, and each Python object is built the first time the variable is
+        read (``get``, the collections, iteration), in the order given. Allowed once, on an
+        empty store.
+        """
+        with self._lock:
+            if self._started or self._variables or self._deferred is not None:
+                raise FrozenError("deferred variables can only be registered in an empty, unstarted store")
+            self._deferred = (names, make)
+
     def get(self, name: str) -> DistributedVariable | None:
         """The variable called ``name``, or None if there is none."""
-        return self._variables.get(name)
+        with self._lock:
+            self._index()
+            return self._resolve(name) if name in self._variables else None
 
     @property
     def global_variables(self) -> list[DistributedVariable]:
         """Every variable (mirrored and sync-on-read), in the order they were added."""
-        return list(self._variables.values())
+        return self._all()
 
     @property
     def trainable_variables(self) -> list[DistributedVariable]:
         """The trainable variables, in the order they were added (never sync-on-read ones)."""
-        return [v for v in self._variables.values() if v.trainable]
+        return [v for v in self._all() if v.trainable]
 
     @property
     def global_step(self) -> DistributedVariable | None:
         """The variable named ``"global_step"``, or None."""
-        return self._variables.get(GLOBAL_STEP_NAME)
+        return self.get(GLOBAL_STEP_NAME)
 
     def __len__(self) -> int:
-        return len(self._variables)
+        with self._lock:
+            self._index()
+            return len(self._variables)
 
     def __iter__(self) -> Iterator[DistributedVariable]:
-        return iter(list(self._variables.values()))
+        return iter(self._all())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._variables
+        with self._lock:
+            self._index()
+            return name in self._variables
+
+    def _all(self) -> list[DistributedVariable]:
+        with self._lock:
+            self._index()
+            return [self._resolve(name) for name in self._variables]
+
+    def _index(self) -> None:
+        # Under self._lock: list the deferred names (in order) as pending slots.
+        if self._deferred is None:
+            return
+        names, self._make = self._deferred
+        self._deferred = None
+        for i, name in enumerate(names()):
+            self._variables[name] = _Pending(i)
+
+    def _resolve(self, name: str) -> DistributedVariable:
+        # Under self._lock; assigning to an existing key keeps the order of the store.
+        value = self._variables[name]
+        if isinstance(value, _Pending):
+            value = self._variables[name] = self._make(value.index)
+        return value
 
     def _add(self, variable: DistributedVariable, *, verb: str) -> None:
         # ``verb`` only words the FrozenError: create_variable reports "cannot create".
         with self._lock:
+            self._index()
             self._check_can_add(variable.name, verb=verb)
             self._variables[variable.name] = variable
 
@@ -403,6 +448,15 @@ class VariableStore:
             )
         if name in self._variables:
             raise _fail(name, "a variable with this name already exists in the store")
+
+
+class _Pending:
+    """A deferred variable not made yet: its index in the deferred names."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 _default_store = VariableStore()
@@ -546,13 +600,39 @@ def create_variable(
     first = array if share else array.copy()
     replicas = [first] + [array.copy() for _ in device_tuple[1:]]
 
-    cls = SyncOnReadVariable if sync is Synchronization.ON_READ else MirroredVariable
-    variable = cls(
-        name=name,
-        replicas=replicas,
-        devices=device_tuple,
-        aggregation=agg,
-        trainable=is_trainable,
-    )
+    variable = _construct(name, replicas, device_tuple, sync, agg, is_trainable)
     target._add(variable, verb="create")
     return variable
+
+
+def _construct(
+    name: str, replicas: list[np.ndarray], devices: tuple[str, ...], sync: Synchronization, agg: Aggregation,
+    trainable: bool,
+) -> MirroredVariable | SyncOnReadVariable:
+    cls = SyncOnReadVariable if sync is Synchronization.ON_READ else MirroredVariable
+    return cls(name=name, replicas=replicas, devices=devices, aggregation=agg, trainable=trainable)
+
+
+def variable_over(
+    name: str,
+    replicas: Sequence[np.ndarray],
+    devices: Sequence[str],
+    synchronization: Synchronization | str = Synchronization.AUTO,
+    aggregation: Aggregation | str = Aggregation.NONE,
+    trainable: bool | None = None,
+) -> MirroredVariable | SyncOnReadVariable:
+    """A distributed variable whose replicas *are* the given writeable arrays (no copy), one per
+    device, all of one shape and dtype: for a worker whose replicas live in its arenas. The same
+    checks as ``create_variable``; not registered in any store (see ``VariableStore.defer``)."""
+    name = _check_name(name)
+    device_tuple = _check_devices(name, devices)
+    sync, agg = _parse_modes(name, synchronization, aggregation)
+    is_trainable = _resolve_trainable(name, trainable, sync)
+    arrays = list(replicas)
+    if len(arrays) != len(device_tuple):
+        raise _fail(name, f"{len(arrays)} replicas for {len(device_tuple)} devices")
+    first = arrays[0]
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or not a.flags.writeable or (a.shape, a.dtype) != (first.shape, first.dtype):
+            raise _fail(name, "replicas must be writeable arrays of one shape and dtype")
+    return _construct(name, arrays, device_tuple, sync, agg, is_trainable)

@@ -43,6 +43,22 @@ def small_arrays(seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
+def inmemory_cluster(arrays, devices_per_worker, timeouts=FAST, chunk_bytes=4096):
+    """A chief over ``arrays``, its in-memory endpoint, and one agent per device list."""
+    from chief.service import ChiefService
+    from collective.transport.inmemory import InMemoryEndpoint
+    from worker.agent import WorkerAgent
+
+    service = ChiefService(ArraySource(arrays), len(devices_per_worker), timeouts=timeouts, chunk_bytes=chunk_bytes)
+    endpoint = InMemoryEndpoint()
+    endpoint.start(service)
+    agents = [
+        WorkerAgent(endpoint.link(), worker_id=f"w{i}", devices=devs, preferred_rank=i, timeouts=timeouts)
+        for i, devs in enumerate(devices_per_worker)
+    ]
+    return service, endpoint, agents
+
+
 def run_threads(targets: Sequence, timeout: float = 30.0) -> list:
     """Run callables in threads; return their results or exceptions, in order."""
     results: list = [None] * len(targets)

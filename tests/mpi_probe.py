@@ -1,7 +1,8 @@
 """Run ``collective.mpi`` under mpiexec with test probes (test-only; never shipped).
 
 PROBE_CORRUPT_RANK=r   MPI rank r flips one bit of the first data chunk it receives.
-PROBE_BCAST_LOG=path   rank 0 writes the largest byte count it passed to one Bcast call.
+PROBE_BCAST_LOG=path   rank 0 writes the largest byte count it passed to one Bcast call of the
+                       data stream (control messages such as the plan are not counted).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from collective.transport import mpi as transport  # noqa: E402
 
 class _CountingComm:
     def __init__(self, comm, log_path):
-        self._comm, self._log, self.largest = comm, log_path, 0
+        self._comm, self._log, self.largest, self.streaming = comm, log_path, 0, False
 
     def Bcast(self, buf, root=0):  # noqa: N802 - MPI's name
-        self.largest = max(self.largest, buf[0].nbytes)
+        if self.streaming:
+            self.largest = max(self.largest, buf[0].nbytes)
         with open(self._log, "w") as fh:
             fh.write(str(self.largest))
         return self._comm.Bcast(buf, root=root)
@@ -37,7 +39,17 @@ if os.environ.get("PROBE_BCAST_LOG") and MPI.COMM_WORLD.rank == 0:
     def counting_init(self, comm, *args, **kwargs):
         real_init(self, _CountingComm(comm, os.environ["PROBE_BCAST_LOG"]), *args, **kwargs)
 
+    real_stream = transport.MpiChiefDriver._stream
+
+    def counting_stream(self):
+        self.comm.streaming = True
+        try:
+            return real_stream(self)
+        finally:
+            self.comm.streaming = False
+
     transport.MpiChiefDriver.__init__ = counting_init
+    transport.MpiChiefDriver._stream = counting_stream
 
 if os.environ.get("PROBE_CORRUPT_RANK") and MPI.COMM_WORLD.rank == int(os.environ["PROBE_CORRUPT_RANK"]):
     real_receive = transport.MpiChiefLink.receive_into

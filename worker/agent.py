@@ -21,7 +21,7 @@ import numpy as np
 from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.config import Timeouts
-from collective.digest import array_digest, combined_digest
+from collective.digest import chunk_digests, worker_digest
 from collective.errors import (
     AbortedError,
     ChiefUnreachableError,
@@ -32,9 +32,9 @@ from collective.errors import (
 )
 from collective.keys import parse_devices
 from collective.model import VariableSpec
-from collective.plan import Receiver, declared, new_arena, spec_of, validate_plan
+from collective.plan import Receiver, culprit, declared, new_arena, spec_of, validate_plan
 from collective.transport.api import ChiefLink
-from collective.variables import VariableStore, create_variable
+from collective.variables import VariableStore, variable_over
 
 log = logging.getLogger(__name__)
 
@@ -63,44 +63,56 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def make_replicas(plan: pb.Plan, arena: np.ndarray, devices: Sequence[str]) -> VariableStore:
-    """One replica of every variable per device; replica 0 is a view of the arena (no copy)."""
-    store = VariableStore()
-    flat = arena.reshape(-1).view(np.uint8)
-    for v in plan.variables:
-        spec = spec_of(v)
-        value = flat[v.offset : v.offset + v.nbytes].view(spec.np_dtype).reshape(spec.shape)
-        create_variable(
-            spec.name,
-            value,
-            list(devices),
-            synchronization=spec.synchronization,
-            aggregation=spec.aggregation,
-            trainable=spec.trainable,
-            store=store,
-            share_first=True,
-        )
-    return store
+def make_replicas(plan: pb.Plan, arena: np.ndarray, devices: Sequence[str]) -> tuple[VariableStore, list[np.ndarray]]:
+    """One replica of every variable per device, and the arenas that hold them.
 
-
-def replica_digests(plan: pb.Plan, store: VariableStore, *, first_verified: bool = False) -> list[pb.ReplicaDigest]:
-    """Digest every replica and compare it with the chief's digest of the variable.
-
-    ``first_verified``: replica 0 is the arena view whose bytes the Receiver already checked
-    against the chief's digest, so it is not hashed twice. Raises IntegrityError naming the
-    variable and replica on the first difference.
+    Replica i of every variable lives in arena i at the plan's offsets: arena 0 is the received
+    arena itself (no copy), each further device gets one copy of it. The store builds each
+    variable's object when it is first used (``VariableStore.defer``), so 20,000 variables cost
+    nothing here.
     """
+    flat = arena.reshape(-1).view(np.uint8)
+    arenas = [flat]
+    for _ in devices[1:]:
+        copy = new_arena(flat.nbytes)
+        copy[...] = flat
+        arenas.append(copy)
+    variables, devices = plan.variables, list(devices)
+
+    def make(i: int):
+        spec = spec_of(variables[i])
+        v = variables[i]
+        views = [a[v.offset : v.offset + v.nbytes].view(spec.np_dtype).reshape(spec.shape) for a in arenas]
+        return variable_over(
+            spec.name, views, devices,
+            synchronization=spec.synchronization, aggregation=spec.aggregation, trainable=spec.trainable,
+        )
+
+    store = VariableStore()
+    store.defer(lambda: [v.name for v in variables], make)
+    return store, arenas
+
+
+def verify_replicas(
+    plan: pb.Plan, arenas: Sequence[np.ndarray], devices: Sequence[str], *, first: Sequence[str] | None = None
+) -> list[pb.DeviceDigests]:
+    """Hash every replica arena chunk by chunk and compare with the plan's chunk digests.
+
+    ``first``: the chunk digests of arena 0 when the Receiver already verified its bytes, so
+    they are not hashed twice. Raises IntegrityError naming the variable and replica of the
+    first difference.
+    """
+    want = list(plan.chunk_digests)
     out = []
-    for v in plan.variables:
-        var = store.get(v.name)
-        for i, (replica, name, device) in enumerate(zip(var.replicas, var.replica_names, var.devices, strict=True)):
-            digest = v.digest if (i == 0 and first_verified) else array_digest(replica)
-            if digest != v.digest:
-                raise IntegrityError(
-                    f"variable {v.name!r}: replica {name!r} on {device} has digest {digest}, "
-                    f"the chief's is {v.digest}"
-                )
-            out.append(pb.ReplicaDigest(variable=v.name, replica=name, device=device, digest=digest))
+    for i, (a, device) in enumerate(zip(arenas, devices, strict=True)):
+        got = list(first) if (i == 0 and first is not None) else chunk_digests(a, plan.chunk_bytes)
+        if got != want:
+            k = next((j for j, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), min(len(got), len(want)))
+            start = k * plan.chunk_bytes
+            end = min(start + plan.chunk_bytes, plan.total_bytes)
+            pair = (got[k], want[k]) if k < min(len(got), len(want)) else None
+            raise IntegrityError(culprit(plan, a, start, end, replica=(i, device), digests=pair))
+        out.append(pb.DeviceDigests(device=device, replica=i, chunk_digests=got))
     return out
 
 
@@ -123,6 +135,10 @@ class _Watched:
 
     def span(self, start: int, end: int) -> np.ndarray:
         return self._r.span(start, end)
+
+    @property
+    def digests(self) -> list[str]:
+        return self._r.digests
 
     def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
         try:
@@ -180,6 +196,7 @@ class WorkerAgent:
         """Join, receive, verify, report ready and wait for start. Blocks; see the module doc."""
         self._stop_heartbeat = threading.Event()
         self._reported = False
+        self._is_prepared = False
         try:
             return self._run()
         except CollectiveError as exc:
@@ -200,14 +217,17 @@ class WorkerAgent:
             return None
         from collective.transport.shm import attach
 
+        self._prepared(plan)
+
         arena = attach(plan.shm_socket, plan.shm_secret, self.worker_id, self.incarnation, plan.total_bytes)
         if arena is not None:
             self.bytes_received = plan.total_bytes
             self._last_data = time.monotonic()
         return arena
 
-    def _receive(self, plan: pb.Plan) -> np.ndarray:
-        """The data stream into one pre-allocated arena, checked chunk by chunk.
+    def _receive(self, plan: pb.Plan) -> tuple[np.ndarray, list[str]]:
+        """The data stream into one pre-allocated arena, checked chunk by chunk; the arena and
+        its verified chunk digests.
 
         From the chief, or from the relay of the worker the plan names as this one's parent.
         """
@@ -215,6 +235,7 @@ class WorkerAgent:
         if self.relay is not None:
             self.relay.feed(plan, arena)  # children may connect now; chunks go out as they land
         receiver = _Watched(Receiver(plan, arena), self)
+        self._prepared(plan)
         me = next(w for w in plan.workers if w.rank == self.rank)
         # A plan without a topology (a star, or an older chief) streams from the chief.
         if plan.topology in ("", "star") or me.parent < 0 or self.connect is None:
@@ -230,7 +251,13 @@ class WorkerAgent:
             finally:
                 source.close()
         receiver.finish()
-        return arena
+        return arena, receiver.digests
+
+    def _prepared(self, plan: pb.Plan) -> None:
+        """Once: tell the chief this worker is ready for bytes, and wait until every worker is."""
+        if not self._is_prepared:
+            self._is_prepared = True
+            self.link.await_prepared(self.ref, timeout=self.timeouts.ready)
 
     def _report_failure(self, exc: CollectiveError) -> None:
         """Tell the chief once; never raises. A failure it announced itself needs no echo."""
@@ -317,26 +344,24 @@ class WorkerAgent:
             ",".join(str(g.group_key) for g in plan.groups), plan.topology or "star",
         )
         t_recv = time.monotonic()
-        arena = self._attach_shared(plan)
+        arena, verified = self._attach_shared(plan), None
         via = "shared memory"
         if arena is None:
-            arena, via = self._receive(plan), "the network"
+            (arena, verified), via = self._receive(plan), "the network"
         elif self.relay is not None:
             self.relay.feed(plan, arena)
             self.relay.progress(plan.total_bytes)
         recv_s = time.monotonic() - t_recv
         logs.phase("verify")
-        store = make_replicas(plan, arena, self.devices)
-        digests = replica_digests(plan, store, first_verified=via == "the network")
-        worker_digest = combined_digest((d.replica, d.digest) for d in digests)
+        store, arenas = make_replicas(plan, arena, self.devices)
+        devices = verify_replicas(plan, arenas, self.devices, first=verified)
+        digest = worker_digest(plan.manifest_digest, [d.chunk_digests for d in devices])
         log.info(
             "received %d bytes through %s in %.3f s; %d replicas on %d device(s) verified; worker digest %s",
-            plan.total_bytes, via, recv_s, len(digests), len(self.devices), worker_digest,
+            plan.total_bytes, via, recv_s, len(plan.variables) * len(self.devices), len(self.devices), digest,
         )
         logs.phase("ready")
-        self.link.report_ready(
-            pb.ReadyRequest(worker=self.ref, replicas=digests, worker_digest=worker_digest), timeout=t.rpc
-        )
+        self.link.report_ready(pb.ReadyRequest(worker=self.ref, devices=devices, worker_digest=digest), timeout=t.rpc)
         start = self.link.await_start(self.ref, timeout=t.start)
         self._stop_heartbeat.set()
         store.start()
@@ -347,6 +372,6 @@ class WorkerAgent:
             devices=list(self.devices),
             variables=store,
             plan=plan,
-            worker_digest=worker_digest,
+            worker_digest=digest,
             broadcast_seconds=start.broadcast_seconds,
         )

@@ -89,7 +89,7 @@ class VariableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., synchronization: _Optional[str] = ..., aggregation: _Optional[str] = ..., trainable: _Optional[bool] = ..., group_key: _Optional[int] = ..., instance_key: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model", "shm_socket", "shm_secret", "topology")
+    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model", "shm_socket", "shm_secret", "topology", "chunk_digests")
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class Plan(_message.Message):
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SHM_SECRET_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     chief_incarnation: str
     num_workers: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -114,7 +115,8 @@ class Plan(_message.Message):
     shm_socket: str
     shm_secret: str
     topology: str
-    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ..., topology: _Optional[str] = ...) -> None: ...
+    chunk_digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ..., topology: _Optional[str] = ..., chunk_digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "incarnation")
@@ -123,16 +125,6 @@ class WorkerRef(_message.Message):
     worker_id: str
     incarnation: str
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
-
-class VariableTrailer(_message.Message):
-    __slots__ = ("instance_key", "nbytes", "digest")
-    INSTANCE_KEY_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
-    DIGEST_FIELD_NUMBER: _ClassVar[int]
-    instance_key: int
-    nbytes: int
-    digest: str
-    def __init__(self, instance_key: _Optional[int] = ..., nbytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("total_bytes", "manifest_digest")
@@ -143,48 +135,52 @@ class StreamEnd(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("offset", "data", "group_key", "instance_keys", "trailers", "end")
+    __slots__ = ("offset", "data", "group_key", "instance_keys", "end", "digest")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_KEYS_FIELD_NUMBER: _ClassVar[int]
-    TRAILERS_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     offset: int
     data: bytes
     group_key: int
     instance_keys: _containers.RepeatedScalarFieldContainer[int]
-    trailers: _containers.RepeatedCompositeFieldContainer[VariableTrailer]
     end: StreamEnd
-    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., group_key: _Optional[int] = ..., instance_keys: _Optional[_Iterable[int]] = ..., trailers: _Optional[_Iterable[_Union[VariableTrailer, _Mapping]]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
-
-class ReplicaDigest(_message.Message):
-    __slots__ = ("variable", "replica", "device", "digest")
-    VARIABLE_FIELD_NUMBER: _ClassVar[int]
-    REPLICA_FIELD_NUMBER: _ClassVar[int]
-    DEVICE_FIELD_NUMBER: _ClassVar[int]
-    DIGEST_FIELD_NUMBER: _ClassVar[int]
-    variable: str
-    replica: str
-    device: str
     digest: str
-    def __init__(self, variable: _Optional[str] = ..., replica: _Optional[str] = ..., device: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., group_key: _Optional[int] = ..., instance_keys: _Optional[_Iterable[int]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class DeviceDigests(_message.Message):
+    __slots__ = ("device", "replica", "chunk_digests")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    replica: int
+    chunk_digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, device: _Optional[str] = ..., replica: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadyRequest(_message.Message):
-    __slots__ = ("worker", "replicas", "worker_digest")
+    __slots__ = ("worker", "worker_digest", "devices")
     WORKER_FIELD_NUMBER: _ClassVar[int]
-    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     WORKER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerRef
-    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaDigest]
     worker_digest: str
-    def __init__(self, worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaDigest, _Mapping]]] = ..., worker_digest: _Optional[str] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceDigests]
+    def __init__(self, worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., worker_digest: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceDigests, _Mapping]]] = ...) -> None: ...
 
 class ReadyReply(_message.Message):
     __slots__ = ("ready",)
     READY_FIELD_NUMBER: _ClassVar[int]
     ready: int
     def __init__(self, ready: _Optional[int] = ...) -> None: ...
+
+class PreparedReply(_message.Message):
+    __slots__ = ("prepared",)
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    prepared: int
+    def __init__(self, prepared: _Optional[int] = ...) -> None: ...
 
 class StartReply(_message.Message):
     __slots__ = ("start", "broadcast_seconds")

@@ -44,6 +44,11 @@ class CollectiveStub:
                 request_serializer=collective__pb2.WorkerRef.SerializeToString,
                 response_deserializer=collective__pb2.Plan.FromString,
                 _registered_method=True)
+        self.AwaitPrepared = channel.unary_unary(
+                '/collective.v1.Collective/AwaitPrepared',
+                request_serializer=collective__pb2.WorkerRef.SerializeToString,
+                response_deserializer=collective__pb2.PreparedReply.FromString,
+                _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/collective.v1.Collective/Fetch',
                 request_serializer=collective__pb2.WorkerRef.SerializeToString,
@@ -86,6 +91,12 @@ class CollectiveServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPlan(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AwaitPrepared(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,6 +150,11 @@ def add_CollectiveServicer_to_server(servicer, server):
                     servicer.GetPlan,
                     request_deserializer=collective__pb2.WorkerRef.FromString,
                     response_serializer=collective__pb2.Plan.SerializeToString,
+            ),
+            'AwaitPrepared': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitPrepared,
+                    request_deserializer=collective__pb2.WorkerRef.FromString,
+                    response_serializer=collective__pb2.PreparedReply.SerializeToString,
             ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
@@ -225,6 +241,33 @@ class Collective:
             '/collective.v1.Collective/GetPlan',
             collective__pb2.WorkerRef.SerializeToString,
             collective__pb2.Plan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitPrepared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/collective.v1.Collective/AwaitPrepared',
+            collective__pb2.WorkerRef.SerializeToString,
+            collective__pb2.PreparedReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,6 +29,10 @@ class ChiefHandler(Protocol):
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan: ...
 
+    def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
+        """This worker is ready to receive; block until every worker is (a barrier)."""
+        ...
+
     def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]: ...
 
     def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
@@ -64,6 +68,11 @@ class ChiefLink(abc.ABC):
     @abc.abstractmethod
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
         """Block until the chief releases the plan (all workers joined) or fails."""
+
+    def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply | None:
+        """Say this worker has checked the plan and prepared its arena; block until every worker
+        has. None: this backend synchronises its receivers itself (MPI)."""
+        return None
 
     @abc.abstractmethod
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:

@@ -221,6 +221,10 @@ class _Servicer(pb_grpc.CollectiveServicer):
         self._identity(context, request.worker_id)
         return self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
 
+    def AwaitPrepared(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
+        return self._long_call(context, request, "prepared", self._h.await_prepared, request, _remaining(context))
+
     def FetchRaw(self, request, context):  # noqa: N802
         """Fetch as raw frames (see ``frame``): the chunk's bytes are copied once, into the frame."""
         self._identity(context, request.worker_id)
@@ -496,6 +500,9 @@ class GrpcChiefLink(ChiefLink):
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
         return self._unary(self._stub.GetPlan, ref, "join (waiting for the plan)", timeout, retry=True)
+
+    def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
+        return self._unary(self._stub.AwaitPrepared, ref, "waiting for every worker to prepare", timeout, retry=True)
 
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
         return self._stream(self._stub.Fetch, ref, stall_timeout)

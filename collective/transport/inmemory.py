@@ -50,6 +50,9 @@ class InMemoryLink(ChiefLink):
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
         return _wire(self._handler().get_plan(_wire(ref, pb.WorkerRef), timeout), pb.Plan)
 
+    def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
+        return _wire(self._handler().await_prepared(_wire(ref, pb.WorkerRef), timeout), pb.PreparedReply)
+
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
         for chunk in self._handler().fetch(_wire(ref, pb.WorkerRef)):
             yield _wire(chunk, pb.Chunk)

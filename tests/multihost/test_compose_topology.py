@@ -147,10 +147,11 @@ def test_a_worker_whose_link_is_cut_after_joining_is_named_by_the_chief(tmp_path
     assert f"{w1.host}-{w1.pid}" not in result["error"] and f"{w3.host}-{w3.pid}" not in result["error"]
     assert re.search(rf"ERROR chief .*{named}", chief_log), chief_log
     assert chief_seconds < lease + 10, chief_log
-    # The healthy workers were ready, and hear from the chief who is at fault.
+    # The healthy workers had the plan and waited for every worker to prepare (the barrier before
+    # the first byte), and hear from the chief who is at fault.
     for w, code in ((w1, w1_code), (w3, w3_code)):
         assert code == 1, outputs[w.name]
-        assert re.search(rf"worker {w.host}-{w.pid} \(rank \d, host {w.host}\) is ready", chief_log), chief_log
+        assert re.search(r"phase=receive: plan: \d+ variables", outputs[w.name]), outputs[w.name]
         assert re.search(rf"round aborted by the chief at chief:50051: .*{named}", outputs[w.name]), outputs[w.name]
     assert w2_code == 1, outputs["worker-2"]
     # Today: "chief at chief:50051 unreachable during join (waiting for the plan): … No route to host".

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from chief.service import ChiefService, Phase
+from chief.service import Phase
 from collective.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -16,20 +16,9 @@ from collective.errors import (
     JoinTimeoutError,
     ResourceExhaustedError,
 )
-from collective.transport.inmemory import InMemoryEndpoint
-from tests.conftest import FAST, ArraySource, run_threads, small_arrays
-from worker.agent import WorkerAgent
+from tests.conftest import FAST, inmemory_cluster, run_threads, small_arrays
 
-
-def cluster(arrays, devices_per_worker, timeouts=FAST, chunk_bytes=4096):
-    service = ChiefService(ArraySource(arrays), len(devices_per_worker), timeouts=timeouts, chunk_bytes=chunk_bytes)
-    endpoint = InMemoryEndpoint()
-    endpoint.start(service)
-    agents = [
-        WorkerAgent(endpoint.link(), worker_id=f"w{i}", devices=devs, preferred_rank=i, timeouts=timeouts)
-        for i, devs in enumerate(devices_per_worker)
-    ]
-    return service, endpoint, agents
+cluster = inmemory_cluster
 
 
 def test_every_worker_holds_bit_identical_replicas_after_start():
@@ -129,25 +118,60 @@ def test_a_corrupted_chunk_is_caught_naming_the_variable_and_start_is_never_rele
     assert service.phase is Phase.FAILED
 
 
-def test_the_chief_refuses_a_ready_report_whose_digest_differs_naming_worker_variable_and_replica():
+def _forger(arrays, chunk_bytes=4096):
+    """A chief expecting one worker with two devices, and that worker's link after its stream."""
     from collective._proto import collective_pb2 as pb
 
-    service, endpoint, agents = cluster({"a": np.arange(4, dtype=np.float32)}, [["cpu:0", "cpu:1"]])
+    service, endpoint, _ = cluster(arrays, [["cpu:0", "cpu:1"]], chunk_bytes=chunk_bytes)
     link = endpoint.link()
     ref = pb.WorkerRef(worker_id="forger", incarnation="i1")
     link.join(pb.JoinRequest(worker_id="forger", incarnation="i1", devices=["cpu:0", "cpu:1"]), 1)
-    link.get_plan(ref, 1)
+    plan = link.get_plan(ref, 1)
     list(link.fetch(ref, 1))
-    good = service.digests[0]
-    forged = pb.ReadyRequest(worker=ref, replicas=[
-        pb.ReplicaDigest(variable="a", replica="a", device="cpu:0", digest=good),
-        pb.ReplicaDigest(variable="a", replica="a/replica_1", device="cpu:1", digest="0" * 32),
-    ])
-    with pytest.raises(AbortedError, match=r"forger.*'a'.*'a/replica_1'"):
-        link.report_ready(forged, 1)
+    return service, link, ref, plan
+
+
+def _report(ref, plan, second, digest=None):
+    from collective._proto import collective_pb2 as pb
+    from collective.digest import worker_digest
+
+    good = list(plan.chunk_digests)
+    devices = [
+        pb.DeviceDigests(device="cpu:0", replica=0, chunk_digests=good),
+        pb.DeviceDigests(device="cpu:1", replica=1, chunk_digests=second),
+    ]
+    digest = digest or worker_digest(plan.manifest_digest, [good, second])
+    return pb.ReadyRequest(worker=ref, devices=devices, worker_digest=digest)
+
+
+def test_the_chief_refuses_a_ready_report_whose_digest_differs_naming_worker_variable_and_replica():
+    service, link, ref, plan = _forger({"a": np.arange(4, dtype=np.float32)})
+    with pytest.raises(AbortedError, match=r"forger.*'a'.*'a/replica_1' on cpu:1"):
+        link.report_ready(_report(ref, plan, ["0" * 32]), 1)
     assert service.phase is Phase.FAILED
     with pytest.raises(AbortedError):
         link.await_start(ref, 1)
+
+
+def test_a_differing_chunk_of_many_variables_is_named_by_the_range_of_their_names():
+    arrays = {f"v{i}": np.full(16, i, dtype=np.float32) for i in range(6)}  # 64 bytes each
+    service, link, ref, plan = _forger(arrays, chunk_bytes=192)  # chunks: v0-v2, v3-v5
+    second = list(plan.chunk_digests)
+    second[1] = "0" * 32
+    with pytest.raises(AbortedError, match=r"one of the 3 variables 'v3'..'v5': replicas 'v3/replica_1'..'v5/replica_1' on cpu:1: bytes 192..384"):
+        link.report_ready(_report(ref, plan, second), 1)
+    assert service.phase is Phase.FAILED
+
+
+def test_the_chief_refuses_a_ready_report_for_other_devices_or_with_a_wrong_worker_digest():
+    service, link, ref, plan = _forger({"a": np.arange(4, dtype=np.float32)})
+    with pytest.raises(AbortedError, match="worker digest .* differs from the chief's"):
+        link.report_ready(_report(ref, plan, list(plan.chunk_digests), digest="f" * 32), 1)
+    service, link, ref, plan = _forger({"a": np.arange(4, dtype=np.float32)})
+    report = _report(ref, plan, list(plan.chunk_digests))
+    del report.devices[1]
+    with pytest.raises(AbortedError, match=r"covers devices \['cpu:0'\]; the worker joined with \['cpu:0', 'cpu:1'\]"):
+        link.report_ready(report, 1)
 
 
 def test_a_join_after_start_is_refused_and_the_started_round_is_unaffected():

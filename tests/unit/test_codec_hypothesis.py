@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import xxhash
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
@@ -17,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from chief.service import materialize
 from collective._proto import collective_pb2 as pb
-from collective.digest import array_digest
+from collective.digest import array_digest, chunk_digests
 from collective.errors import IntegrityError, ProtocolError
 from collective.plan import Chunker, Receiver, build_plan, validate_plan
 from tests.conftest import ArraySource
@@ -58,7 +59,7 @@ def source_arrays(draw) -> np.ndarray:
 def materialised(arrays: list[np.ndarray], chunk_bytes: int):
     named = {f"layer{i}/v": a for i, a in enumerate(arrays)}
     specs, arena, digests = materialize(ArraySource(named))
-    plan = build_plan(specs, digests, WORKERS, chunk_bytes=chunk_bytes, chief_incarnation="x", model="test")
+    plan = build_plan(specs, digests, WORKERS, arena=arena, chunk_bytes=chunk_bytes, chief_incarnation="x", model="test")
     validate_plan(plan)
     return plan, arena
 
@@ -92,8 +93,11 @@ def guards_intact(buf: np.ndarray) -> bool:
 def test_any_arrays_reach_the_worker_arena_byte_for_byte(arrays, chunk_bytes):
     plan, chief_arena = materialised(arrays, chunk_bytes)
     plan = pb.Plan.FromString(plan.SerializeToString())  # the worker's copy of the plan
-    wire = [c.SerializeToString() for c in Chunker(plan, chief_arena).chunks()]
-    assert len(wire) == math.ceil(plan.total_bytes / chunk_bytes) + 1
+    chunks = list(Chunker(plan, chief_arena).chunks())
+    wire = [c.SerializeToString() for c in chunks]
+    assert len(wire) == math.ceil(plan.total_bytes / chunk_bytes) + 1 == len(plan.chunk_digests) + 1
+    assert list(plan.chunk_digests) == chunk_digests(chief_arena, chunk_bytes)
+    assert [c.digest for c in chunks] == [xxhash.xxh3_128_hexdigest(c.data) for c in chunks[:-1]] + [""]
 
     buf, arena = guarded_arena(plan.total_bytes)
     receiver = Receiver(plan, arena)
@@ -104,6 +108,7 @@ def test_any_arrays_reach_the_worker_arena_byte_for_byte(arrays, chunk_bytes):
     assert arena.tobytes() == chief_arena.tobytes()
     assert guards_intact(buf)
     assert receiver.variables_verified == len(arrays)
+    assert receiver.digests == list(plan.chunk_digests)
     for v, original in zip(plan.variables, arrays, strict=True):
         expected = np.ascontiguousarray(original).tobytes()
         assert arena[v.offset : v.offset + v.nbytes].tobytes() == expected
@@ -132,31 +137,38 @@ def feed(plan: pb.Plan, arena: np.ndarray, blobs: list[bytes]) -> Receiver | Non
     return receiver
 
 
-def check_outcome(plan, arrays, buf, arena, receiver: Receiver | None) -> None:
-    """Nothing outside the arena was touched; a stream taken as good delivered every value."""
+def check_outcome(plan, arrays, chief_arena, buf, arena, receiver: Receiver | None) -> None:
+    """Nothing outside the arena was touched; a stream taken as good delivered every byte.
+
+    Every byte, padding included: the chunk digests cover the whole arena.
+    """
     assert arena.size == plan.total_bytes
     assert guards_intact(buf)
     if receiver is not None:
         assert receiver.variables_verified == len(plan.variables)
+        assert receiver.digests == list(plan.chunk_digests)
+        assert arena.tobytes() == chief_arena.tobytes()
         for v, original in zip(plan.variables, arrays, strict=True):
             assert arena[v.offset : v.offset + v.nbytes].tobytes() == np.ascontiguousarray(original).tobytes()
 
 
-MESSAGE_EDITS = ["data_flip", "data_shorten", "data_extend", "no_trailers", "no_end", "no_keys"]
+MESSAGE_EDITS = ["data_flip", "data_flip_resealed", "data_shorten", "data_extend", "no_digest", "no_end", "no_keys"]
 
 
 def edit_chunk(chunk: pb.Chunk, op: str, j: int, v: int) -> None:
     """Damage one well-formed message in place (it stays parseable)."""
-    if op == "data_flip" and chunk.data:
+    if op in ("data_flip", "data_flip_resealed") and chunk.data:
         data = bytearray(chunk.data)
         data[j % len(data)] ^= 1 << (v % 8)
         chunk.data = bytes(data)
+        if op == "data_flip_resealed":  # a digest field that agrees with the damaged bytes
+            chunk.digest = xxhash.xxh3_128_hexdigest(chunk.data)
     elif op == "data_shorten" and chunk.data:
         chunk.data = chunk.data[: j % len(chunk.data)]
     elif op == "data_extend":
         chunk.data += bytes([v % 256]) * (1 + j % 8)
-    elif op == "no_trailers":
-        del chunk.trailers[:]
+    elif op == "no_digest":
+        chunk.ClearField("digest")
     elif op == "no_end":
         chunk.ClearField("end")
     elif op == "no_keys":
@@ -167,10 +179,10 @@ def edit_chunk(chunk: pb.Chunk, op: str, j: int, v: int) -> None:
         chunk.group_key = v
     elif op == "instance_key":
         chunk.instance_keys.append(v)
-    elif op == "trailer_nbytes":
-        chunk.trailers.add(instance_key=j, nbytes=v, digest="")
-    elif op == "trailer_key":
-        chunk.trailers.add(instance_key=v, nbytes=0, digest="")
+    elif op == "digest":
+        chunk.digest = f"{v:032x}"
+    elif op == "digest_text":
+        chunk.digest = "xyz"[: j % 4] + chunk.digest[j % 4 :]
     elif op == "end_total":
         chunk.end.total_bytes = v
 
@@ -245,7 +257,7 @@ def test_a_mutated_stream_is_rejected_cleanly_or_still_delivers_the_right_values
 
     receiver = feed(plan, arena, mutate(wire, mutations))
 
-    check_outcome(plan, arrays, buf, arena, receiver)
+    check_outcome(plan, arrays, chief_arena, buf, arena, receiver)
 
 
 @FUZZ
@@ -264,10 +276,10 @@ def test_random_bytes_as_chunks_raise_only_protocol_integrity_or_decode_errors(a
 
     receiver = feed(plan, arena, blobs)
 
-    check_outcome(plan, arrays, buf, arena, receiver)
+    check_outcome(plan, arrays, chief_arena, buf, arena, receiver)
 
 
-FIELD_EDITS = ["offset", "group_key", "instance_key", "trailer_nbytes", "trailer_key", "end_total"]
+FIELD_EDITS = ["offset", "group_key", "instance_key", "digest", "digest_text", "end_total"]
 
 
 @FUZZ
@@ -287,4 +299,4 @@ def test_a_well_formed_but_wrong_message_is_rejected_cleanly(arrays, chunk_bytes
 
     receiver = feed(plan, arena, [c.SerializeToString() for c in chunks])
 
-    check_outcome(plan, arrays, buf, arena, receiver)
+    check_outcome(plan, arrays, chief_arena, buf, arena, receiver)

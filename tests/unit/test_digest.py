@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import xxhash
 
-from collective.digest import array_digest, bytes_digest, combined_digest
+from collective.digest import (
+    array_digest,
+    bytes_digest,
+    chunk_digests,
+    combined_digest,
+    worker_digest,
+)
 
 
 def reference(a: np.ndarray) -> str:
@@ -115,3 +121,29 @@ def test_combined_digest_distinguishes_lists_whose_names_contain_the_separators(
     one_pair = [("a\0x\nb", "y")]
     two_pairs = [("a", "x"), ("b", "y")]
     assert combined_digest(one_pair) != combined_digest(two_pairs)
+
+
+def test_chunk_digests_hash_each_slice_and_a_shorter_last_one():
+    data = np.arange(1000, dtype=np.uint16).view(np.uint8)  # 2000 bytes
+    want = [xxhash.xxh3_128_hexdigest(data[i : i + 768].tobytes()) for i in (0, 768, 1536)]
+    assert chunk_digests(data, 768) == want
+    assert chunk_digests(data[:0], 768) == []
+
+
+def test_chunk_digests_change_only_in_the_chunk_whose_byte_changed():
+    data = np.zeros(4096, np.uint8)
+    before = chunk_digests(data, 1024)
+    data[2500] = 1
+    after = chunk_digests(data, 1024)
+    assert [a != b for a, b in zip(before, after, strict=True)] == [False, False, True, False]
+
+
+def test_worker_digest_binds_the_manifest_the_replica_count_and_the_order_of_chunks():
+    a, b = ["d1", "d2"], ["d2", "d1"]
+    base = worker_digest("m", [a])
+    assert base == worker_digest("m", [list(a)])
+    assert base != worker_digest("other manifest", [a])
+    assert base != worker_digest("m", [a, a])
+    assert base != worker_digest("m", [b])
+    # Two replicas of one chunk each are not one replica of two chunks.
+    assert worker_digest("m", [["d1"], ["d2"]]) != worker_digest("m", [["d1", "d2"]])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from chief.service import materialize
 from collective._proto import collective_pb2 as pb
-from collective.digest import array_digest, combined_digest
+from collective.digest import array_digest, chunk_digests, combined_digest
 from collective.errors import IntegrityError, ProtocolError
 from collective.keys import GROUP_KEY_START, INSTANCE_KEY_START
 from collective.model import Aggregation, Synchronization, VariableSpec
@@ -22,6 +22,7 @@ from collective.plan import (
     Chunker,
     Receiver,
     build_plan,
+    frame_messages,
     layout,
     manifest_digest,
     spec_of,
@@ -36,8 +37,16 @@ W1 = pb.WorkerInfo(rank=1, worker_id="w1", devices=["cpu:0", "cpu:1"])
 def make_plan(arrays, *, chunk_bytes=4096, workers=(W0,)):
     """Materialise arrays the way the chief does; return (plan, chief arena, specs, digests)."""
     specs, arena, digests = materialize(ArraySource(dict(arrays)))
-    plan = build_plan(specs, digests, list(workers), chunk_bytes=chunk_bytes, chief_incarnation="x", model="test")
+    plan = build_plan(
+        specs, digests, list(workers), arena=arena, chunk_bytes=chunk_bytes, chief_incarnation="x", model="test"
+    )
     return plan, arena, specs, digests
+
+
+def empty_plan(**kw):
+    """The plan of a model without variables (its arena is empty too)."""
+    arena = np.zeros(0, np.uint8)
+    return build_plan([], [], [W0], arena=arena, chunk_bytes=64, chief_incarnation="x", model="test", **kw)
 
 
 def stream(plan, arena):
@@ -68,8 +77,16 @@ def var_bytes(arena, v):
     return arena[v.offset : v.offset + v.nbytes].tobytes()
 
 
-# Three variables over 392 bytes; with 128-byte chunks the stream is:
-#   [0,128) a + trailer a | [128,256) b | [256,384) b + trailer b | [384,392) c + trailer c | end
+def flip(chunk, index, bit=0x10):
+    """Flip one bit of a message's bytes, leaving its digest field as the chief wrote it."""
+    data = bytearray(chunk.data)
+    data[index] ^= bit
+    chunk.data = bytes(data)
+
+
+# Three variables over 392 bytes: a 0..100, b 128..328, c 384..392 (padding 100..128 and
+# 328..384). With 128-byte chunks the stream is, each data message with its chunk's digest:
+#   [0,128) a | [128,256) b | [256,384) b | [384,392) c | end (no bytes, no digest)
 ABC = {
     "a": np.arange(100, dtype=np.uint8),
     "b": np.arange(50, dtype="<f4"),
@@ -191,7 +208,8 @@ def test_build_plan_writes_synchronization_aggregation_and_default_trainable():
         VariableSpec("frozen", (2,), "<f4", Synchronization.ON_WRITE, Aggregation.MEAN, trainable=False),
     ]
     digests = [array_digest(np.zeros(2, np.float32))] * 3
-    plan = build_plan(specs, digests, [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+    arena = np.zeros(layout(specs)[1], np.uint8)
+    plan = build_plan(specs, digests, [W0], arena=arena, chunk_bytes=64, chief_incarnation="x", model="test")
     assert [(v.synchronization, v.aggregation, v.trainable) for v in plan.variables] == [
         ("AUTO", "NONE", True),
         ("ON_READ", "SUM", False),
@@ -209,14 +227,46 @@ def test_build_plan_is_deterministic_byte_for_byte():
 
 def test_build_plan_refuses_a_digest_list_of_the_wrong_length():
     specs = specs_of_sizes([1, 2])
+    arena = np.zeros(layout(specs)[1], np.uint8)
     with pytest.raises(ValueError):
-        build_plan(specs, ["d"], [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+        build_plan(specs, ["d"], [W0], arena=arena, chunk_bytes=64, chief_incarnation="x", model="test")
 
 
-def test_build_plan_of_an_empty_model_has_no_variables_and_no_bytes():
-    plan = build_plan([], [], [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+def test_build_plan_of_an_empty_model_has_no_variables_no_bytes_and_no_chunk_digests():
+    plan = empty_plan()
     assert list(plan.variables) == [] and plan.total_bytes == 0
+    assert list(plan.chunk_digests) == []
     assert plan.manifest_digest == xxhash.xxh3_128_hexdigest(b"")
+    validate_plan(plan)
+
+
+def test_build_plan_lists_the_digest_of_every_chunk_of_the_chief_arena():
+    plan, arena, _, _ = make_plan(ABC, chunk_bytes=128)
+    raw = arena.tobytes()
+    expected = [xxhash.xxh3_128_hexdigest(raw[i : i + 128]) for i in (0, 128, 256, 384)]  # the last: 8 bytes
+    assert list(plan.chunk_digests) == expected == chunk_digests(arena, 128)
+    assert len(set(expected)) == 4
+
+
+def test_build_plan_digests_the_arena_it_is_given():
+    specs, arena, digests = materialize(ArraySource(dict(ABC)))
+    other = arena.copy()
+    other[300] ^= 1  # inside b, in the third chunk
+    plans = [
+        build_plan(specs, digests, [W0], arena=a, chunk_bytes=128, chief_incarnation="x", model="test")
+        for a in (arena, other)
+    ]
+    first, second = (list(p.chunk_digests) for p in plans)
+    assert first[:2] == second[:2] and first[3] == second[3]
+    assert first[2] != second[2] == xxhash.xxh3_128_hexdigest(other[256:384].tobytes())
+
+
+def test_build_plan_digests_only_the_arena_bytes_up_to_the_total():
+    """A page-rounded arena (the shared-memory path) has spare bytes after the last variable."""
+    specs, arena, digests = materialize(ArraySource(dict(ABC)))
+    rounded = np.concatenate([arena, np.full(4096 - arena.size, 0xEE, np.uint8)])
+    plan = build_plan(specs, digests, [W0], arena=rounded, chunk_bytes=128, chief_incarnation="x", model="test")
+    assert list(plan.chunk_digests) == chunk_digests(arena, 128)
     validate_plan(plan)
 
 
@@ -349,9 +399,37 @@ def test_validate_plan_rejects_a_chunk_size_outside_the_allowed_range(valid_plan
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, MAX_CHUNK_BYTES])
-def test_validate_plan_accepts_the_chunk_size_bounds(valid_plan, chunk_bytes):
-    valid_plan.chunk_bytes = chunk_bytes
-    validate_plan(valid_plan)
+def test_validate_plan_accepts_the_chunk_size_bounds(chunk_bytes):
+    plan, *_ = make_plan(ABC, chunk_bytes=chunk_bytes)
+    assert len(plan.chunk_digests) == math.ceil(392 / chunk_bytes)
+    validate_plan(plan)
+
+
+def test_validate_plan_rejects_a_chunk_size_changed_without_the_chunk_digests(valid_plan):
+    valid_plan.chunk_bytes = 64
+    with pytest.raises(ProtocolError, match="plan lists 4 chunk digests for its 7 chunks"):
+        validate_plan(valid_plan)
+
+
+@pytest.mark.parametrize(
+    ("edit", "count"),
+    [(lambda d: d.append("0" * 32), 5), (lambda d: d.pop(), 3), (lambda d: d.__delitem__(slice(None)), 0)],
+    ids=["one too many", "one missing", "none"],
+)
+def test_validate_plan_rejects_a_wrong_number_of_chunk_digests(valid_plan, edit, count):
+    edit(valid_plan.chunk_digests)
+    with pytest.raises(ProtocolError, match=f"plan lists {count} chunk digests for its 4 chunks"):
+        validate_plan(valid_plan)
+
+
+def test_validate_plan_rejects_an_empty_variable_whose_digest_is_not_that_of_no_bytes():
+    plan, *_ = make_plan({"a": np.arange(3, dtype=np.uint8), "e": np.zeros((0, 2), np.float32)})
+    validate_plan(plan)
+    assert plan.variables[1].digest == xxhash.xxh3_128_hexdigest(b"")
+    plan.variables[1].digest = "f" * 32
+    empty = xxhash.xxh3_128_hexdigest(b"")
+    with pytest.raises(ProtocolError, match=f"'e': an empty variable's digest must be {empty}, not 'f+'"):
+        validate_plan(reseal(plan))
 
 
 def test_validate_plan_rejects_a_tampered_manifest_digest(valid_plan):
@@ -393,15 +471,24 @@ def test_stream_round_trip_reproduces_the_chief_arena_byte_for_byte():
 def test_receiver_reports_bytes_received_and_variables_verified(abc):
     plan, _, chunks = abc
     r = Receiver(plan, worker_arena(plan))
-    assert (r.bytes_received, r.variables_verified) == (0, 0)
-    r.accept(chunks[0])
-    assert (r.bytes_received, r.variables_verified) == (128, 1)
-    r.accept(chunks[1])
-    assert (r.bytes_received, r.variables_verified) == (256, 1)
-    for c in chunks[2:]:
+    # A variable is verified once its last byte is in a verified chunk: a (ends at 100) with
+    # chunk 0; b (ends at 328) only with chunk 2, not chunk 1; c (ends at 392) with chunk 3.
+    progress = [(r.bytes_received, r.variables_verified)]
+    for c in chunks:
         r.accept(c)
-    assert (r.bytes_received, r.variables_verified) == (plan.total_bytes, 3)
+        progress.append((r.bytes_received, r.variables_verified))
+    assert progress == [(0, 0), (128, 1), (256, 1), (384, 2), (392, 3), (392, 3)]
     r.finish()
+
+
+def test_receiver_does_not_count_a_chunk_that_failed_its_check(abc):
+    plan, _, chunks = abc
+    r = Receiver(plan, worker_arena(plan))
+    r.accept(chunks[0])
+    flip(chunks[1], 0)
+    with pytest.raises(IntegrityError):
+        r.accept(chunks[1])
+    assert (r.bytes_received, r.variables_verified, len(r.digests)) == (128, 1, 1)
 
 
 def test_chunker_lays_out_the_expected_frames(abc):
@@ -410,7 +497,7 @@ def test_chunker_lays_out_the_expected_frames(abc):
     assert [c.offset for c in chunks] == [0, 128, 256, 384, 392]
     assert [len(c.data) for c in chunks] == [128, 128, 128, 8, 0]
     assert [list(c.instance_keys) for c in chunks] == [[ka], [kb], [kb], [kc], []]
-    assert [[t.instance_key for t in c.trailers] for c in chunks] == [[ka], [], [kb], [kc], []]
+    assert [c.digest for c in chunks] == [*plan.chunk_digests, ""]
     assert [c.HasField("end") for c in chunks] == [False, False, False, False, True]
     assert chunks[-1].end.total_bytes == plan.total_bytes
     assert chunks[-1].end.manifest_digest == plan.manifest_digest
@@ -418,25 +505,53 @@ def test_chunker_lays_out_the_expected_frames(abc):
     assert len(Chunker(plan, np.zeros(plan.total_bytes, np.uint8))) == len(chunks)
 
 
-def test_trailers_carry_each_variables_byte_count_and_digest(abc):
+def test_every_data_message_carries_the_digest_of_its_bytes(abc):
     plan, _, chunks = abc
-    trailers = [t for c in chunks for t in c.trailers]
-    assert [(t.instance_key, t.nbytes, t.digest) for t in trailers] == [
-        (v.instance_key, v.nbytes, v.digest) for v in plan.variables
-    ]
+    assert [c.digest for c in chunks[:-1]] == [xxhash.xxh3_128_hexdigest(c.data) for c in chunks[:-1]]
+    assert chunks[-1].digest == "" and chunks[-1].data == b""
 
 
-def test_many_small_variables_fuse_into_few_chunks():
+def test_receiver_lists_the_verified_chunk_digests_in_order(abc):
+    plan, _, chunks = abc
+    r = Receiver(plan, worker_arena(plan))
+    for i, c in enumerate(chunks[:-1]):
+        r.accept(c)
+        assert r.digests == list(plan.chunk_digests[: i + 1])
+    r.accept(chunks[-1])  # the end message has no bytes, hence no digest
+    r.finish()
+    assert r.digests == list(plan.chunk_digests)
+
+
+def test_many_small_variables_fuse_into_few_chunks_with_one_digest_each():
     arrays = {f"v{i}": np.full(100, i % 256, np.uint8) for i in range(500)}
-    plan, arena, _, _ = make_plan(arrays, chunk_bytes=64 * 1024)
+    plan, arena, _, _ = make_plan(arrays, chunk_bytes=16 * 1024)
+    assert plan.total_bytes == 499 * 128 + 100
     chunks = stream(plan, arena)
     data = [c for c in chunks if c.data]
-    assert len(data) <= 2
+    assert len(data) == 4 == len(plan.chunk_digests)
     assert len(chunks) == len(data) + 1 and not chunks[-1].data and chunks[-1].HasField("end")
     assert sum(len(c.instance_keys) for c in data) == 500
-    assert sum(len(c.trailers) for c in chunks) == 500
+    assert [c.digest for c in data] == list(plan.chunk_digests)
+    # Nothing per variable is left on the wire but the instance keys: no trailers, and far
+    # fewer bytes than one 32-character digest per variable.
+    fields = {"offset", "data", "group_key", "instance_keys", "end", "digest"}
+    assert set(pb.Chunk.DESCRIPTOR.fields_by_name) == fields
+    overhead = sum(len(c.SerializeToString()) - len(c.data) for c in chunks)
+    assert overhead < 500 * 8
     out = receive(plan, chunks)
     assert out.tobytes() == arena.tobytes()
+
+
+def test_a_flipped_bit_in_a_fused_chunk_names_its_variable():
+    arrays = {f"v{i}": np.full(100, i % 256, np.uint8) for i in range(500)}
+    plan, arena, _, _ = make_plan(arrays, chunk_bytes=16 * 1024)
+    chunks = stream(plan, arena)
+    v321 = plan.variables[321]
+    assert v321.offset == 321 * 128 and v321.offset // (16 * 1024) == 2
+    flip(chunks[2], v321.offset - 2 * 16 * 1024 + 50)
+    expect_reject(
+        plan, chunks, IntegrityError, f"variable 'v321': digest of received bytes .* differs from the chief's {v321.digest}"
+    )
 
 
 def test_one_large_variable_spans_ceil_total_over_chunk_size_chunks():
@@ -445,16 +560,36 @@ def test_one_large_variable_spans_ceil_total_over_chunk_size_chunks():
     chunks = stream(plan, arena)
     assert len(chunks) == math.ceil(100_003 / 4096) + 1 == 26
     assert all(list(c.instance_keys) == [plan.variables[0].instance_key] for c in chunks[:-1])
-    assert [len(c.trailers) for c in chunks] == [0] * 24 + [1, 0]
+    assert len(plan.chunk_digests) == 25
+    assert [c.digest for c in chunks] == [xxhash.xxh3_128_hexdigest(c.data) for c in chunks[:-1]] + [""]
     assert len(chunks[-2].data) == 100_003 - 24 * 4096
     assert var_bytes(receive(plan, chunks), plan.variables[0]) == big.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("chunk", "match"),
+    [
+        (10, r"variable 'big': its bytes 40960\.\.45056 \(in the chunk at offset 40960\) differ from the chief's"),
+        (24, "variable 'big': digest of received bytes .* differs from the chief's"),
+    ],
+)
+def test_a_flipped_bit_in_a_large_variable_names_it(chunk, match):
+    big = np.arange(100_003, dtype=np.uint8)
+    plan, arena, _, _ = make_plan({"big": big}, chunk_bytes=4096)
+    chunks = stream(plan, arena)
+    flip(chunks[chunk], 7)
+    r = Receiver(plan, worker_arena(plan))
+    for c in chunks[:chunk]:
+        r.accept(c)
+    with pytest.raises(IntegrityError, match=match):
+        r.accept(chunks[chunk])
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 100, 128, 391, 392, 393, MAX_CHUNK_BYTES])
 def test_stream_count_is_ceil_total_over_chunk_size_plus_the_end_message(chunk_bytes):
     plan, arena, _, _ = make_plan(ABC, chunk_bytes=chunk_bytes)
     chunks = stream(plan, arena)
-    assert len(chunks) == math.ceil(plan.total_bytes / chunk_bytes) + 1
+    assert len(chunks) == math.ceil(plan.total_bytes / chunk_bytes) + 1 == len(plan.chunk_digests) + 1
     assert receive(plan, chunks).tobytes() == arena.tobytes()
 
 
@@ -468,30 +603,37 @@ def test_zero_size_and_0d_variables_round_trip():
     }
     plan, arena, _, _ = make_plan(arrays, chunk_bytes=16)
     chunks = stream(plan, arena)
-    assert sorted(t.instance_key for c in chunks for t in c.trailers) == sorted(
-        v.instance_key for v in plan.variables
-    )
-    empty_keys = {v.instance_key for v in plan.variables if v.nbytes == 0}
-    assert not empty_keys & {k for c in chunks for k in c.instance_keys}
-    out = receive(plan, chunks)
+    empty = [v for v in plan.variables if v.nbytes == 0]
+    assert [v.name for v in empty] == ["empty_first", "empty_mid", "empty_last"]
+    assert all(v.digest == xxhash.xxh3_128_hexdigest(b"") for v in empty)
+    assert not {v.instance_key for v in empty} & {k for c in chunks for k in c.instance_keys}
+    assert {k for c in chunks for k in c.instance_keys} == {v.instance_key for v in plan.variables if v.nbytes}
+    out = worker_arena(plan)
+    r = Receiver(plan, out)
+    for c in chunks:
+        r.accept(c)
+    r.finish()
+    assert r.variables_verified == 5
     assert out.tobytes() == arena.tobytes()
     for v, a in zip(plan.variables, arrays.values(), strict=True):
         assert var_bytes(out, v) == a.tobytes()
 
 
-def test_a_model_of_only_empty_variables_is_one_end_message_with_every_trailer():
+def test_a_model_of_only_empty_variables_is_one_end_message_without_digests():
     plan, arena, _, _ = make_plan({"e1": np.zeros(0), "e2": np.zeros((0, 4))})
     chunks = stream(plan, arena)
-    assert plan.total_bytes == 0
-    assert len(chunks) == 1 and chunks[0].HasField("end") and len(chunks[0].trailers) == 2
+    assert plan.total_bytes == 0 and list(plan.chunk_digests) == []
+    assert len(chunks) == 1 and chunks[0].HasField("end") and chunks[0].digest == ""
     r = Receiver(plan, worker_arena(plan))
+    with pytest.raises(IntegrityError, match="ended without its end message"):
+        r.finish()  # the empty variables are verified trivially, but the end is still required
     r.accept(chunks[0])
     r.finish()
-    assert r.variables_verified == 2
+    assert r.variables_verified == 2 and r.digests == []
 
 
 def test_an_empty_model_streams_a_single_end_message_of_total_zero():
-    plan = build_plan([], [], [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+    plan = empty_plan()
     chunks = stream(plan, np.zeros(0, np.uint8))
     assert len(chunks) == 1
     assert chunks[0].HasField("end") and chunks[0].end.total_bytes == 0 and not chunks[0].data
@@ -499,7 +641,7 @@ def test_an_empty_model_streams_a_single_end_message_of_total_zero():
 
 
 def test_an_empty_model_stream_without_its_end_message_ended_early():
-    plan = build_plan([], [], [W0], chunk_bytes=64, chief_incarnation="x", model="test")
+    plan = empty_plan()
     with pytest.raises(IntegrityError, match="ended without its end message"):
         Receiver(plan, np.zeros(0, np.uint8)).finish()
 
@@ -516,6 +658,26 @@ def test_one_chunker_serves_several_receivers_identically(abc):
     chunker = Chunker(plan, arena)
     first, second = list(chunker.chunks()), list(chunker.chunks())
     assert [c.SerializeToString() for c in first] == [c.SerializeToString() for c in second]
+
+
+def test_bytes_placed_in_the_arena_are_checked_like_bytes_in_the_message(abc):
+    """The MPI path: messages without bytes, each chunk written through ``view`` first."""
+    plan, arena, _ = abc
+    raw = arena.tobytes()
+    out = worker_arena(plan)
+    r = Receiver(plan, out)
+    for msg, start, end in frame_messages(plan):
+        assert not msg.data
+        r.view(start, end - start)[:] = np.frombuffer(raw[start:end], np.uint8)
+        r.accept(msg, placed=True)
+    r.finish()
+    assert out.tobytes() == raw and r.digests == list(plan.chunk_digests)
+
+    r = Receiver(plan, worker_arena(plan))
+    msg, start, end = next(frame_messages(plan))
+    r.view(start, end - start)[:] = np.frombuffer(raw[start:end], np.uint8) ^ np.uint8(1)
+    with pytest.raises(IntegrityError, match="variable 'a': digest of received bytes"):
+        r.accept(msg, placed=True)
 
 
 # --- Receiver: rejected streams ----------------------------------------------------------------
@@ -581,46 +743,80 @@ def test_receiver_rejects_a_chunk_that_omits_its_instance_keys(abc):
     expect_reject(plan, chunks, ProtocolError, "the plan puts")
 
 
-def test_receiver_rejects_a_trailer_with_the_wrong_count(abc):
+def test_receiver_rejects_a_forged_digest_field_on_intact_bytes(abc):
     plan, _, chunks = abc
-    chunks[2].trailers[0].nbytes = 199
-    expect_reject(plan, chunks, IntegrityError, "variable 'b': trailer counts 199 bytes; the plan says 200")
+    chunks[1].digest = "0" * 32
+    expect_reject(
+        plan, chunks, IntegrityError,
+        f"chunk at offset 128: its trailer says digest {'0' * 32}, "
+        f"the plan and the received bytes say {plan.chunk_digests[1]}",
+    )
 
 
-def test_receiver_rejects_a_trailer_for_an_unknown_instance_key(abc):
+def test_receiver_rejects_the_digest_of_another_chunk(abc):
     plan, _, chunks = abc
-    chunks[0].trailers.add(instance_key=77, nbytes=1, digest="d")
-    expect_reject(plan, chunks, ProtocolError, "trailer for instance key 77")
+    chunks[2].digest = chunks[1].digest
+    expect_reject(
+        plan, chunks, IntegrityError, f"chunk at offset 256: its trailer says digest {plan.chunk_digests[1]}"
+    )
 
 
-def test_receiver_rejects_a_trailer_that_arrives_before_the_variables_last_byte(abc):
+def test_receiver_rejects_a_message_without_its_digest(abc):
     plan, _, chunks = abc
-    chunks[1].trailers.extend(chunks[2].trailers)
-    del chunks[2].trailers[:]
-    expect_reject(plan, chunks, IntegrityError, "variable 'b': trailer arrived after 128 of 200 bytes")
+    chunks[3].ClearField("digest")
+    expect_reject(plan, chunks, IntegrityError, r"chunk at offset 384: its trailer says digest \(none\)")
 
 
-@pytest.mark.parametrize(("chunk", "name"), [(0, "a"), (1, "b"), (2, "b"), (3, "c")])
-def test_receiver_names_the_variable_whose_bytes_have_a_flipped_bit(abc, chunk, name):
+def test_receiver_rejects_a_stream_whose_digests_were_dropped(abc):
     plan, _, chunks = abc
-    data = bytearray(chunks[chunk].data)
-    data[len(data) // 3] ^= 0x10
-    chunks[chunk].data = bytes(data)
-    expect_reject(plan, chunks, IntegrityError, f"variable '{name}': digest of received bytes")
+    for c in chunks:
+        c.ClearField("digest")
+    expect_reject(plan, chunks, IntegrityError, r"chunk at offset 0: its trailer says digest \(none\)")
 
 
-def test_receiver_rejects_a_trailer_digest_that_differs_from_the_plan(abc):
+# Flipping byte len/3 of each chunk: chunk 1 holds b's first 128 bytes only, so b cannot be
+# hashed yet and its byte range is named; chunk 2 holds b's last byte, so b's digest is compared.
+@pytest.mark.parametrize(
+    ("chunk", "name", "whole"), [(0, "a", True), (1, "b", False), (2, "b", True), (3, "c", True)]
+)
+def test_receiver_names_the_variable_whose_bytes_have_a_flipped_bit(abc, chunk, name, whole):
     plan, _, chunks = abc
-    chunks[0].trailers[0].digest = "0" * 32
-    expect_reject(plan, chunks, IntegrityError, "variable 'a': digest")
+    flip(chunks[chunk], len(chunks[chunk].data) // 3)
+    chief = next(v.digest for v in plan.variables if v.name == name)
+    if whole:
+        match = f"variable '{name}': digest of received bytes [0-9a-f]{{32}} differs from the chief's {chief}$"
+    else:
+        want = plan.chunk_digests[chunk]
+        match = (rf"variable '{name}': its bytes 0\.\.128 \(in the chunk at offset 128\) differ from the chief's: "
+                 rf"chunk digest [0-9a-f]{{32}}, the chief's {want}$")
+    expect_reject(plan, chunks, IntegrityError, match)
+
+
+@pytest.mark.parametrize(("at", "span"), [(110, "0..128"), (356, "256..384")])
+def test_receiver_names_the_padding_when_only_padding_differs(abc, at, span):
+    """Bytes 100..128 (after a) and 328..384 (after b) belong to no variable."""
+    plan, _, chunks = abc
+    flip(chunks[at // 128], at % 128)
+    expect_reject(plan, chunks, IntegrityError, f"the padding between variables in bytes {span} differs from the chief's")
 
 
 def test_receiver_checks_received_bytes_against_the_plan_not_only_the_trailer(abc):
     plan, _, chunks = abc
     forged = bytes(b ^ 0xFF for b in chunks[0].data)
     chunks[0].data = forged
-    chunks[0].trailers[0].digest = xxhash.xxh3_128_hexdigest(forged[: plan.variables[0].nbytes])
-    expect_reject(plan, chunks, IntegrityError, f"variable 'a': .* differs from the chief's {plan.variables[0].digest}")
+    chunks[0].digest = xxhash.xxh3_128_hexdigest(forged)  # a trailer that matches the forged bytes
+    got = xxhash.xxh3_128_hexdigest(forged[: plan.variables[0].nbytes])
+    expect_reject(
+        plan, chunks, IntegrityError,
+        f"variable 'a': digest of received bytes {got} differs from the chief's {plan.variables[0].digest}",
+    )
+
+
+def test_receiver_checks_a_forged_chunk_inside_a_variable_against_the_plan(abc):
+    plan, _, chunks = abc
+    chunks[1].data = bytes(128)
+    chunks[1].digest = xxhash.xxh3_128_hexdigest(bytes(128))
+    expect_reject(plan, chunks, IntegrityError, r"variable 'b': its bytes 0\.\.128 \(in the chunk at offset 128\)")
 
 
 def test_receiver_rejects_a_message_after_the_end(abc):
@@ -632,25 +828,28 @@ def test_receiver_rejects_a_message_after_the_end(abc):
         r.accept(chunks[-1])
 
 
-@pytest.mark.parametrize("kept", [0, 1, 3, 4])
-def test_a_truncated_stream_ended_early(abc, kept):
+@pytest.mark.parametrize(
+    ("kept", "received", "unverified", "first"), [(0, 0, 3, "a"), (1, 128, 2, "b"), (2, 256, 2, "b"), (3, 384, 1, "c")]
+)
+def test_a_truncated_stream_ended_early(abc, kept, received, unverified, first):
     plan, _, chunks = abc
     r = Receiver(plan, worker_arena(plan))
     for c in chunks[:kept]:
         r.accept(c)
-    if r.bytes_received == plan.total_bytes:  # every byte, but not the end message
-        expected = "stream ended without its end message .* after all 392 bytes"
-    else:
-        expected = f"stream ended early: {r.bytes_received} of 392 bytes"
-    with pytest.raises(IntegrityError, match=expected):
+    with pytest.raises(
+        IntegrityError,
+        match=rf"stream ended early: {received} of 392 bytes, {unverified} variable\(s\) unverified \(first: {first}\)",
+    ):
         r.finish()
 
 
-def test_a_truncated_stream_names_the_first_unverified_variable(abc):
+def test_a_stream_without_its_end_message_is_not_complete(abc):
     plan, _, chunks = abc
     r = Receiver(plan, worker_arena(plan))
-    r.accept(chunks[0])
-    with pytest.raises(IntegrityError, match=r"2 variable\(s\) unverified \(first: b\)"):
+    for c in chunks[:-1]:
+        r.accept(c)
+    assert (r.bytes_received, r.variables_verified) == (392, 3)
+    with pytest.raises(IntegrityError, match="stream ended without its end message .* after all 392 bytes"):
         r.finish()
 
 
@@ -673,8 +872,7 @@ def test_receiver_rejects_an_end_with_the_wrong_manifest(abc):
     expect_reject(plan, chunks, IntegrityError, "manifest digest that differs from the plan's")
 
 
-def test_receiver_rejects_a_stream_whose_trailers_were_dropped(abc):
+def test_receiver_rejects_a_digest_on_a_message_without_bytes(abc):
     plan, _, chunks = abc
-    for c in chunks:
-        del c.trailers[:]
-    expect_reject(plan, chunks, IntegrityError, "variables never verified: a, b, c")
+    chunks[-1].digest = "junk"
+    expect_reject(plan, chunks, ProtocolError, "message at offset 392 has no bytes but claims digest junk")

@@ -44,12 +44,14 @@ def test_an_unknown_topology_is_a_usage_error():
 
 
 def _plan(parents_of, addresses):
+    import numpy as np
+
     from collective._proto import collective_pb2 as pb
     from collective.plan import build_plan
 
     workers = [pb.WorkerInfo(rank=r, worker_id=f"w{r}", devices=["cpu:0"], parent=p, relay_address=a)
                for r, (p, a) in enumerate(zip(parents_of, addresses, strict=True))]
-    plan = build_plan([], [], workers, chunk_bytes=64, chief_incarnation="x", model="m")
+    plan = build_plan([], [], workers, arena=np.zeros(0, np.uint8), chunk_bytes=64, chief_incarnation="x", model="m")
     plan.topology = "chain"
     return plan
 
