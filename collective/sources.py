@@ -598,7 +598,7 @@ class _StrictYamlLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """SafeLoader that rejects duplicate mapping keys instead of keeping the last one.
 
     Built on libyaml's parser when PyYAML has it (its wheels do): a spec of 20,000 variables
-    then loads in well under a second instead of about 5 s.
+    then loads in about 1.4 s instead of 5.3 s.
     """
 
 

@@ -1,4 +1,5 @@
-"""The worker's logic: join, receive into one arena, make replicas, verify, report ready, start.
+"""The worker's logic: join, check the plan, prepare, receive into one arena, make one arena per
+further device, verify every replica chunk by chunk, report ready, start.
 
 ``WorkerAgent`` talks to the chief only through a ``ChiefLink``, so the same code runs over
 gRPC, MPI or in memory. ``run`` blocks until start is released and raises a ``CollectiveError``

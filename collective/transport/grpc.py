@@ -1,5 +1,11 @@
 """gRPC backend: the chief serves ``collective.v1.Collective``; workers are clients.
 
+A worker calls Join, GetPlan, AwaitPrepared (the barrier before the first byte), FetchRaw (the
+data stream as raw frames; Fetch is the same stream as protobuf messages), ReportReady and
+AwaitStart; from join until start it sends Heartbeat (on a connection of its own), and
+ReportFailure when it fails. Status serves ``collective status``. FetchRaw is a generic handler
+outside the .proto; the other nine are the service's RPCs.
+
 Guarantees: every client call has a deadline; a silent data stream is cancelled after the stall
 timeout; the chief's errors arrive as the same ``CollectiveError`` class with the same message;
 a wrong or missing cluster token gets UNAUTHENTICATED on every Collective RPC before any

@@ -1,11 +1,19 @@
 """MPI backend: rank 0 serves the chief's handler, ranks 1..N are workers.
 
-The worker's calls (join, plan, fetch, ready, start) happen in the same order on every rank, so
+The worker's calls (join, plan, data, ready, start) happen in the same order on every rank, so
 each maps onto collectives: a request is gathered at rank 0, the chief's handler answers every
 rank's request, and the answers (or errors) are broadcast back. Tensor bytes move with the
-buffer-based ``Bcast`` straight from the chief's chunk buffers, never through pickle; no call
-moves 2 GiB or more, because the stream is cut into chunks of at most 16 MiB. Control messages
-are the protobuf messages of ``protos/collective.proto``, framed by hand (no pickle).
+buffer-based ``Bcast`` straight from the chief's arena into each worker's, never through
+pickle, in spans of whole chunks of at most ``SPAN_BYTES`` (256 MiB; ``--split-bytes``), so no
+call moves 2 GiB or more. Both sides derive every chunk's keys and digest from the plan
+(``frame_messages``): only the bytes move, and each worker checks every chunk of a span as if
+it had arrived alone. Control messages are the protobuf messages of ``protos/collective.proto``,
+framed by hand (no pickle).
+
+There is no ``AwaitPrepared`` call: ``settle()``, a non-blocking barrier polled with short
+sleeps, runs before the data and before every control collective. It plays the part of that
+barrier (every worker's arena is ready before the first byte leaves), and ranks waiting in it
+sleep instead of spinning in a blocking collective on cores that other ranks need.
 
 MPI collectives have no deadlines of their own: ``PhaseWatchdog`` aborts the whole job, naming
 the rank and phase, when a phase overruns its timeout. A rank that fails on its own (corrupt
