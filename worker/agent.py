@@ -204,6 +204,11 @@ class WorkerAgent:
             # The chief must hear of our failure at once, not at its ready deadline.
             self._report_failure(exc)
             raise
+        except Exception as exc:
+            # A bug or an exhausted resource here (MemoryError, OSError): the chief still hears
+            # it now, rather than at the end of a lease or of the ready timeout.
+            self._report_failure(CollectiveError(f"internal error in the worker: {type(exc).__name__}: {exc}"))
+            raise
         finally:
             self._stop_heartbeat.set()
             if self.relay is not None:

@@ -235,3 +235,15 @@ def test_variable_over_refuses_replicas_that_do_not_match():
     ro.flags.writeable = False
     with pytest.raises(InvalidVariableError, match="writeable"):
         variable_over("x", [ro], ["cpu:0"])
+
+
+def test_an_unexpected_error_in_a_worker_reaches_the_chief_at_once(monkeypatch):
+    def broken(plan, arena, devices):
+        raise MemoryError("cannot allocate the replica arena for cpu:1")
+
+    monkeypatch.setattr(agent_mod, "make_replicas", broken)
+    service, (r,), sup = run_cluster(many_small(5), [["cpu:0", "cpu:1"]])  # ready timeout 10 s
+    assert isinstance(r, MemoryError)
+    assert isinstance(sup, AbortedError)
+    assert "internal error in the worker: MemoryError: cannot allocate the replica arena for cpu:1" in str(sup)
+    assert "w0" in str(sup) and service.phase is Phase.FAILED
