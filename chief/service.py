@@ -483,6 +483,16 @@ class ChiefService:
             self._cond.notify_all()
             return pb.StartReply(start=True, broadcast_seconds=self.broadcast_seconds())
 
+    def await_outcome(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
+        """A worker's presence call: answered when the round has started or failed. The
+        transport reports it as ``lost`` if it ends unanswered (the process is gone)."""
+        with self._cond:
+            self._member(ref)
+            self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout)
+            return pb.HeartbeatReply(
+                chief_incarnation=self.incarnation, phase=self._phase.value, error=str(self._error or "")
+            )
+
     def report_failure(self, req: pb.FailureReport) -> pb.FailureReply:
         with self._cond:
             m = self._member(req.worker)

@@ -275,6 +275,15 @@ class WorkerAgent:
             timeout=min(5.0, self.timeouts.rpc),
         )
 
+    def _presence(self) -> None:
+        """Hold the presence call until the round's outcome: if this process dies, the chief
+        sees the call cut off at once. What the chief says or does is the heartbeat's business."""
+        t = self.timeouts
+        try:
+            self.link.presence(self.ref, timeout=t.join + t.ready + t.start + t.rpc)
+        except CollectiveError as exc:
+            log.debug("presence call ended: %s", exc)
+
     def _heartbeat_loop(self, chief_incarnation: str) -> None:
         """Every interval: prove we are alive, and learn early if the chief is gone or failed.
 
@@ -337,6 +346,7 @@ class WorkerAgent:
         threading.Thread(
             target=self._heartbeat_loop, args=(reply.chief_incarnation,), name="heartbeat", daemon=True
         ).start()
+        threading.Thread(target=self._presence, name="presence", daemon=True).start()
         log.info(
             "joined chief at %s as rank %d of %d (incarnation %s); waiting for the plan",
             self.link.address, reply.rank, reply.num_workers, self.incarnation,

@@ -48,6 +48,10 @@ class ChiefHandler(Protocol):
 
     def heartbeat(self, ref: pb.WorkerRef) -> pb.HeartbeatReply: ...
 
+    def await_outcome(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
+        """Block until the round has started or failed (a worker's presence call)."""
+        ...
+
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         """A call from this worker ended without an answer (process gone, link cut)."""
         ...
@@ -103,6 +107,12 @@ class ChiefLink(abc.ABC):
 
     def heartbeat(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply | None:
         """One heartbeat. None means this backend has no heartbeats (MPI watches its ranks)."""
+        return None
+
+    def presence(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply | None:
+        """Hold a call open until the round's outcome, so the chief sees this process vanish at
+        once. None: this backend needs none (in-memory threads and MPI ranks cannot vanish
+        unseen)."""
         return None
 
     def interrupt(self, error: CollectiveError) -> None:  # noqa: B027 - optional

@@ -272,6 +272,10 @@ class _Servicer(pb_grpc.CollectiveServicer):
     def Status(self, request, context):  # noqa: N802
         return self._call(context, self._h.status)
 
+    def Presence(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
+        return self._long_call(context, request, "presence", self._h.await_outcome, request, _remaining(context))
+
 
 def _remaining(context) -> float:
     """Seconds until the caller's deadline, less a margin so our answer beats it."""
@@ -584,6 +588,17 @@ class GrpcChiefLink(ChiefLink):
 
     def status(self, timeout: float) -> pb.StatusReply:
         return self._unary(self._stub.Status, pb.StatusRequest(), "status", timeout)
+
+    def presence(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
+        """On the heartbeat connection, which carries no data, so nothing queues ahead of it."""
+        future = self._hb_stub.Presence.future(ref, timeout=timeout, metadata=self._metadata)
+        self._track(future)
+        try:
+            return future.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            raise self._error(exc, "presence", timeout) from None
+        finally:
+            self._untrack(future)
 
     def close(self) -> None:
         self._channel.close()

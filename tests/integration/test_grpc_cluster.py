@@ -204,7 +204,7 @@ def test_every_collective_rpc_refuses_a_wrong_token_before_any_state_changes(clu
     ref = pb.WorkerRef(worker_id="x", incarnation="i")
     calls = {
         "Join": pb.JoinRequest(worker_id="x", incarnation="i", devices=["cpu:0"]),
-        "GetPlan": ref, "AwaitPrepared": ref, "Fetch": ref, "AwaitStart": ref, "Heartbeat": ref,
+        "GetPlan": ref, "AwaitPrepared": ref, "Fetch": ref, "AwaitStart": ref, "Heartbeat": ref, "Presence": ref,
         "ReportReady": pb.ReadyRequest(worker=ref),
         "ReportFailure": pb.FailureReport(worker=ref, message="boom"),
         "Status": pb.StatusRequest(),

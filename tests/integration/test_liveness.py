@@ -210,3 +210,37 @@ def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
     for d in downstream:
         assert d.wait(30) != 0
         assert "training started" not in d.output()
+
+
+# A worker whose verification takes long (here: a 60 s sleep), so it is killed between two calls.
+_SLOW_VERIFY = """
+import sys, time
+from worker import agent
+real = agent.make_replicas
+def slow(*args):
+    print('VERIFYING', flush=True)
+    time.sleep(60)
+    return real(*args)
+agent.make_replicas = slow
+from worker.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_worker_killed_between_two_calls_is_named_through_its_presence_call(cluster):
+    """No call of the victim is open when it dies (its stream ended, its ready report has not
+    started) and the lease is 60 s: only the presence call can tell the chief in time."""
+    lease = ["--heartbeat-interval", "1", "--heartbeat-timeout", "60"]
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *lease)
+    from tests.procs import Proc
+
+    victim = Proc(["-c", _SLOW_VERIFY, "--chief", cluster.address, "--worker-id", "victim", "--join-timeout", "60",
+                   *lease], cluster.tmp / "victim-slow.log")
+    cluster.procs.append(victim)
+    other = cluster.worker("other", "--join-timeout", "60", *lease)
+    wait_for(victim, "VERIFYING")
+    victim.signal(signal.SIGKILL)
+    assert chief.wait(30) != 0
+    assert "worker victim" in chief.output()
+    assert "was lost during the broadcast: its presence call was cut off" in chief.output()
+    assert other.wait(30) != 0 and "victim" in other.output()
