@@ -2,9 +2,9 @@
 
 A worker calls Join, GetPlan, AwaitPrepared (the barrier before the first byte), FetchRaw (the
 data stream as raw frames; Fetch is the same stream as protobuf messages), ReportReady and
-AwaitStart; from join until start it sends Heartbeat (on a connection of its own), and
-ReportFailure when it fails. Status serves ``collective status``. FetchRaw is a generic handler
-outside the .proto; the other nine are the service's RPCs.
+AwaitStart; from join until start it sends Heartbeat and holds a Presence call (both on a
+connection of their own), and ReportFailure when it fails. Status serves ``collective status``.
+FetchRaw is a generic handler outside the .proto; the other ten are the service's RPCs.
 
 Guarantees: every client call has a deadline; a silent data stream is cancelled after the stall
 timeout; the chief's errors arrive as the same ``CollectiveError`` class with the same message;
