@@ -43,10 +43,13 @@ from collective.plan import (
     Chunker,
     build_plan,
     declaration_differences,
+    differing_chunk,
     layout,
+    overlapping,
     with_bytes,
 )
 from collective.topology import CHAIN_CHUNK_BYTES, choose, parents
+from collective.variables import replica_name
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ class Member:
         return f"worker {self.worker_id} (rank {self.rank}, host {self.host})"
 
     def replica_names(self, variable: str) -> list[str]:
-        return [variable if i == 0 else f"{variable}/replica_{i}" for i in range(len(self.devices))]
+        return [replica_name(variable, i) for i in range(len(self.devices))]
 
 
 def materialize(
@@ -426,20 +429,19 @@ class ChiefService:
             )
         for d in req.devices:
             got = list(d.chunk_digests)
-            if got == want:
+            differs = differing_chunk(plan, got, want)
+            if differs is None:
                 continue
             if len(got) != len(want):
                 return f"replicas on {d.device}: {len(got)} chunk digests, the plan has {len(want)}"
-            k = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-            start = k * plan.chunk_bytes
-            end = min(start + plan.chunk_bytes, plan.total_bytes)
-            names = [v.name for v in plan.variables if v.nbytes and v.offset < end and v.offset + v.nbytes > start]
-            suffix = "" if d.replica == 0 else f"/replica_{d.replica}"
+            start, end = differs
+            k = start // plan.chunk_bytes
+            names = [v.name for v in overlapping(plan, start, end)]
             if len(names) == 1:
-                what = f"variable {names[0]!r}: replica {names[0] + suffix!r}"
+                what = f"variable {names[0]!r}: replica {replica_name(names[0], d.replica)!r}"
             elif names:
                 what = (f"one of the {len(names)} variables {names[0]!r}..{names[-1]!r}: replicas "
-                        f"{names[0] + suffix!r}..{names[-1] + suffix!r}")
+                        f"{replica_name(names[0], d.replica)!r}..{replica_name(names[-1], d.replica)!r}")
             else:
                 what = "padding between variables"
             return (f"{what} on {d.device}: bytes {start}..{end} have digest {got[k]}, "

@@ -24,6 +24,7 @@ from collective._proto import collective_pb2 as pb
 from collective.digest import bytes_digest, chunk_digests, combined_digest
 from collective.errors import IntegrityError, ProtocolError
 from collective.model import Aggregation, Synchronization, VariableSpec
+from collective.variables import replica_name
 
 ALIGN = 64
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -387,13 +388,13 @@ def culprit(
     upto = plan.total_bytes if upto is None else upto
     flat = arena.reshape(-1).view(np.uint8)
     partial = []
-    for v in _overlapping(plan, start, end):
+    for v in overlapping(plan, start, end):
         if v.offset + v.nbytes > upto:
             partial.append(v)
             continue
         got = bytes_digest(memoryview(flat[v.offset : v.offset + v.nbytes]))
         if got != v.digest and replica is not None:
-            name = v.name if replica[0] == 0 else f"{v.name}/replica_{replica[0]}"
+            name = replica_name(v.name, replica[0])
             return f"variable {v.name!r}: replica {name!r} on {replica[1]} has digest {got}, the chief's is {v.digest}"
         if got != v.digest:
             return f"variable {v.name!r}: digest of received bytes {got} differs from the chief's {v.digest}"
@@ -407,7 +408,18 @@ def culprit(
     return f"the padding between variables in bytes {start}..{end} differs from the chief's{quoted}"
 
 
-def _overlapping(plan: pb.Plan, start: int, end: int) -> list[pb.VariableInfo]:
+def differing_chunk(plan: pb.Plan, got: Sequence[str], want: Sequence[str]) -> tuple[int, int] | None:
+    """The arena range of the first chunk whose digest in ``got`` is not the one in ``want`` (or
+    that one of the lists lacks); None when they are equal."""
+    if list(got) == list(want):
+        return None
+    k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    start = k * plan.chunk_bytes
+    return start, min(start + plan.chunk_bytes, plan.total_bytes)
+
+
+def overlapping(plan: pb.Plan, start: int, end: int) -> list[pb.VariableInfo]:
+    """The variables with bytes in ``start..end``, in arena order."""
     ends = [v.offset + v.nbytes for v in plan.variables]
     i = bisect.bisect_right(ends, start)
     out = []

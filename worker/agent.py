@@ -33,7 +33,15 @@ from collective.errors import (
 )
 from collective.keys import parse_devices
 from collective.model import VariableSpec
-from collective.plan import Receiver, culprit, declared, new_arena, spec_of, validate_plan
+from collective.plan import (
+    Receiver,
+    culprit,
+    declared,
+    differing_chunk,
+    new_arena,
+    spec_of,
+    validate_plan,
+)
 from collective.transport.api import ChiefLink
 from collective.variables import VariableStore, variable_over
 
@@ -107,12 +115,11 @@ def verify_replicas(
     out = []
     for i, (a, device) in enumerate(zip(arenas, devices, strict=True)):
         got = list(first) if (i == 0 and first is not None) else chunk_digests(a, plan.chunk_bytes)
-        if got != want:
-            k = next((j for j, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), min(len(got), len(want)))
-            start = k * plan.chunk_bytes
-            end = min(start + plan.chunk_bytes, plan.total_bytes)
+        differs = differing_chunk(plan, got, want)
+        if differs is not None:
+            k = differs[0] // plan.chunk_bytes
             pair = (got[k], want[k]) if k < min(len(got), len(want)) else None
-            raise IntegrityError(culprit(plan, a, start, end, replica=(i, device), digests=pair))
+            raise IntegrityError(culprit(plan, a, *differs, replica=(i, device), digests=pair))
         out.append(pb.DeviceDigests(device=device, replica=i, chunk_digests=got))
     return out
 
