@@ -81,11 +81,7 @@ def make_replicas(plan: pb.Plan, arena: np.ndarray, devices: Sequence[str]) -> t
     nothing here.
     """
     flat = arena.reshape(-1).view(np.uint8)
-    arenas = [flat]
-    for _ in devices[1:]:
-        copy = new_arena(flat.nbytes)
-        copy[...] = flat
-        arenas.append(copy)
+    arenas = [flat] + [flat.copy() for _ in devices[1:]]  # the copy faults its pages in once
     variables, devices = plan.variables, list(devices)
 
     def make(i: int):

@@ -591,14 +591,7 @@ class GrpcChiefLink(ChiefLink):
 
     def presence(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
         """On the heartbeat connection, which carries no data, so nothing queues ahead of it."""
-        future = self._hb_stub.Presence.future(ref, timeout=timeout, metadata=self._metadata)
-        self._track(future)
-        try:
-            return future.result()
-        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
-            raise self._error(exc, "presence", timeout) from None
-        finally:
-            self._untrack(future)
+        return self._unary(self._hb_stub.Presence, ref, "presence", timeout)
 
     def close(self) -> None:
         self._channel.close()
