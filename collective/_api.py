@@ -24,7 +24,7 @@ import numpy as np
 
 from collective import config
 from collective.config import Timeouts, parse_address
-from collective.errors import CollectiveError, ModelError, UsageError
+from collective.errors import CollectiveError, IntegrityError, ModelError, UsageError
 from collective.model import ModelSource, VariableSpec
 from collective.variables import VariableStore
 
@@ -143,7 +143,10 @@ def hold_chief_replicas(service, devices: Sequence[str], timeout: float) -> tupl
         plan = service.await_plan(timeout)
         # A copy even for device 0: the chief's arena keeps serving (and may be a sealed mapping).
         store, arenas = make_replicas(plan, np.array(service.arena, dtype=np.uint8, copy=True), devices)
-        digests = verify_replicas(plan, arenas, devices)
+        try:
+            digests = verify_replicas(plan, arenas, devices)
+        except IntegrityError as exc:
+            raise IntegrityError(f"the chief's own replicas (training rank 0): {exc}") from exc
         digest = worker_digest(plan.manifest_digest, [d.chunk_digests for d in digests])
         service.report_local_ready(pb.ReadyRequest(devices=digests, worker_digest=digest))
     except CollectiveError as exc:
