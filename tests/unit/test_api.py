@@ -84,16 +84,18 @@ def test_a_corrupt_chief_replica_fails_the_round_for_every_worker_naming_it(monk
     import worker.agent as agent_module
 
     real = agent_module.make_replicas
+    chiefs = list(CHIEF_DEVICES)  # only the chief's call gets this very list
 
     def corrupting(plan, arena, devices):
         store, arenas = real(plan, arena, devices)
-        arenas[1][5] ^= 0xFF
+        if devices is chiefs:
+            arenas[1][5] ^= 0xFF
         return store, arenas
 
     monkeypatch.setattr(agent_module, "make_replicas", corrupting)
     service, agents = training_cluster(small_arrays())
     *workers, held, sup = run_threads(
-        [a.run for a in agents] + [lambda: hold_chief_replicas(service, CHIEF_DEVICES, 5.0), service.supervise]
+        [a.run for a in agents] + [lambda: hold_chief_replicas(service, chiefs, 5.0), service.supervise]
     )
     assert isinstance(held, IntegrityError) and "the chief's own replicas" in str(held)
     assert "replica_1" in str(held) and "cpu:1" in str(held)
