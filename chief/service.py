@@ -753,4 +753,6 @@ class ChiefService:
                     }
                     for v in (plan.variables if plan is not None else [])
                 ],
+                **({"chief_replicas": {"devices": list(self._local.devices), "digest": self._local.worker_digest}}
+                   if self._local is not None else {}),
             }
