@@ -249,7 +249,24 @@ def serve(
     strict_declarations: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
 ) -> SyncResult:
-    """Be the chief of one round in this process; see ``collective.serve``."""
+    """Be the chief of one round in this process, as ``python -m chief`` is. Blocks until start
+    is released (every worker, and this process's own replicas if it trains, verified).
+
+    Every argument not given comes from the same settings as the command: ``COLLECTIVE_*``
+    (``COLLECTIVE_WORKERS``, ``_BIND``, ``_MODEL``, ``_TOKEN``, ``_TLS_*``, ``_SHM``,
+    ``_TOPOLOGY``, ``_CHUNK_BYTES``, the timeouts, ``_DEVICES``), then what ``TF_CONFIG`` /
+    torchrun imply. ``values``: a mapping of name -> array, a callable returning one, a model
+    source, or a preset / spec / .npz / .safetensors path (default ``COLLECTIVE_MODEL``).
+    ``trains``: hold verified replicas of the values on ``devices`` too (default: when
+    ``devices`` is given or the cluster convention makes the chief a training process).
+    ``on_listening(address, port)`` is called once the server listens (``bind`` port 0 picks
+    one). The gRPC thread pool is sized from the worker count; the join and ready deadlines are
+    enforced; on the main thread SIGTERM and SIGINT abort the round (handlers restored after).
+
+    Returns a ``SyncResult`` (rank 0; ``summary`` is the round's summary; ``devices`` is empty
+    when the chief does not train). Raises the round's ``CollectiveError`` (``JoinTimeoutError``,
+    ``DeadlineError``, ``AbortedError`` naming the culprit) or ``UsageError`` for bad settings.
+    """
     from collective.clusterenv import from_environment
     from collective.config import timeouts_from_args, tls_from_args
     from collective.keys import parse_devices
@@ -299,7 +316,18 @@ def join(
     shm: bool | None = None,
     relay_host: str | None = "0.0.0.0",
 ):
-    """Join the chief as a worker in this process; see ``collective.join``."""
+    """Join the chief as a worker in this process, as ``python -m worker`` does. Blocks until
+    start is released and returns the ``WorkerResult`` (``variables``: the verified replicas,
+    ``var.replicas[i]`` on ``devices[i]``; the set is frozen).
+
+    Every argument not given comes from ``COLLECTIVE_*`` (``COLLECTIVE_CHIEF``, ``_DEVICES``,
+    ``_RANK`` as preferred worker rank, ``_WORKER_ID``, ``_TOKEN``, ``_TLS_*``, ``_SHM``,
+    ``_EXPECT_MODEL``, the timeouts), then ``TF_CONFIG`` / torchrun. ``expected``: the
+    variables this process builds itself; the chief refuses the join before any byte moves if
+    its model differs, listing every difference. ``relay_host=None``: never relay to other
+    workers (star topology for this worker). Raises a ``CollectiveError`` naming the phase and
+    the culprit; every wait has a deadline.
+    """
     from collective.config import timeouts_from_args, tls_from_args
     from collective.transport.grpc import GrpcChiefLink
     from worker.agent import WorkerAgent
@@ -441,7 +469,28 @@ def sync(
     shm: bool | None = None,
     bind: str | None = None,
 ) -> SyncResult:
-    """Every rank calls it; rank 0 serves ``values`` and trains too; see ``collective.sync``."""
+    """Make every training process hold rank 0's values, bit for bit. SPMD: every rank calls it.
+
+    Rank 0 is the chief and trains too: it serves ``values`` to the other ``world_size - 1``
+    ranks and holds verified copies of them on its own ``devices`` (no network copy). Every
+    other rank receives them, one replica per device; if it passes ``values`` too, those are its
+    *declared* variables (names, shapes, dtypes; their contents are ignored) and any difference
+    from rank 0's fails every rank, naming this rank and listing each difference, before any
+    byte moves. All ranks return once start is released.
+
+    Roles: arguments, else ``COLLECTIVE_RANK`` + ``COLLECTIVE_WORLD_SIZE`` (+ ``COLLECTIVE_CHIEF``,
+    rank 0's ``host:port``), else ``TF_CONFIG`` (a cluster of only workers: worker 0 is rank 0),
+    else torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` (the chief listens on
+    ``MASTER_PORT + 1``), else ``mpiexec`` (``OMPI_COMM_WORLD_*``/``PMI_*``: the round runs over
+    MPI), else a single process (world size 1: copies of ``values``). ``devices``: this
+    process's replicas (default ``COLLECTIVE_DEVICES``, else ``cpu:0``). ``bind``: rank 0's
+    listen address (default ``COLLECTIVE_BIND``, else every interface on the chief's port).
+
+    Returns a ``SyncResult``; ``result.arrays(i)`` is name -> the array on ``devices[i]``.
+    Raises ``UsageError`` for bad roles or values, otherwise the round's ``CollectiveError``
+    (the same one on every rank). Under MPI, a failure of one rank alone aborts the job
+    (``MPI_Abort``), since the other ranks could not leave their collectives otherwise.
+    """
     from collective.keys import parse_devices
 
     roles = resolve_roles(rank, world_size, chief)
