@@ -171,7 +171,7 @@ def run_chief(
     topology: str = "auto",
     chunk_bytes: int | None = None,
     devices: Sequence[str] | None = None,
-    strict_declarations: bool = False,
+    spmd: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
     result_file: str | None = None,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
@@ -192,7 +192,7 @@ def run_chief(
         tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
     service = ChiefService(
         source, num_workers, timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology,
-        local_devices=devices or None, strict_declarations=strict_declarations,
+        local_devices=devices or None, spmd=spmd,
     )
     endpoint = GrpcEndpoint(bind, token=token, max_workers=4 * num_workers + 8, tls=tls)
     held: list = []
@@ -246,7 +246,7 @@ def serve(
     shm: bool | None = None,
     topology: str | None = None,
     chunk_bytes: int | None = None,
-    strict_declarations: bool = False,
+    spmd: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
 ) -> SyncResult:
     """Be the chief of one round in this process, as ``python -m chief`` is. Blocks until start
@@ -292,7 +292,7 @@ def serve(
         topology=topology or args.topology,
         chunk_bytes=chunk_bytes or args.chunk_bytes,
         devices=devices if trains else None,
-        strict_declarations=strict_declarations,
+        spmd=spmd,
         on_listening=on_listening,
     )
     store, digest = held if held else (VariableStore(), "")
@@ -405,7 +405,9 @@ def resolve_roles(
     chief = chief or (env.get("COLLECTIVE_CHIEF") or "").strip() or None
     source, mpi = "arguments", False
     if rank is None or world_size is None:
-        cluster = None if given("COLLECTIVE_WORLD_SIZE") else from_environment(env)
+        # torchrun with one process: nothing to broadcast (clusterenv wants a chief and a worker).
+        alone = not given("TF_CONFIG") and given("MASTER_ADDR") and (env.get("WORLD_SIZE") or "").strip() == "1"
+        cluster = None if given("COLLECTIVE_WORLD_SIZE") or alone else from_environment(env)
         if given("COLLECTIVE_WORLD_SIZE"):
             source = "COLLECTIVE_*"
             world_size = world_size if world_size is not None else _int_var(env, "COLLECTIVE_WORLD_SIZE")
@@ -418,6 +420,8 @@ def resolve_roles(
             rank = cluster.rank if rank is None else rank
             world_size = cluster.world_size if world_size is None else world_size
             chief = chief or cluster.chief_address
+        elif alone:
+            source, rank, world_size = "torchrun", 0 if rank is None else rank, 1 if world_size is None else world_size
         else:
             pair = next(((r, s) for r, s in _MPI_VARS if given(r) and given(s)), None)
             if pair is not None:
@@ -514,7 +518,7 @@ def sync(
         bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or (f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}")
         result = serve(
             source, workers=roles.world_size - 1, bind=bind, devices=devices, trains=True, token=token, tls=tls,
-            timeouts=timeouts, shm=shm, strict_declarations=True,
+            timeouts=timeouts, shm=shm, spmd=True,
         )
         return result
     worker = join(

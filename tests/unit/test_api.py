@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -32,9 +33,9 @@ from worker.agent import WorkerAgent
 CHIEF_DEVICES = ["cpu:0", "cpu:1"]
 
 
-def training_cluster(arrays, workers=2, *, strict=False, declared=None, timeouts=FAST):
+def training_cluster(arrays, workers=2, *, spmd=False, declared=None, timeouts=FAST):
     service = ChiefService(ArraySource(arrays), workers, timeouts=timeouts, chunk_bytes=4096,
-                           local_devices=CHIEF_DEVICES, strict_declarations=strict)
+                           local_devices=CHIEF_DEVICES, spmd=spmd)
     endpoint = InMemoryEndpoint()
     endpoint.start(service)
     agents = [
@@ -129,10 +130,10 @@ def test_a_chief_that_does_not_train_refuses_a_local_report():
         service.report_local_ready(pb.ReadyRequest())
 
 
-def test_under_strict_declarations_one_ranks_mismatch_fails_every_rank_listing_the_differences():
+def test_under_spmd_one_ranks_mismatch_fails_every_rank_listing_the_differences():
     arrays = small_arrays()
     wrong = ArraySource({**arrays, "dense/bias": np.zeros(16, np.float32), "extra": np.zeros(2)}).specs()
-    service, agents = training_cluster(arrays, workers=2, strict=True, declared={1: wrong})
+    service, agents = training_cluster(arrays, workers=2, spmd=True, declared={1: wrong})
     good, bad, held, sup = run_threads(
         [a.run for a in agents] + [lambda: hold_chief_replicas(service, CHIEF_DEVICES, 5.0), service.supervise]
     )
@@ -143,7 +144,20 @@ def test_under_strict_declarations_one_ranks_mismatch_fails_every_rank_listing_t
         assert "dense/bias: chief (17,) float32 vs worker (16,) float32" in text and "extra: chief (missing)" in text
 
 
-def test_without_strict_declarations_only_the_mismatching_join_is_refused():
+def test_under_spmd_two_processes_claiming_one_rank_fail_the_round_naming_both():
+    service, agents = training_cluster(small_arrays(), workers=2, spmd=True)
+    agents[1].preferred_rank = 0  # a second process that believes it is training rank 1
+    first, second, held, sup = run_threads(
+        [agents[0].run, agents[1].run, lambda: hold_chief_replicas(service, CHIEF_DEVICES, 5.0), service.supervise]
+    )
+    for outcome in (first, second, held, sup):
+        assert isinstance(outcome, Exception), outcome
+        text = str(outcome)
+        assert re.search(r"worker 'rank-[12]' \(host .*\) claims worker rank 0, which is held by worker rank-[12] \(rank 0",
+                         text), text
+
+
+def test_without_spmd_only_the_mismatching_join_is_refused():
     arrays = small_arrays()
     wrong = ArraySource({"other": np.zeros(1)}).specs()
     service = ChiefService(ArraySource(arrays), 2, timeouts=FAST)
@@ -176,6 +190,7 @@ TORCH = {"MASTER_ADDR": "m", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": 
         ((None, None, None), {"PMI_RANK": "1", "PMI_SIZE": "2"}, (1, 2, None, "MPI (PMI_RANK)")),
         ((None, None, None), {}, (0, 1, None, "no cluster settings: a single process")),
         ((0, None, None), TORCH, (0, 4, "m:29501", "torchrun")),
+        ((None, None, None), {**TORCH, "RANK": "0", "WORLD_SIZE": "1"}, (0, 1, None, "torchrun")),
     ],
 )
 def test_roles_come_from_arguments_then_collective_vars_then_tf_config_then_torchrun_then_mpi(args, env, want):
