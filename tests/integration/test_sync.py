@@ -1,0 +1,212 @@
+"""collective.sync in real processes: every rank calls it, rank 0's values win, bit for bit.
+
+Roles come from COLLECTIVE_*, from torchrun's variables, from a TF_CONFIG with only workers, and
+from a real mpiexec; in each, rank 0 trains too (it holds replicas of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.test_mpi import MPIEXEC
+from tests.procs import ROOT, Proc
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+WORLD = 3
+SCRIPT = str(ROOT / "tests" / "sync_rank.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def collective_env(rank: int, port: int) -> dict[str, str]:
+    return {"COLLECTIVE_RANK": str(rank), "COLLECTIVE_WORLD_SIZE": str(WORLD), "COLLECTIVE_CHIEF": f"127.0.0.1:{port}"}
+
+
+def torchrun_env(rank: int, port: int) -> dict[str, str]:
+    # The chief listens on MASTER_PORT+1 (torchrun's store holds MASTER_PORT).
+    return {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port - 1)}
+
+
+def tf_config_env(rank: int, port: int) -> dict[str, str]:
+    workers = [f"127.0.0.1:{port}"] + [f"127.0.0.1:{free_port()}" for _ in range(WORLD - 1)]
+    return {"TF_CONFIG": json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})}
+
+
+def run_ranks(tmp_path, env_for, extra: dict[str, str] | None = None) -> list[dict]:
+    port = free_port()
+    procs = [Proc([SCRIPT], tmp_path / f"rank{r}.log", env={**env_for(r, port), **(extra or {})}) for r in range(WORLD)]
+    try:
+        codes = [p.wait(120) for p in procs]
+        outputs = [p.output() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [_result(out, code) for out, code in zip(outputs, codes, strict=True)]
+
+
+def _result(output: str, code: int) -> dict:
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    assert lines, f"exit {code}, no result line:\n{output}"
+    result = json.loads(lines[-1])
+    result["exit"], result["log"] = code, output
+    return result
+
+
+def assert_every_rank_holds_rank_0s_inputs(results: list[dict]) -> None:
+    for r in results:
+        assert r["exit"] == 0 and "error" not in r, r["log"]
+    by_rank = {r["rank"]: r for r in results}
+    assert sorted(by_rank) == list(range(WORLD))
+    want = by_rank[0]["inputs"]
+    assert by_rank[1]["inputs"] != want  # the ranks really started from different values
+    for r in results:
+        assert r["world_size"] == WORLD and r["devices"] == ["cpu:0", "cpu:1"]
+        assert r["held"] == [want, want], f"rank {r['rank']} holds other values"
+    assert len({r["digest"] for r in results}) == 1
+
+
+@pytest.mark.parametrize("env_for", [collective_env, torchrun_env, tf_config_env],
+                         ids=["COLLECTIVE_vars", "torchrun", "TF_CONFIG_workers_only"])
+def test_three_processes_calling_sync_all_end_with_rank_0s_values(tmp_path, env_for):
+    assert_every_rank_holds_rank_0s_inputs(run_ranks(tmp_path, env_for))
+
+
+def test_ranks_that_pass_no_values_receive_rank_0s(tmp_path):
+    assert_every_rank_holds_rank_0s_inputs(run_ranks(tmp_path, collective_env, {"SYNC_NO_VALUES": "1"}))
+
+
+def assert_everyone_fails_naming_rank_2(results: list[dict], rank_2: str) -> None:
+    for r in results:
+        assert r["exit"] != 0, r["log"]
+        assert rank_2 in r["log"], r["log"]
+        for difference in ("dense/kernel: chief (33, 17) float32 vs worker (33, 16)", "dense/bias: chief (17,) float64 vs worker (17,) float32", "extra: chief (missing)"):
+            assert difference in r["log"], r["log"]
+
+
+def test_a_declared_variable_mismatch_on_rank_2_fails_every_rank_naming_it(tmp_path):
+    results = run_ranks(tmp_path, collective_env, {"SYNC_MISMATCH_RANK": "2"})
+    assert_everyone_fails_naming_rank_2(results, "rank-2@")
+
+
+# --- under a real mpiexec ------------------------------------------------------------------
+
+
+def mpirun_sync(tmp_path, extra: dict[str, str] | None = None) -> list[dict]:
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: `make test` installs the mpich wheel (the `mpi` extra)")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("COLLECTIVE_") and k not in ("TF_CONFIG", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(extra or {})
+    env["PYTHONUNBUFFERED"] = "1"
+    env["SYNC_OUT"] = str(tmp_path)
+    proc = subprocess.run([MPIEXEC, "-n", str(WORLD), sys.executable, SCRIPT], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+    lines = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    for line in lines:
+        line["exit"], line["log"] = (1 if "error" in line else 0), proc.stdout + proc.stderr
+    return proc, lines
+
+
+def test_under_mpiexec_every_rank_ends_with_rank_0s_values(tmp_path):
+    proc, results = mpirun_sync(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_every_rank_holds_rank_0s_inputs(results)
+
+
+def test_under_mpiexec_a_mismatch_on_rank_2_fails_every_rank_naming_it(tmp_path):
+    proc, results = mpirun_sync(tmp_path, {"SYNC_MISMATCH_RANK": "2"})
+    assert proc.returncode != 0
+    assert len(results) == WORLD, proc.stdout + proc.stderr
+    assert_everyone_fails_naming_rank_2(results, "mpi-rank-2")
+
+
+def test_collective_mpi_with_chief_trains_verifies_rank_0s_own_replicas(tmp_path):
+    from tests.integration.test_mpi import last_json, mpirun
+
+    proc = mpirun(3, "--chief-trains", "--devices-per-worker", "2", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = last_json(proc.stdout)
+    assert summary["ok"] and summary["chief_replicas"]["devices"] == ["cpu:0", "cpu:1"]
+    assert {w["digest"] for w in summary["workers"]} == {summary["chief_replicas"]["digest"]}
+    assert "the chief's own replicas (training rank 0" in proc.stderr
+
+    plain = last_json(mpirun(3, "--json").stdout)
+    assert plain["ok"] and "chief_replicas" not in plain  # off by default for the command
+
+
+def test_serve_and_join_in_one_process_off_the_main_thread(monkeypatch):
+    """serve() off the main thread installs no signal handlers (Python forbids it there) and is
+    sized from COLLECTIVE_WORKERS like the command; join() takes the chief it reports."""
+    import numpy as np
+
+    import collective
+    from tests.conftest import run_threads
+
+    monkeypatch.setenv("COLLECTIVE_WORKERS", "2")
+    arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, np.int8)}
+    t = collective.Timeouts(join=20, ready=20, start=20, linger=1, heartbeat=1, lease=10)
+    listening: list = []
+    port_known = __import__("threading").Event()
+
+    def on_listening(address, port):
+        listening.append(port)
+        port_known.set()
+
+    def worker(name):
+        assert port_known.wait(20)
+        return collective.join(f"127.0.0.1:{listening[0]}", worker_id=name, devices="cpu:0", timeouts=t,
+                               relay_host=None)
+
+    chief, w1, w2 = run_threads([
+        lambda: collective.serve(arrays, bind="127.0.0.1:0", devices="cpu:0,cpu:1", timeouts=t, shm=False,
+                                 on_listening=on_listening),
+        lambda: worker("a"), lambda: worker("b"),
+    ], timeout=60)
+    for r in (chief, w1, w2):
+        assert not isinstance(r, BaseException), r
+    assert chief.summary["ok"] and len(chief.summary["workers"]) == 2 and chief.world_size == 3
+    for i in range(2):
+        assert {k: v.tobytes() for k, v in chief.arrays(i).items()} == {k: v.tobytes() for k, v in arrays.items()}
+    assert w1.variables.get("w").replicas[0].tobytes() == arrays["w"].tobytes()
+
+
+SERVE_ON_MAIN = """
+import sys, collective
+try:
+    collective.serve("mlp", workers=1, bind="127.0.0.1:0", timeouts=collective.Timeouts(join=60),
+                     on_listening=lambda address, port: print("listening", port, flush=True))
+except collective.AbortedError as exc:
+    print("aborted:", exc, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_serve_on_the_main_thread_turns_sigint_into_an_aborted_round(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE_ON_MAIN)
+    proc = Proc([str(script)], tmp_path / "serve.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "listening" not in proc.output():
+            assert time.monotonic() < deadline and proc.proc.poll() is None, proc.output()
+            time.sleep(0.05)
+        proc.signal(signal.SIGINT)
+        assert proc.wait(30) == 3, proc.output()
+        assert "aborted: chief shutting down (SIGINT)" in proc.output()
+    finally:
+        proc.kill()
