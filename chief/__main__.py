@@ -90,12 +90,16 @@ def _run(args: argparse.Namespace) -> int:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(endpoint.port))
         os.replace(tmp, args.port_file)
-    def on_sigterm(signum, frame) -> None:
+    def on_signal(signum, frame) -> None:
         # Outside the handler: fail() takes the service lock, which the main thread may hold.
-        reason = AbortedError(f"chief shutting down ({signal.Signals(signum).name})")
+        # Ctrl-C is a shutdown like SIGTERM: the round fails at once and every worker is told
+        # by the chief, rather than a KeyboardInterrupt tearing the server down under them.
+        what = "interrupted" if signum == signal.SIGINT else "shutting down"
+        reason = AbortedError(f"chief {what} ({signal.Signals(signum).name})")
         threading.Thread(target=service.fail, args=(reason,), daemon=True).start()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         service.supervise()
         log.info("training started: %d workers hold identical variables", args.workers)

@@ -244,3 +244,30 @@ def test_a_worker_killed_between_two_calls_is_named_through_its_presence_call(cl
     assert "worker victim" in chief.output()
     assert "was lost during the broadcast: its presence call was cut off" in chief.output()
     assert other.wait(30) != 0 and "victim" in other.output()
+
+
+def test_ctrl_c_on_the_chief_tells_every_worker_at_once_and_blames_no_worker(cluster):
+    # Default heartbeats (lease 15 s): a worker that exits within 10 s heard it from the chief.
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60")
+    worker = cluster.worker("w0", "--join-timeout", "60")
+    wait_for(worker, "waiting for the plan")
+    wait_for(chief, "worker w0 (rank 0")
+    chief.signal(signal.SIGINT)
+    assert chief.wait(10) != 0
+    assert worker.wait(10) != 0
+    assert "chief interrupted (SIGINT)" in worker.output()
+    chief_out = chief.output()
+    assert "round aborted: chief interrupted (SIGINT)" in chief_out
+    assert "left before the broadcast" not in chief_out and "was lost" not in chief_out
+    assert "Traceback" not in chief_out + worker.output()
+
+
+def test_ctrl_c_on_a_worker_ends_it_with_one_line_and_exit_130(cluster):
+    cluster.chief("--workers", "2", "--join-timeout", "60")
+    worker = cluster.worker("w0", "--join-timeout", "60")
+    wait_for(worker, "waiting for the plan")
+    worker.signal(signal.SIGINT)
+    assert worker.wait(10) == 130
+    out = worker.output()
+    assert out.rstrip().splitlines()[-1] == "interrupted"
+    assert "Traceback" not in out
