@@ -106,9 +106,18 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     finally:
         if args.result_file:
-            Path(args.result_file).write_text(json.dumps(service.result()))
+            _write_result(Path(args.result_file), service.result())
         endpoint.stop(grace=1.0)
         service.close()
+
+
+def _write_result(path: Path, result: dict) -> None:
+    """Write the summary; a full disk loses the file, never the round's outcome or exit code."""
+    try:
+        path.write_text(json.dumps(result))
+    except OSError as exc:
+        log.warning("could not write the round's summary to %s: %s; the outcome stands (%s)",
+                  path, exc.strerror or exc, "started" if result.get("ok") else "failed")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from collective.launch import Launcher, summary_table
+    from collective.launch import Launcher, exit_code, summary_table
 
     launcher = Launcher(
         workers=args.workers,
@@ -99,7 +99,7 @@ def _launch(args: argparse.Namespace) -> int:
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
-    return 0 if result.get("ok") else 1
+    return exit_code(result)
 
 
 def _bench(args: argparse.Namespace) -> int:
