@@ -166,6 +166,24 @@ def test_the_python_api_example_joins_and_gets_the_variables(cluster):
     assert chief.wait(30) == 0
     assert "trainable variables: 6" in example.output()
     assert "dense_1/kernel/replica_1" in example.output()
+    assert "one step on dense_1/kernel: every replica updated" in example.output()
+
+
+def test_the_python_api_example_works_on_a_model_without_dense_layers(cluster, tmp_path):
+    from tests.procs import Proc
+
+    spec = tmp_path / "other.yaml"
+    spec.write_text(
+        "variables:\n"
+        "  - {name: step, shape: [], dtype: int64, initializer: zeros}\n"
+        "  - {name: encoder/w, shape: [3, 4], dtype: float32, initializer: zeros}\n"
+    )
+    chief = cluster.chief("--workers", "1", "--model", str(spec), *FAST)
+    example = Proc(["examples/train.py", "--chief", cluster.address], cluster.tmp / "example.log")
+    cluster.procs.append(example)
+    assert example.wait(60) == 0, example.output()
+    assert chief.wait(30) == 0
+    assert "one step on encoder/w: every replica updated" in example.output()
 
 
 def test_a_worker_declaring_a_different_model_is_refused_before_any_bytes_move(tmp_path, cluster):
