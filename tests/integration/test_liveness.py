@@ -271,3 +271,17 @@ def test_ctrl_c_on_a_worker_ends_it_with_one_line_and_exit_130(cluster):
     out = worker.output()
     assert out.rstrip().splitlines()[-1] == "interrupted"
     assert "Traceback" not in out
+
+
+def test_a_worker_beyond_workers_is_refused_and_the_chief_logs_it(cluster):
+    chief = cluster.chief("--workers", "1", "--model", "transformer-100m", "--chunk-bytes", "65536",
+                          "--join-timeout", "60", "--no-shm", *HB)
+    member = cluster.worker("member", "--join-timeout", "60", *HB)
+    wait_for(member, "phase=receive")
+    extra = cluster.worker("extra", "--join-timeout", "60", *HB)
+    assert extra.wait(30) != 0
+    assert "worker 'extra'" in extra.output() and "joins are closed" in extra.output()
+    assert member.wait(60) == 0, member.output()
+    assert chief.wait(30) == 0
+    [line] = [ln for ln in chief.output().splitlines() if "refused a join" in ln]
+    assert "WARNING" in line and "worker 'extra' from" in line and "with all 1 worker(s); joins are closed" in line
