@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mpi4py import MPI
 
-    from collective.transport.mpi import PhaseWatchdog, abort
+    from collective.transport.mpi import PhaseWatchdog, abort, forget_shm_names, interrupted
 
     comm = MPI.COMM_WORLD
     rank = comm.rank
@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     watchdog = PhaseWatchdog(comm)
     try:
+        watchdog.phase("start-up", timeouts_from_args(args).join)
+        forget_shm_names(comm)  # nothing left in /dev/shm, even if the job is aborted or killed
         code = _chief(comm, args, watchdog) if rank == 0 else _worker(comm, args, watchdog)
+    except KeyboardInterrupt:
+        interrupted(comm)
     except CollectiveError as exc:
         who = "chief" if rank == 0 else "worker"
         log.error("rank %d (%s on %s) failed: %s", rank, who, socket.gethostname(), exc)

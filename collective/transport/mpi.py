@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -166,6 +167,37 @@ class PhaseWatchdog:
                     "never started); aborting the job", self._comm.rank, socket.gethostname(), name, timeout,
                 )
                 abort(self._comm, 1)
+
+
+def forget_shm_names(comm: MPI.Comm) -> None:
+    """Unlink the names of MPICH's ``/dev/shm/mpich_shm_*`` segments once every rank holds them.
+
+    MPICH removes its segment only in MPI_Finalize, so every aborted or killed job would leave
+    ~3 MB in /dev/shm. After MPI_Init and one barrier every rank of this host has mapped it and
+    the name is needed no more: each rank unlinks the names it has mapped (never another job's),
+    and the memory goes when the last rank exits, however it exits. Blocks for the barrier.
+    """
+    comm.Barrier()
+    with open("/proc/self/maps") as fh:
+        paths = {f[5].strip() for f in (line.split(None, 5) for line in fh) if len(f) > 5}
+    for path in paths:
+        if path.startswith("/dev/shm/mpich_shm_") and not path.endswith("(deleted)"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # another rank of this host was first
+
+
+def interrupted(comm: MPI.Comm) -> None:
+    """Ctrl-C on mpiexec reaches every rank: rank 0 says so once, every rank exits 130 at once,
+    so mpiexec exits 130 too. Never returns.
+
+    (No rank waits for another: mpiexec SIGKILLs the job when the first rank ends and would then
+    exit 9. So rank 0's line can be cut off by mpiexec; mpiexec prints its own Ctrl-C line.)
+    """
+    if comm.rank == 0:
+        print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def abort(comm: MPI.Comm, code: int) -> None:
