@@ -173,8 +173,7 @@ def test_ctrl_c_stops_launch_and_leaves_no_process_behind(tmp_path):
             children = _children_of(launch.pid)
             time.sleep(0.05)
         assert children, "the chief should be running"
-        time.sleep(0.5)  # the chief is still materialising ~400 MB of initial values
-        children = _children_of(launch.pid)
+        children = _children_of(launch.pid)  # the chief (materialising ~400 MB), maybe workers too
         launch.send_signal(signal.SIGINT)
         launch.wait(30)
         assert launch.returncode != 0

@@ -10,18 +10,14 @@ import time
 
 import pytest
 
+from tests.procs import error_line, wait_for
+
 pytestmark = pytest.mark.integration
 
 HB = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5"]
 
 
 
-def wait_for(proc, text: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in proc.output():
-        if time.monotonic() > deadline or proc.proc.poll() is not None:
-            raise AssertionError(f"{text!r} not seen; output so far:\n{proc.output()}")
-        time.sleep(0.02)
 
 
 def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster):
@@ -34,9 +30,10 @@ def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster
     t0 = time.monotonic()
     assert chief.wait(30) != 0
     detected = time.monotonic() - t0
-    assert "worker victim" in chief.output() and "lost during the broadcast" in chief.output()
+    aborted = error_line(chief.output(), "round aborted:")  # the join line names every worker too
+    assert "worker victim (rank" in aborted and "lost during the broadcast" in aborted, aborted
     assert other.wait(30) != 0
-    assert "victim" in other.output()
+    assert "victim" in error_line(other.output())
     assert "training started" not in chief.output() + other.output()
     assert detected < 10, f"the chief took {detected:.1f} s to notice"
 
@@ -49,8 +46,9 @@ def test_a_frozen_worker_is_caught_by_the_lease_and_learns_of_the_abort_after_si
     try:
         other = cluster.worker("other", "--join-timeout", "60", *HB)
         assert chief.wait(30) != 0
-        assert "worker frozen" in chief.output() and "no heartbeat" in chief.output()
-        assert other.wait(30) != 0 and "frozen" in other.output()
+        aborted = error_line(chief.output(), "round aborted:")
+        assert "worker frozen (rank" in aborted and "no heartbeat" in aborted, aborted
+        assert other.wait(30) != 0 and "frozen" in error_line(other.output())
     finally:
         frozen.signal(signal.SIGCONT)
     assert frozen.wait(30) != 0
@@ -158,9 +156,10 @@ def test_a_worker_restarted_after_the_broadcast_began_aborts_the_round_naming_it
     try:
         reborn = cluster.worker("phoenix", "--join-timeout", "60", *HB)
         assert chief.wait(30) != 0
-        assert "worker phoenix" in chief.output() and "restarted" in chief.output()
+        aborted = error_line(chief.output(), "round aborted:")
+        assert "worker phoenix (rank" in aborted and "restarted" in aborted, aborted
         assert reborn.wait(30) != 0 and other.wait(30) != 0
-        assert "restarted" in other.output()
+        assert "phoenix" in error_line(other.output()) and "restarted" in error_line(other.output())
     finally:
         old.signal(signal.SIGCONT)
 
@@ -205,8 +204,8 @@ def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
     wait_for(relay, "relaying to worker d1")
     relay.signal(signal.SIGKILL)
     assert chief.wait(30) != 0
-    error = [ln for ln in chief.output().splitlines() if "round aborted" in ln][0]
-    assert "relay" in error, error
+    error = error_line(chief.output(), "round aborted:")
+    assert "worker relay (rank" in error, error
     for d in downstream:
         assert d.wait(30) != 0
         assert "training started" not in d.output()
@@ -241,9 +240,10 @@ def test_a_worker_killed_between_two_calls_is_named_through_its_presence_call(cl
     wait_for(victim, "VERIFYING")
     victim.signal(signal.SIGKILL)
     assert chief.wait(30) != 0
-    assert "worker victim" in chief.output()
-    assert "was lost during the broadcast: its presence call was cut off" in chief.output()
-    assert other.wait(30) != 0 and "victim" in other.output()
+    aborted = error_line(chief.output(), "round aborted:")
+    assert "worker victim (rank" in aborted, aborted
+    assert "was lost during the broadcast: its presence call was cut off" in aborted
+    assert other.wait(30) != 0 and "victim" in error_line(other.output())
 
 
 def test_ctrl_c_on_the_chief_tells_every_worker_at_once_and_blames_no_worker(cluster):
