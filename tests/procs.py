@@ -56,6 +56,15 @@ def wait_for_file(path: Path, proc: Proc, timeout: float = 30.0) -> str:
     raise AssertionError(f"{path} not written within {timeout} s:\n{proc.output()}")
 
 
+def wait_until(predicate, what: str, timeout: float = 20.0) -> None:
+    """Wait for ``predicate()``; fail naming ``what`` when the time runs out."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen within {timeout:g} s")
+        time.sleep(0.02)
+
+
 def wait_for(proc: Proc, text: str, timeout: float = 30.0) -> None:
     """Wait until ``text`` is in the output of ``proc``; fail if it exits or the time runs out."""
     deadline = time.monotonic() + timeout

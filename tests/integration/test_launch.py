@@ -186,3 +186,13 @@ def test_ctrl_c_stops_launch_and_leaves_no_process_behind(tmp_path):
             launch.kill()
             launch.wait(10)
         out.close()
+
+
+def test_a_chief_that_cannot_write_its_summary_keeps_the_rounds_outcome(full_dir, cluster):
+    chief = cluster.chief("--workers", "1", "--join-timeout", "30", "--result-file", str(full_dir / "result.json"))
+    worker = cluster.worker("w0")
+    assert worker.wait(60) == 0, worker.output()
+    assert chief.wait(30) == 0, chief.output()  # started stays started
+    out = chief.output()
+    assert "could not write the round's summary to" in out and "No space left on device" in out
+    assert "the outcome stands (started)" in out and "Traceback" not in out

@@ -5,22 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.procs import ROOT
+from tests.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.integration
 
-
-
-def wait_until(predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not seen within {timeout} s")
-        time.sleep(0.05)
 
 
 def status(*args: str) -> subprocess.CompletedProcess:
