@@ -127,7 +127,7 @@ def test_a_late_joiner_inside_the_join_window_still_makes_the_round(cluster):
     chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
     early = cluster.worker("early", "--join-timeout", "60", *HB)
     wait_for(early, "waiting for the plan")
-    time.sleep(1.0)  # several heartbeats pass while the chief waits
+    time.sleep(1.0)  # the scenario (lateness: several heartbeats pass), not a synchronisation
     late = cluster.worker("late", "--join-timeout", "60", *HB)
     assert late.wait(60) == 0 and early.wait(60) == 0
     assert chief.wait(30) == 0
