@@ -28,7 +28,6 @@ import logging
 import os
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -186,18 +185,6 @@ def forget_shm_names(comm: MPI.Comm) -> None:
                 os.unlink(path)
             except FileNotFoundError:
                 pass  # another rank of this host was first
-
-
-def interrupted(comm: MPI.Comm) -> None:
-    """Ctrl-C on mpiexec reaches every rank: rank 0 says so once, every rank exits 130 at once,
-    so mpiexec exits 130 too. Never returns.
-
-    (No rank waits for another: mpiexec SIGKILLs the job when the first rank ends and would then
-    exit 9. So rank 0's line can be cut off by mpiexec; mpiexec prints its own Ctrl-C line.)
-    """
-    if comm.rank == 0:
-        print("interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
 
 
 def abort(comm: MPI.Comm, code: int) -> None:
