@@ -276,9 +276,12 @@ class ChiefService:
                     f"from {req.host or peer} (pid {req.pid}) is refused"
                 )
             if self._phase is not Phase.JOINING:
-                raise PreconditionError(
-                    f"worker {req.worker_id!r} cannot join: the cluster is {self._phase.value}; joins are closed"
+                err = PreconditionError(
+                    f"worker {req.worker_id!r} from {req.host or peer} cannot join: the cluster is "
+                    f"{self._phase.value} with all {self.num_workers} worker(s); joins are closed"
                 )
+                log.warning("refused a join: %s", err)  # the operator sees extra workers too
+                raise err
             if req.declared:
                 diffs = declaration_differences(self.specs, req.declared)
                 if diffs:

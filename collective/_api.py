@@ -11,6 +11,7 @@ reports them to its own ``ChiefService``, which releases start only when they ag
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -159,6 +161,15 @@ def hold_chief_replicas(service, devices: Sequence[str], timeout: float) -> tupl
     return store, digest
 
 
+def write_result(path: Path, result: dict) -> None:
+    """Write the summary; a full disk loses the file, never the round's outcome or exit code."""
+    try:
+        path.write_text(json.dumps(result))
+    except OSError as exc:
+        log.warning("could not write the round's summary to %s: %s; the outcome stands (%s)",
+                    path, exc.strerror or exc, "started" if result.get("ok") else "failed")
+
+
 def run_chief(
     source: ModelSource,
     num_workers: int,
@@ -180,8 +191,6 @@ def run_chief(
     trains too and holds replicas there. SIGTERM/SIGINT fail the round (handlers installed only
     on the main thread, restored after). Returns (service, (store, digest) or None); raises the
     round's error."""
-    import json
-    from pathlib import Path
 
     from chief.service import ChiefService
     from collective.errors import AbortedError
@@ -205,7 +214,10 @@ def run_chief(
         if threading.current_thread() is threading.main_thread():
             def on_signal(signum, frame) -> None:
                 # Outside the handler: fail() takes the service lock, which this thread may hold.
-                reason = AbortedError(f"chief shutting down ({signal.Signals(signum).name})")
+                # Ctrl-C is a shutdown like SIGTERM: the round fails at once and every worker is
+                # told by the chief, rather than a KeyboardInterrupt tearing the server down.
+                what = "interrupted" if signum == signal.SIGINT else "shutting down"
+                reason = AbortedError(f"chief {what} ({signal.Signals(signum).name})")
                 threading.Thread(target=service.fail, args=(reason,), daemon=True).start()
 
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -228,7 +240,7 @@ def run_chief(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if result_file:
-            Path(result_file).write_text(json.dumps(service.result()))
+            write_result(Path(result_file), service.result())
         endpoint.stop(grace=1.0)
         service.close()
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from collective.launch import Launcher, summary_table
+    from collective.launch import Launcher, exit_code, summary_table
 
     launcher = Launcher(
         workers=args.workers,
@@ -99,7 +99,7 @@ def _launch(args: argparse.Namespace) -> int:
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
-    return 0 if result.get("ok") else 1
+    return exit_code(result)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -123,11 +123,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
-
     from collective.config import parse_address
     from collective.errors import UsageError
-    from collective.status import status_text, watch
+    from collective.status import status_dict, status_text, watch
     from collective.transport.grpc import GrpcChiefLink
 
     if not args.chief:
@@ -147,8 +145,7 @@ def _status(args: argparse.Namespace) -> int:
     finally:
         link.close()
     if args.json:
-        print(json.dumps(json_format.MessageToDict(
-            st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)))
+        print(json.dumps(status_dict(st)))
     elif not args.watch:
         print(status_text(st, args.chief))
     return 1 if st.phase == "failed" else 0

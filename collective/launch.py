@@ -3,13 +3,18 @@
 Starts the chief on a free loopback port, then the workers; shows every process's log lines
 prefixed by role and rank and keeps each process's log in the run directory; prints a summary.
 Guarantees: exit 0 only when start was released with every digest agreeing; no child process
-is left behind, on failure, timeout or Ctrl-C (children are killed by process id).
+is left behind, on failure, timeout or Ctrl-C (children are killed by process id). One launch
+owns a run directory at a time (an flock, released when the launch ends or dies); each launch
+clears the previous run's logs and summary first. The chief's port and summary files live in a
+private directory, so a full run directory only cuts the logs short, never the round.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -35,6 +40,20 @@ class Child:
     lines: list[str] = field(default_factory=list)   # both streams, as they came
     stdout: list[str] = field(default_factory=list)  # stdout only: where the JSON summary is
     open_streams: int = 2
+    log_error: OSError | None = None  # why its log file stopped being written (a full disk)
+
+    def exit_text(self) -> str:
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit {code}"
+
+
+# How long a worker's death may precede the chief's own verdict before launch stops waiting:
+# a chief that aborts the round exits right after telling its workers.
+WORKER_LOSS_GRACE = 2.0
+LOCK_NAME = ".launch.lock"
+_LOG_LINE = re.compile(r"^\S+ (?:ERROR|CRITICAL) \S+ rank=\S* id=\S* phase=\S*: (.*)$")
 
 
 class Launcher:
@@ -77,6 +96,10 @@ class Launcher:
         self.children: list[Child] = []
         self._print_lock = threading.Lock()
         self._progress = None  # rich bars on a terminal, fed by the chief's Status RPC
+        self._lock_fd: int | None = None
+        self._private: Path | None = None  # the chief's port and result files
+        self._failure: str | None = None  # launch's own verdict (workers gone before the chief decided)
+        self._cut: list[str] = []  # what could not be written to the run directory, and why
 
     # --- processes ----------------------------------------------------------------------
 
@@ -113,8 +136,12 @@ class Launcher:
     def _pump(self, child: Child, stream, is_stdout: bool, log, lock: threading.Lock) -> None:
         for line in stream:
             with lock:
-                log.write(line)
-                log.flush()
+                if child.log_error is None:
+                    try:
+                        log.write(line)
+                        log.flush()
+                    except OSError as exc:  # a full disk cuts the log; the stream is still drained
+                        child.log_error = exc
                 child.lines.append(line)
                 if is_stdout:
                     child.stdout.append(line)
@@ -123,7 +150,10 @@ class Launcher:
         with lock:
             child.open_streams -= 1
             if child.open_streams == 0:
-                log.close()
+                try:
+                    log.close()
+                except OSError as exc:
+                    child.log_error = child.log_error or exc
 
     def _stop_all(self, grace: float = 3.0) -> None:
         live = [c for c in self.children if c.proc.poll() is None]
@@ -143,12 +173,67 @@ class Launcher:
     # --- the run --------------------------------------------------------------------------
 
     def run(self) -> dict:
-        """Run one round. Returns the chief's summary (``ok`` says whether it succeeded)."""
+        """Run one round. Returns the chief's summary (``ok`` says whether it succeeded).
+
+        Raises ``UsageError`` when another live launch holds the run directory."""
+        self._claim_run_dir()
+        try:
+            self._private = Path(tempfile.mkdtemp(prefix="collective-launch-"))
+            result = self._run_mpi() if self.transport == "mpi" else self._run_grpc()
+            self._keep_result(result)
+            return result
+        finally:
+            if self._private is not None:
+                shutil.rmtree(self._private, ignore_errors=True)
+            self._release_run_dir()
+
+    def _claim_run_dir(self) -> None:
+        """Take the run directory for this launch and clear the previous run's files from it."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.transport == "mpi":
-            return self._run_mpi()
-        port_file = self.run_dir / "chief.port"
-        result_file = self.run_dir / "result.json"
+        lock = self.run_dir / LOCK_NAME
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError(
+                f"run directory {self.run_dir} is in use by another launch (pid {holder}); "
+                f"wait for it to end or pass another --run-dir"
+            ) from None
+        self._lock_fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # the pid is only for the message above; the flock is what protects the directory
+        stale = [self.run_dir / n for n in ("chief.port", "chief.port.tmp", "result.json", "chief.log", "mpiexec.log")]
+        stale += self.run_dir.glob("worker-*.log")
+        for path in stale:
+            path.unlink(missing_ok=True)
+
+    def _release_run_dir(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # drops the flock; the file stays, so no one locks a stale inode
+            self._lock_fd = None
+
+    def _keep_result(self, result: dict) -> None:
+        """Copy the summary into the run directory; a full disk is noted, not fatal."""
+        for c in self.children:
+            if c.log_error is not None:
+                self._cut.append(f"{c.log_path.name}: {c.log_error.strerror or c.log_error}")
+        try:
+            (self.run_dir / "result.json").write_text(json.dumps(result))
+        except OSError as exc:
+            self._cut.append(f"result.json: {exc.strerror or exc}")
+        if self._cut:
+            result["logs_cut"] = "; ".join(self._cut)
+            self._note(f"the run directory could not take everything, logs are cut short: {result['logs_cut']}")
+
+    def _run_grpc(self) -> dict:
+        assert self._private is not None
+        port_file = self._private / "chief.port"
+        result_file = self._private / "result.json"
         t = self.timeouts
         try:
             chief_args = [
@@ -197,7 +282,8 @@ class Launcher:
             args += ["--seed", str(self.seed)]
         if self.chunk_bytes:
             args += ["--chunk-bytes", str(self.chunk_bytes)]
-        result_file = self.run_dir / "result.json"
+        assert self._private is not None
+        result_file = self._private / "result.json"
         try:
             job = self._spawn("mpi", [], "mpiexec.log", argv=[mpiexec, "-n", str(self.workers + 1), sys.executable, *args])
             self._wait_all(deadline=time.monotonic() + t.join + t.ready + t.start + 30)
@@ -220,6 +306,7 @@ class Launcher:
 
     def _wait_all(self, deadline: float) -> None:
         chief_done_at = None
+        lost_at = None
         while True:
             codes = [c.proc.poll() for c in self.children]
             if all(code is not None for code in codes):
@@ -230,6 +317,19 @@ class Launcher:
             # Once the chief has decided, workers have a few seconds to hear it and exit.
             if chief_done_at is not None and now - chief_done_at > self.timeouts.linger + 10:
                 return
+            # A worker that failed will not come back (launch restarts nothing): the round cannot
+            # succeed, so the chief need not wait out its join timeout for it.
+            lost = [c for c, code in zip(self.children[1:], codes[1:], strict=True) if code not in (None, 0)]
+            if codes[0] is None and lost:
+                lost_at = lost_at or now
+                if now - lost_at > WORKER_LOSS_GRACE:
+                    self._failure = "worker process(es) ended before the round did: " + "; ".join(
+                        f"{c.label.replace(' ', '-')} (pid {c.proc.pid}, {c.exit_text()}"
+                        + (f": {why}" if (why := _error_line(c.lines)) else "") + ")"
+                        for c in lost
+                    )
+                    self._note(f"{self._failure}; stopping the chief")
+                    return
             if now > deadline:
                 self._note(f"launch deadline passed; stopping {sum(c is None for c in codes)} process(es)")
                 return
@@ -267,9 +367,13 @@ class Launcher:
             result = json.loads(result_file.read_text())
         except (OSError, ValueError):
             chief_lines = self.children[0].lines if self.children else []
-            last = next((ln.strip() for ln in reversed(chief_lines) if "ERROR" in ln or "error" in ln), None)
-            result = {"ok": False, "transport": self.transport, "seconds": 0.0, "bytes": 0, "workers": [], "variables": [],
-                      "error": last or "the chief ended without a summary"}
+            result = {"ok": False, "transport": self.transport, "seconds": None, "bytes": 0, "workers": [], "variables": [],
+                      "error": _error_line(chief_lines) or "the chief ended without a summary"}
+        if self._failure and (not result.get("error") or "chief shutting down (SIGTERM)" in result["error"]):
+            result["error"] = self._failure  # we stopped the chief; the lost workers are the reason
+        for w in result.get("workers", []):
+            if isinstance(w.get("replicas"), list):
+                w["replicas"] = len(w["replicas"])  # a count: the names are the same for every worker
         failed = {label: code for label, code in codes.items() if code != 0}
         if failed:
             result["ok"] = False
@@ -277,6 +381,24 @@ class Launcher:
             result["failed_processes"] = failed
         result["run_dir"] = str(self.run_dir)
         return result
+
+
+def _error_line(lines: list[str]) -> str | None:
+    """The message of the last ERROR log line (without timestamp and context), else None."""
+    for line in reversed(lines):
+        m = _LOG_LINE.match(line.strip())
+        if m:
+            return m.group(1)
+        if line.startswith("error: "):
+            return line[len("error: "):].strip()
+    return None
+
+
+def exit_code(result: dict) -> int:
+    """What ``collective launch`` exits with: 0 on success, the chief's 2 for bad input, else 1."""
+    if result.get("ok"):
+        return 0
+    return 2 if result.get("failed_processes", {}).get("chief") == 2 else 1
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:
@@ -298,6 +420,7 @@ def summary_table(result: dict) -> str:
     """The human summary of a round, as ``collective launch`` prints it."""
     workers = result.get("workers", [])
     secs = result.get("seconds") or 0.0
+    ok = bool(result.get("ok"))
     nbytes = result.get("bytes", 0)
     rate = nbytes / secs / 2**30 if secs else 0.0
     digests = {w["digest"] for w in workers}
@@ -314,21 +437,30 @@ def summary_table(result: dict) -> str:
         f"  workers     {len(workers)}",
         f"  variables   {len(result.get('variables', []))}",
         f"  bytes       {nbytes:,} ({_size(nbytes)})",
-        f"  seconds     {secs:.3f}  (first byte sent until every worker ready)",
-        f"  GiB/s       {rate:.3f} per worker, {rate * len(workers):.3f} aggregate",
-        f"  digests     {agree}",
     ]
+    if ok:  # a failed round has no broadcast time worth showing
+        lines += [
+            f"  seconds     {secs:.3f}  (first byte sent until every worker ready)",
+            f"  GiB/s       {rate:.3f} per worker, {rate * len(workers):.3f} aggregate",
+        ]
+    lines.append(f"  digests     {agree}")
     if result.get("error"):
         lines.append(f"  error       {result['error']}")
     if result.get("failed_processes"):
         lines.append("  exit codes  " + ", ".join(f"{k}={v}" for k, v in result["failed_processes"].items()))
     if result.get("run_dir"):
         lines.append(f"  logs        {result['run_dir']}")
+    if result.get("logs_cut"):
+        lines.append(f"  logs cut    {result['logs_cut']}")
     if workers:
         lines.append("")
         lines.append(f"  {'rank':<5} {'id':<14} {'devices':<24} {'replicas':>8}  digest")
         for w in workers:
             lines.append(
-                f"  {w['rank']:<5} {w['id']:<14} {','.join(w['devices']):<24} {len(w['replicas']):>8}  {w['digest'] or '-'}"
+                f"  {w['rank']:<5} {w['id']:<14} {','.join(w['devices']):<24} {_count(w['replicas']):>8}  {w['digest'] or '-'}"
             )
     return "\n".join(lines)
+
+
+def _count(replicas: int | list) -> int:
+    return replicas if isinstance(replicas, int) else len(replicas)

@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import socket
 import sys
+import time
 
 from collective import logs
 from collective.config import (
@@ -47,7 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _on_interrupt(signum, frame) -> None:
+    """Ctrl-C on mpiexec reaches every rank: rank 0 says so once, every rank exits 130 at once
+    (so mpiexec exits 130), from the handler itself, so no KeyboardInterrupt can surface as a
+    traceback anywhere (an import, a thread's callback).
+
+    mpiexec stops forwarding output and SIGKILLs the job as soon as the first rank ends (then it
+    exits 9, not 130), so every rank waits the same short moment before exiting: rank 0's line
+    gets out, and the ranks still end together.
+    """
+    if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":
+        print("interrupted", file=sys.stderr, flush=True)
+    time.sleep(0.2)
+    os._exit(130)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, _on_interrupt)
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
@@ -55,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mpi4py import MPI
 
-    from collective.transport.mpi import PhaseWatchdog, abort
+    from collective.transport.mpi import PhaseWatchdog, abort, forget_shm_names
 
     comm = MPI.COMM_WORLD
     rank = comm.rank
@@ -65,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     watchdog = PhaseWatchdog(comm)
     try:
+        watchdog.phase("start-up", timeouts_from_args(args).join)
+        forget_shm_names(comm)  # nothing left in /dev/shm, even if the job is aborted or killed
         code = _chief(comm, args, watchdog) if rank == 0 else _worker(comm, args, watchdog)
     except CollectiveError as exc:
         who = "chief" if rank == 0 else "worker"

@@ -42,6 +42,32 @@ def status_text(st: pb.StatusReply, address: str) -> str:
     return "\n".join(lines)
 
 
+def status_dict(st: pb.StatusReply) -> dict:
+    """The status as plain JSON types: every field present, 64-bit counts as numbers.
+
+    (protobuf's JSON mapping writes int64/uint64 as strings; byte counts are numbers here.)
+    """
+    from google.protobuf import json_format
+
+    d = json_format.MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return _int64_as_int(st.DESCRIPTOR, d)
+
+
+def _int64_as_int(desc, d: dict) -> dict:
+    from google.protobuf.descriptor import FieldDescriptor
+
+    wide = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+    for f in desc.fields:
+        v = d.get(f.name)
+        if v is None:
+            continue
+        if f.message_type is not None:
+            d[f.name] = [_int64_as_int(f.message_type, x) for x in v] if isinstance(v, list) else _int64_as_int(f.message_type, v)
+        elif f.cpp_type in wide:
+            d[f.name] = [int(x) for x in v] if isinstance(v, list) else int(v)
+    return d
+
+
 def watch(link, address: str, *, interval: float = 1.0, deadline: float | None = None, out=None) -> pb.StatusReply:
     """Redraw the status every ``interval`` s until the round has an outcome (or ``deadline``).
 

@@ -26,6 +26,7 @@ with ``variable '<name>':``, except creating a variable in a started store, whic
 from __future__ import annotations
 
 import abc
+import difflib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -377,11 +378,23 @@ class VariableStore:
                 raise FrozenError("deferred variables can only be registered in an empty, unstarted store")
             self._deferred = (names, make)
 
-    def get(self, name: str) -> DistributedVariable | None:
-        """The variable called ``name``, or None if there is none."""
+    def get(self, name: str) -> DistributedVariable:
+        """The variable called ``name`` (also ``store[name]``).
+
+        Raises KeyError naming the closest existing names when there is no such variable, so a
+        typo or another model's name is caught where it is made, not as a None further on.
+        """
         with self._lock:
             self._index()
-            return self._resolve(name) if name in self._variables else None
+            if name in self._variables:
+                return self._resolve(name)
+            names = list(self._variables)
+        close = difflib.get_close_matches(str(name), names, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise KeyError(f"no variable named {name!r} among the {len(names)} in this store{hint}")
+
+    def __getitem__(self, name: str) -> DistributedVariable:
+        return self.get(name)
 
     @property
     def global_variables(self) -> list[DistributedVariable]:
@@ -396,7 +409,7 @@ class VariableStore:
     @property
     def global_step(self) -> DistributedVariable | None:
         """The variable named ``"global_step"``, or None."""
-        return self.get(GLOBAL_STEP_NAME)
+        return self.get(GLOBAL_STEP_NAME) if GLOBAL_STEP_NAME in self else None
 
     def __len__(self) -> int:
         with self._lock:

@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import collective  # noqa: E402
@@ -31,9 +33,14 @@ def main() -> int:
     print(f"trainable variables: {len(store.trainable_variables)}")
     for var in store.global_variables:
         print(f"  {var.name:<20} {str(var.shape):<12} {var.dtype} replicas: {', '.join(var.replica_names)}")
-    # One SGD-like step on every replica: a mirrored variable combines per-replica updates.
-    kernel = store.get("dense_1/kernel")
-    kernel.assign([r - 0.01 for r in kernel.replicas])
+    # One SGD-like step on every replica of the first trainable floating-point variable, whatever
+    # the model: a mirrored variable combines per-replica updates.
+    weights = next((v for v in store.trainable_variables if np.dtype(v.dtype).kind == "f"), None)
+    if weights is None:
+        print("no trainable floating-point variable to take a step on")
+        return 0
+    weights.assign([r - 0.01 for r in weights.replicas])
+    print(f"one step on {weights.name}: every replica updated")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Run ``collective.mpi`` under mpiexec with test probes (test-only; never shipped).
 
 PROBE_CORRUPT_RANK=r   MPI rank r flips one bit of the first data chunk it receives.
+PROBE_HOLD_RANK=r      MPI rank r prints HOLDING and sleeps 60 s before joining (the others wait).
 PROBE_BCAST_LOG=path   rank 0 writes the largest byte count it passed to one Bcast call of the
                        data stream (control messages such as the plan are not counted).
 """
@@ -78,5 +79,17 @@ if os.environ.get("PROBE_CORRUPT_RANK") and MPI.COMM_WORLD.rank == int(os.enviro
         return real_receive(self, ref, _Flipper(receiver), stall_timeout)
 
     transport.MpiChiefLink.receive_into = corrupt_receive
+
+if os.environ.get("PROBE_HOLD_RANK") and MPI.COMM_WORLD.rank == int(os.environ["PROBE_HOLD_RANK"]):
+    import time
+
+    real_join = transport.MpiChiefLink.join
+
+    def held_join(self, *args, **kwargs):
+        print("HOLDING", flush=True)
+        time.sleep(60)
+        return real_join(self, *args, **kwargs)
+
+    transport.MpiChiefLink.join = held_join
 
 sys.exit(entry.main())

@@ -56,6 +56,32 @@ def wait_for_file(path: Path, proc: Proc, timeout: float = 30.0) -> str:
     raise AssertionError(f"{path} not written within {timeout} s:\n{proc.output()}")
 
 
+def wait_until(predicate, what: str, timeout: float = 20.0) -> None:
+    """Wait for ``predicate()``; fail naming ``what`` when the time runs out."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen within {timeout:g} s")
+        time.sleep(0.02)
+
+
+def wait_for(proc: Proc, text: str, timeout: float = 30.0) -> None:
+    """Wait until ``text`` is in the output of ``proc``; fail if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while text not in proc.output():
+        if time.monotonic() > deadline or proc.proc.poll() is not None:
+            raise AssertionError(f"{text!r} not seen; output so far:\n{proc.output()}")
+        time.sleep(0.02)
+
+
+def error_line(output: str, marker: str = " ERROR ") -> str:
+    """The last log line holding ``marker``: where a culprit must be named (not in a join line)."""
+    lines = [ln for ln in output.splitlines() if marker in ln]
+    if not lines:
+        raise AssertionError(f"no line with {marker!r}; output:\n{output}")
+    return lines[-1]
+
+
 class Cluster:
     """Start a chief and workers by hand; ``close`` kills whatever is still running."""
 

@@ -39,6 +39,7 @@ from collective.errors import AbortedError, CollectiveError  # noqa: E402
 from collective.plan import with_bytes  # noqa: E402
 from collective.transport.grpc import GrpcEndpoint  # noqa: E402
 from tests.conftest import ArraySource  # noqa: E402
+from tests.procs import wait_until  # noqa: E402
 
 HB = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5", "--join-timeout", "20"]
 TIMEOUTS = Timeouts(join=20, straggler_log=5, rpc=5, stall=5, ready=20, start=20, linger=3, status_grace=0,
@@ -161,15 +162,20 @@ class Soak:
         if p.poll() is None:
             os.kill(p.pid, sig)
 
+    def joined(self, wid: str, n: int) -> bool:
+        """Whether process ``n`` of ``wid`` has its join reply (it logs so)."""
+        return "waiting for the plan" in (self.tmp / f"{wid}-{n}.log").read_text()
+
     def kill_and_restart(self, wid: str) -> None:
         victim = self.procs[wid][-1]  # this round's process, whatever happens later
+        n = len(self.procs[wid]) - 1
 
         def go():
-            time.sleep(0.3)  # let the killed process's join reply go out first
+            wait_until(lambda: self.joined(wid, n), f"{wid}'s join reply")  # killed after it, not before
             if victim.poll() is None:
                 os.kill(victim.pid, signal.SIGKILL)
             victim.wait(10)
-            time.sleep(0.2)
+            wait_until(lambda: wid not in {w.worker_id for w in self.service.status().workers}, f"{wid}'s slot freed")
             self.start_worker(wid)
 
         helper = threading.Thread(target=go, daemon=True)
@@ -180,7 +186,7 @@ class Soak:
         r = Round(n, fault)
         self.fault, self.procs, self.helpers = fault, {}, []
         # star: the in-process chief streams to every worker itself, so it can inject faults
-        service = ChiefService(ArraySource(self.arrays), self.workers, timeouts=TIMEOUTS, chunk_bytes=256 << 10,
+        service = self.service = ChiefService(ArraySource(self.arrays), self.workers, timeouts=TIMEOUTS, chunk_bytes=256 << 10,
                                topology="star")
         handler = FaultyHandler(service, self)
         ids = [f"w{i}" for i in range(self.workers)]
@@ -200,18 +206,18 @@ class Soak:
                 # so its death always falls before the broadcast.
                 order.remove(handler.victim)
                 self.start_worker(handler.victim)
-                deadline = time.monotonic() + 20
-                while not self.helpers and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                wait_until(lambda: self.helpers, "the kill-and-restart helper")
                 for t in self.helpers:
                     t.join(20)
+                    if t.is_alive():
+                        raise AssertionError("the kill-and-restart helper did not finish within 20 s")
             for wid in order:
                 self.start_worker(wid)
             if fault == "late_joiner":
-                time.sleep(1.0)
+                time.sleep(1.0)  # the scenario itself (several heartbeats pass), not a synchronisation
                 self.start_worker(late)
             if fault == "twin_id":
-                time.sleep(0.3)
+                wait_until(lambda: self.joined(handler.victim, 0), "the first twin's join")
                 self.start_worker(handler.victim)  # refused: the first keeps its rank
             if fault == "wrong_token":
                 self.start_worker("intruder", token="not-the-token")

@@ -168,6 +168,25 @@ class PhaseWatchdog:
                 abort(self._comm, 1)
 
 
+def forget_shm_names(comm: MPI.Comm) -> None:
+    """Unlink the names of MPICH's ``/dev/shm/mpich_shm_*`` segments once every rank holds them.
+
+    MPICH removes its segment only in MPI_Finalize, so every aborted or killed job would leave
+    ~3 MB in /dev/shm. After MPI_Init and one barrier every rank of this host has mapped it and
+    the name is needed no more: each rank unlinks the names it has mapped (never another job's),
+    and the memory goes when the last rank exits, however it exits. Blocks for the barrier.
+    """
+    comm.Barrier()
+    with open("/proc/self/maps") as fh:
+        paths = {f[5].strip() for f in (line.split(None, 5) for line in fh) if len(f) > 5}
+    for path in paths:
+        if path.startswith("/dev/shm/mpich_shm_") and not path.endswith("(deleted)"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # another rank of this host was first
+
+
 def abort(comm: MPI.Comm, code: int) -> None:
     """End every rank of the job. Never returns."""
     for h in logging.getLogger().handlers:

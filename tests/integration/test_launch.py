@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -55,9 +56,106 @@ def test_a_bad_model_makes_launch_fail_with_the_chiefs_reason(tmp_path):
          "--model", str(tmp_path / "nope.yaml"), "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=90, cwd=ROOT, stdin=subprocess.DEVNULL,
     )
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr  # the chief's exit code for bad input, passed on
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] is False and "nope.yaml" in result["error"]
+    # The error is the chief's message, not a whole log line with its timestamp and context.
+    assert " ERROR " not in result["error"] and "phase=" not in result["error"], result["error"]
+    assert "  seconds" not in proc.stderr and "GiB/s" not in proc.stderr  # no broadcast happened
+    assert f"  error       {result['error']}" in proc.stderr
+
+
+def _launch(run_dir, *args, env=None, timeout=90) -> subprocess.CompletedProcess:
+    """Run ``collective launch``; past ``timeout`` kill it and its children by pid, then fail."""
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "collective.cli", "launch", "--run-dir", str(run_dir), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        out, err = launch.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in _children_of(launch.pid):  # in their own sessions: killing launch would orphan them
+            os.kill(pid, signal.SIGKILL)
+        launch.kill()
+        launch.communicate(timeout=10)
+        raise AssertionError(f"launch did not end within {timeout} s") from None
+    return subprocess.CompletedProcess(launch.args, launch.returncode, out, err)
+
+
+def test_a_reused_run_dir_starts_clean_and_never_reads_the_last_runs_files(tmp_path):
+    # What a killed earlier run leaves: its port (now dead), its summary and a log of a 4th worker.
+    (tmp_path / "chief.port").write_text("1")
+    (tmp_path / "result.json").write_text(json.dumps({"ok": False, "error": "run 1 failed"}))
+    (tmp_path / "worker-3.log").write_text("2026-01-01T00:00:00.000Z INFO worker rank=3 id=worker-3 phase=join: old\n")
+    proc = _launch(tmp_path, "--workers", "2", "--devices-per-worker", "2", "--json", "--quiet", "--join-timeout", "20")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] is True and result["error"] is None
+    assert json.loads((tmp_path / "result.json").read_text())["ok"] is True
+    assert not (tmp_path / "worker-3.log").exists() and not (tmp_path / "chief.port").exists()
+    # --json summarises replicas as counts (7 variables x 2 devices), not every name of every worker.
+    assert [w["replicas"] for w in result["workers"]] == [14, 14]
+
+
+def test_a_run_dir_held_by_another_live_launch_is_refused_naming_it(tmp_path):
+    from collective.launch import Launcher
+
+    holder = Launcher(workers=1, run_dir=str(tmp_path))
+    holder._claim_run_dir()  # another launch in this process holds the directory
+    try:
+        (tmp_path / "chief.log").write_text("the holder's log\n")
+        proc = _launch(tmp_path, "--workers", "1", "--quiet")
+        assert proc.returncode == 2
+        assert f"run directory {tmp_path} is in use by another launch (pid {os.getpid()})" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert (tmp_path / "chief.log").read_text() == "the holder's log\n"  # untouched
+    finally:
+        holder._release_run_dir()
+    proc = _launch(tmp_path, "--workers", "1", "--quiet")  # released (as when a launch dies): usable again
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_launch_fails_within_seconds_naming_workers_that_all_died(tmp_path):
+    # A bad setting only workers read: every worker exits at once, the chief would wait 300 s.
+    proc = _launch(tmp_path, "--workers", "2", "--json", "--quiet", "--join-timeout", "300",
+                   env={"COLLECTIVE_STALL_TIMEOUT": "-1"}, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] is False
+    assert result["error"].startswith("worker process(es) ended before the round did: "), result["error"]
+    assert "worker-0 (pid" in result["error"] and "worker-1 (pid" in result["error"]
+    assert "COLLECTIVE_STALL_TIMEOUT" in result["error"]  # each worker's own reason is carried along
+    assert result["failed_processes"]["worker 0"] == 2 and result["failed_processes"]["worker 1"] == 2
+
+
+@pytest.fixture
+def full_dir(tmp_path):
+    """A tiny tmpfs filled to the last byte, unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True, timeout=10)
+    try:
+        (mnt / "run").mkdir()
+        with open(mnt / "filler", "wb", buffering=0) as fh:
+            with pytest.raises(OSError) as info:
+                while True:
+                    fh.write(b"\0" * 4096)
+            assert info.value.errno == errno.ENOSPC
+        yield mnt / "run"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True, timeout=10)
+
+
+def test_a_full_run_dir_cuts_the_logs_but_not_the_round(full_dir):
+    proc = _launch(full_dir, "--workers", "2", "--json", "--quiet", "--join-timeout", "30")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] is True
+    assert "No space left on device" in result["logs_cut"] and "chief.log" in result["logs_cut"]
+    assert "broadcast complete" in proc.stderr and "  logs cut    " in proc.stderr
 
 
 def test_ctrl_c_stops_launch_and_leaves_no_process_behind(tmp_path):
@@ -75,8 +173,7 @@ def test_ctrl_c_stops_launch_and_leaves_no_process_behind(tmp_path):
             children = _children_of(launch.pid)
             time.sleep(0.05)
         assert children, "the chief should be running"
-        time.sleep(0.5)  # the chief is still materialising ~400 MB of initial values
-        children = _children_of(launch.pid)
+        children = _children_of(launch.pid)  # the chief (materialising ~400 MB), maybe workers too
         launch.send_signal(signal.SIGINT)
         launch.wait(30)
         assert launch.returncode != 0
@@ -89,3 +186,13 @@ def test_ctrl_c_stops_launch_and_leaves_no_process_behind(tmp_path):
             launch.kill()
             launch.wait(10)
         out.close()
+
+
+def test_a_chief_that_cannot_write_its_summary_keeps_the_rounds_outcome(full_dir, cluster):
+    chief = cluster.chief("--workers", "1", "--join-timeout", "30", "--result-file", str(full_dir / "result.json"))
+    worker = cluster.worker("w0")
+    assert worker.wait(60) == 0, worker.output()
+    assert chief.wait(30) == 0, chief.output()  # started stays started
+    out = chief.output()
+    assert "could not write the round's summary to" in out and "No space left on device" in out
+    assert "the outcome stands (started)" in out and "Traceback" not in out

@@ -10,18 +10,14 @@ import time
 
 import pytest
 
+from tests.procs import error_line, wait_for
+
 pytestmark = pytest.mark.integration
 
 HB = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5"]
 
 
 
-def wait_for(proc, text: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in proc.output():
-        if time.monotonic() > deadline or proc.proc.poll() is not None:
-            raise AssertionError(f"{text!r} not seen; output so far:\n{proc.output()}")
-        time.sleep(0.02)
 
 
 def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster):
@@ -34,9 +30,10 @@ def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster
     t0 = time.monotonic()
     assert chief.wait(30) != 0
     detected = time.monotonic() - t0
-    assert "worker victim" in chief.output() and "lost during the broadcast" in chief.output()
+    aborted = error_line(chief.output(), "round aborted:")  # the join line names every worker too
+    assert "worker victim (rank" in aborted and "lost during the broadcast" in aborted, aborted
     assert other.wait(30) != 0
-    assert "victim" in other.output()
+    assert "victim" in error_line(other.output())
     assert "training started" not in chief.output() + other.output()
     assert detected < 10, f"the chief took {detected:.1f} s to notice"
 
@@ -49,8 +46,9 @@ def test_a_frozen_worker_is_caught_by_the_lease_and_learns_of_the_abort_after_si
     try:
         other = cluster.worker("other", "--join-timeout", "60", *HB)
         assert chief.wait(30) != 0
-        assert "worker frozen" in chief.output() and "no heartbeat" in chief.output()
-        assert other.wait(30) != 0 and "frozen" in other.output()
+        aborted = error_line(chief.output(), "round aborted:")
+        assert "worker frozen (rank" in aborted and "no heartbeat" in aborted, aborted
+        assert other.wait(30) != 0 and "frozen" in error_line(other.output())
     finally:
         frozen.signal(signal.SIGCONT)
     assert frozen.wait(30) != 0
@@ -129,7 +127,7 @@ def test_a_late_joiner_inside_the_join_window_still_makes_the_round(cluster):
     chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
     early = cluster.worker("early", "--join-timeout", "60", *HB)
     wait_for(early, "waiting for the plan")
-    time.sleep(1.0)  # several heartbeats pass while the chief waits
+    time.sleep(1.0)  # the scenario (lateness: several heartbeats pass), not a synchronisation
     late = cluster.worker("late", "--join-timeout", "60", *HB)
     assert late.wait(60) == 0 and early.wait(60) == 0
     assert chief.wait(30) == 0
@@ -158,9 +156,10 @@ def test_a_worker_restarted_after_the_broadcast_began_aborts_the_round_naming_it
     try:
         reborn = cluster.worker("phoenix", "--join-timeout", "60", *HB)
         assert chief.wait(30) != 0
-        assert "worker phoenix" in chief.output() and "restarted" in chief.output()
+        aborted = error_line(chief.output(), "round aborted:")
+        assert "worker phoenix (rank" in aborted and "restarted" in aborted, aborted
         assert reborn.wait(30) != 0 and other.wait(30) != 0
-        assert "restarted" in other.output()
+        assert "phoenix" in error_line(other.output()) and "restarted" in error_line(other.output())
     finally:
         old.signal(signal.SIGCONT)
 
@@ -205,8 +204,8 @@ def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
     wait_for(relay, "relaying to worker d1")
     relay.signal(signal.SIGKILL)
     assert chief.wait(30) != 0
-    error = [ln for ln in chief.output().splitlines() if "round aborted" in ln][0]
-    assert "relay" in error, error
+    error = error_line(chief.output(), "round aborted:")
+    assert "worker relay (rank" in error, error
     for d in downstream:
         assert d.wait(30) != 0
         assert "training started" not in d.output()
@@ -241,6 +240,48 @@ def test_a_worker_killed_between_two_calls_is_named_through_its_presence_call(cl
     wait_for(victim, "VERIFYING")
     victim.signal(signal.SIGKILL)
     assert chief.wait(30) != 0
-    assert "worker victim" in chief.output()
-    assert "was lost during the broadcast: its presence call was cut off" in chief.output()
-    assert other.wait(30) != 0 and "victim" in other.output()
+    aborted = error_line(chief.output(), "round aborted:")
+    assert "worker victim (rank" in aborted, aborted
+    assert "was lost during the broadcast: its presence call was cut off" in aborted
+    assert other.wait(30) != 0 and "victim" in error_line(other.output())
+
+
+def test_ctrl_c_on_the_chief_tells_every_worker_at_once_and_blames_no_worker(cluster):
+    # Default heartbeats (lease 15 s): a worker that exits within 10 s heard it from the chief.
+    chief = cluster.chief("--workers", "2", "--join-timeout", "60")
+    worker = cluster.worker("w0", "--join-timeout", "60")
+    wait_for(worker, "waiting for the plan")
+    wait_for(chief, "worker w0 (rank 0")
+    chief.signal(signal.SIGINT)
+    assert chief.wait(10) != 0
+    assert worker.wait(10) != 0
+    assert "chief interrupted (SIGINT)" in worker.output()
+    chief_out = chief.output()
+    assert "round aborted: chief interrupted (SIGINT)" in chief_out
+    assert "left before the broadcast" not in chief_out and "was lost" not in chief_out
+    assert "Traceback" not in chief_out + worker.output()
+
+
+def test_ctrl_c_on_a_worker_ends_it_with_one_line_and_exit_130(cluster):
+    cluster.chief("--workers", "2", "--join-timeout", "60")
+    worker = cluster.worker("w0", "--join-timeout", "60")
+    wait_for(worker, "waiting for the plan")
+    worker.signal(signal.SIGINT)
+    assert worker.wait(10) == 130
+    out = worker.output()
+    assert out.rstrip().splitlines()[-1] == "interrupted"
+    assert "Traceback" not in out
+
+
+def test_a_worker_beyond_workers_is_refused_and_the_chief_logs_it(cluster):
+    chief = cluster.chief("--workers", "1", "--model", "transformer-100m", "--chunk-bytes", "65536",
+                          "--join-timeout", "60", "--no-shm", *HB)
+    member = cluster.worker("member", "--join-timeout", "60", *HB)
+    wait_for(member, "phase=receive")
+    extra = cluster.worker("extra", "--join-timeout", "60", *HB)
+    assert extra.wait(30) != 0
+    assert "worker 'extra'" in extra.output() and "joins are closed" in extra.output()
+    assert member.wait(60) == 0, member.output()
+    assert chief.wait(30) == 0
+    [line] = [ln for ln in chief.output().splitlines() if "refused a join" in ln]
+    assert "WARNING" in line and "worker 'extra' from" in line and "with all 1 worker(s); joins are closed" in line

@@ -20,12 +20,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.mpi]
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 
 
-def mpirun(n: int, *args: str, script: list[str] | None = None, env: dict | None = None, timeout: float = 90):
+def mpirun(n: int, *args: str, script: list[str] | None = None, env: dict | None = None, timeout: float = 90,
+           shm_list: Path | None = None):
+    """Run a job; with ``shm_list``, in a private mount namespace with its own empty /dev/shm,
+    whose listing after the job is written to ``shm_list`` (what the job left behind, and only it)."""
     if MPIEXEC is None:
         pytest.fail("mpiexec not found: `make test` installs the mpich wheel (the `mpi` extra)")
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
     full_env.update(env or {})
     cmd = [MPIEXEC, "-n", str(n), sys.executable, *(script or ["-m", "collective.mpi"]), *args]
+    if shm_list is not None:
+        script_text = 'mount -t tmpfs tmpfs /dev/shm || exit 99; "$@"; rc=$?; ls -A /dev/shm > "$SHM_LIST"; exit $rc'
+        unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+        cmd = [*unshare, "sh", "-c", script_text, "sh", *cmd]
+        full_env["SHM_LIST"] = str(shm_list)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env,
                           stdin=subprocess.DEVNULL)
     return proc
@@ -129,3 +137,50 @@ def test_collective_launch_runs_the_mpi_transport_for_you(tmp_path):
     result = last_json(proc.stdout)
     assert result["ok"] is True and result["transport"] == "mpi" and len(result["workers"]) == 3
     assert {v["name"]: v["digest"] for v in result["variables"]} == source_digests("mlp")
+
+
+def test_an_aborted_job_leaves_nothing_in_dev_shm(tmp_path):
+    listing = tmp_path / "shm-after"
+    proc = mpirun(3, "--model", "mlp", "--join-timeout", "20", script=["tests/mpi_probe.py"],
+                  env={"PROBE_CORRUPT_RANK": "2"}, shm_list=listing)
+    assert proc.returncode not in (0, 99), proc.stderr  # 99: the private /dev/shm could not be mounted
+    assert "MPI_Abort" in proc.stdout + proc.stderr  # the job really was aborted, skipping MPI_Finalize
+    assert listing.read_text() == ""
+
+
+def test_a_successful_job_leaves_nothing_in_dev_shm_either(tmp_path):
+    listing = tmp_path / "shm-after"
+    proc = mpirun(3, "--model", "mlp", shm_list=listing)
+    assert proc.returncode == 0, proc.stderr
+    assert listing.read_text() == ""
+
+
+def test_ctrl_c_on_mpiexec_ends_every_rank_with_one_line_and_exit_130(tmp_path):
+    import signal
+    import time
+
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: `make test` installs the mpich wheel (the `mpi` extra)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    out_path = tmp_path / "mpiexec.out"
+    with open(out_path, "w") as out:
+        job = subprocess.Popen(
+            [MPIEXEC, "-n", "3", sys.executable, "tests/mpi_probe.py", "--join-timeout", "120"],
+            stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**env, "PROBE_HOLD_RANK": "2"},
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "HOLDING" not in out_path.read_text():  # rank 2 holds everyone in the join
+            assert job.poll() is None and time.monotonic() < deadline, out_path.read_text()
+            time.sleep(0.05)
+        job.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends mpiexec
+        assert job.wait(30) == 130, out_path.read_text()
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(10)
+    text = out_path.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.count("interrupted") == 1, text  # rank 0's line, once
+    assert "BAD TERMINATION" not in text, text

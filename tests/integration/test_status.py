@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.procs import ROOT
+from tests.procs import ROOT, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -23,9 +22,7 @@ def status(*args: str) -> subprocess.CompletedProcess:
 def test_status_names_the_joined_worker_and_who_is_still_missing(cluster):
     cluster.chief("--workers", "2", "--join-timeout", "60", env={"COLLECTIVE_TOKEN": "t0k"})
     w = cluster.worker("early-bird", "--devices", "cpu:0,cpu:1", env={"COLLECTIVE_TOKEN": "t0k"})
-    deadline = time.monotonic() + 20
-    while "waiting for the plan" not in w.output() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: "waiting for the plan" in w.output(), "the worker's join")
     proc = status("--chief", cluster.address, "--token", "t0k", "--json")
     assert proc.returncode == 0, proc.stderr
     st = json.loads(proc.stdout)
@@ -34,6 +31,8 @@ def test_status_names_the_joined_worker_and_who_is_still_missing(cluster):
     [worker] = st["workers"]
     assert worker["worker_id"] == "early-bird" and worker["devices"] == ["cpu:0", "cpu:1"]
     assert worker["phase"] == "joined" and worker["seconds_since_heartbeat"] < 10
+    # Byte counts are numbers, not protobuf's JSON strings for 64-bit fields.
+    assert worker["bytes_received"] == 0 and isinstance(worker["bytes_total"], int) and worker["bytes_total"] > 0
     text = status("--chief", cluster.address, "--token", "t0k")
     assert text.returncode == 0
     assert "1/2 workers joined" in text.stdout and "early-bird" in text.stdout
@@ -47,19 +46,23 @@ def test_status_with_a_wrong_token_is_refused_with_exit_2(cluster):
     assert "refused the cluster token" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_status_watch_follows_the_round_until_start(cluster):
+def test_status_watch_follows_the_round_until_start(cluster, tmp_path):
     cluster.chief("--workers", "1", "--join-timeout", "60")
-    watcher = subprocess.Popen(
-        [sys.executable, "-m", "collective.cli", "status", "--chief", cluster.address, "--watch", "--interval", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
-    )
+    out_path = tmp_path / "watch.out"
+    with open(out_path, "w") as out_fh:
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "collective.cli", "status", "--chief", cluster.address, "--watch", "--interval", "0.1"],
+            stdout=out_fh, stderr=subprocess.STDOUT, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
+        )
     try:
-        time.sleep(0.5)
+        # The worker starts only once the watcher has drawn the empty cluster.
+        wait_until(lambda: "0/1 workers joined" in out_path.read_text(), "the watcher's first table")
         cluster.worker("w0")
-        out, err = watcher.communicate(timeout=30)
+        watcher.wait(30)
     finally:
         if watcher.poll() is None:
             watcher.kill()
-            watcher.communicate()
-    assert watcher.returncode == 0, err
+            watcher.wait(10)
+    out = out_path.read_text()
+    assert watcher.returncode == 0, out
     assert "0/1 workers joined" in out and ": started for" in out

@@ -14,7 +14,7 @@ from collective.errors import (
     AlreadyExistsError,
     FrozenError,
     JoinTimeoutError,
-    ResourceExhaustedError,
+    PreconditionError,
 )
 from tests.conftest import FAST, inmemory_cluster, run_threads, small_arrays
 
@@ -91,7 +91,8 @@ def test_join_retried_with_same_incarnation_gets_the_same_rank_and_a_second_proc
     with pytest.raises(AlreadyExistsError, match="'a'.*i1.*i2"):
         link.join(pb.JoinRequest(worker_id="a", incarnation="i2", devices=["cpu:0"]), 1)
     link.join(pb.JoinRequest(worker_id="b", incarnation="i3", devices=["cpu:0"]), 1)
-    with pytest.raises((ResourceExhaustedError, Exception), match="cannot join"):
+    # Both slots taken, so the plan is out: a third worker finds joins closed.
+    with pytest.raises(PreconditionError, match="worker 'c' .*cannot join: the cluster is broadcasting"):
         link.join(pb.JoinRequest(worker_id="c", incarnation="i4", devices=["cpu:0"]), 1)
 
 

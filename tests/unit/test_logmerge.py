@@ -226,3 +226,28 @@ def test_logs_command_prints_the_timeline_and_the_runs_outcome(run):
     out = io.StringIO()
     logs_command(str(run), phase="failed", as_json=True, out=out)
     assert [json.loads(line)["phase"] for line in out.getvalue().splitlines()] == ["failed", "failed"]
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(run):
+    """``collective logs D | head -1``: the closed pipe ends it with 141 and no traceback."""
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    with open(run / "chief.log", "a") as fh:  # more than a pipe holds, so writes meet the closed end
+        for i in range(20000):
+            fh.write(text("13:18:11.000", "chief", "-", "-", "failed", f"filler line {i}"))
+    proc = subprocess.Popen([sys.executable, "-m", "collective.cli", "logs", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout.readline()  # head -1
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(30) == 141, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
+    assert err == ""

@@ -200,7 +200,14 @@ def test_deferred_variables_are_made_on_first_use_and_kept():
     v = store.get("v3")
     assert made == [3] and v is store.get("v3") and made == [3]
     assert v.replicas[0] is arrays[3]  # the given array itself, no copy
-    assert store.get("nope") is None
+    assert store["v3"] is v
+    assert made == [3]  # a failed lookup below makes no variable either
+    with pytest.raises(KeyError, match=r"no variable named 'v9' among the 4 in this store; did you mean 'v[0-3]'"):
+        store.get("v9")
+    with pytest.raises(KeyError) as info:
+        store["dense_1/kernel"]
+    assert info.value.args[0] == "no variable named 'dense_1/kernel' among the 4 in this store"
+    assert made == [3]
 
 
 def test_deferred_variables_keep_their_order_and_types_in_the_collections():

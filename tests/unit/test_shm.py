@@ -38,9 +38,36 @@ def test_a_socket_that_is_not_here_means_another_host(served):
 
 
 def test_the_sealed_arena_cannot_be_written_even_by_the_chief(served):
+    """The seal itself, not just our read-only view: a new writable shared mapping of the memfd
+    and a write through its descriptor are refused by the kernel (F_SEAL_WRITE)."""
+    import errno
+    import fcntl
+    import mmap
+    import os
+
     arena, _ = served
-    with pytest.raises(ValueError):
-        arena.array[0] = 1
+    seals = fcntl.fcntl(arena.fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_WRITE and seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+    with pytest.raises(PermissionError):
+        mmap.mmap(arena.fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    with pytest.raises(OSError) as info:
+        os.pwrite(arena.fd, b"\x01", 0)
+    assert info.value.errno == errno.EPERM
+    assert arena.array[0] == 0
+
+
+def test_an_unsealed_arena_is_writable_through_a_second_mapping():
+    """The check above can fail: the same attempt succeeds on an arena that was never sealed."""
+    import mmap
+
+    arena = SharedArena(4096)
+    try:
+        second = mmap.mmap(arena.fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        second[0] = 7
+        assert arena.array[0] == 7
+        second.close()
+    finally:
+        arena.close()
 
 
 def test_a_segment_smaller_than_the_plan_says_is_not_used(served):

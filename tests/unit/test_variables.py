@@ -530,7 +530,8 @@ def test_the_store_finds_variables_by_name_counts_and_iterates_them(store):
     b = create_variable("b", np.zeros(1), ONE, store=store)
     assert store.get("a") is a
     assert store.get("b") is b
-    assert store.get("c") is None
+    with pytest.raises(KeyError, match="no variable named 'c'"):
+        store.get("c")
     assert len(store) == 2
     assert list(store) == [a, b]
     assert "a" in store
@@ -577,7 +578,7 @@ def test_creating_a_variable_after_start_is_rejected_as_frozen(store):
         "cannot create variable 'x': the variable set is frozen once training has started"
     )
     assert isinstance(info.value, RuntimeError)
-    assert store.get("x") is None
+    assert "x" not in store
     assert len(store) == 1
 
 
