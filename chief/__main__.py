@@ -13,6 +13,7 @@ from pathlib import Path
 
 from collective import logs
 from collective.config import (
+    add_max_model_bytes_option,
     add_option,
     add_timeout_options,
     add_tls_options,
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                type=positive_int, default=None)
     add_timeout_options(p, "join", "ready", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
+    add_max_model_bytes_option(p)
     add_option(p, "port-file", help="write the bound port here once serving (for launchers)", default=None)
     add_option(p, "result-file", help="write the round's JSON summary here", default=None)
     return p
@@ -81,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     source = load_source(args.model, seed=args.seed)
     service = ChiefService(
         source, args.workers, timeouts=timeouts_from_args(args), chunk_bytes=args.chunk_bytes, shm=args.shm,
-        topology=args.topology,
+        topology=args.topology, max_model_bytes=args.max_model_bytes,
     )
     endpoint = GrpcEndpoint(args.bind, token=args.token, max_workers=4 * args.workers + 8, tls=tls)
     address = endpoint.start(service)

@@ -36,7 +36,7 @@ from collective.errors import (
     UsageError,
 )
 from collective.keys import parse_devices
-from collective.model import ModelSource, VariableSpec
+from collective.model import ModelSource, VariableSpec, check_fits, validate_model
 from collective.plan import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -95,15 +95,19 @@ class Member:
 
 
 def materialize(
-    source: ModelSource, allocate=lambda n: np.zeros(n, dtype=np.uint8)
+    source: ModelSource, allocate=lambda n: np.zeros(n, dtype=np.uint8), *, max_bytes: int | None = None
 ) -> tuple[list[VariableSpec], np.ndarray, list[str]]:
     """Fill every initial value straight into one arena; return specs, arena and digests.
 
     ``allocate(nbytes)`` makes the arena (a memfd mapping for the shared-memory path). Callable
-    and seeded initializers run here, on the chief only.
+    and seeded initializers run here, on the chief only. Before anything is allocated, raises
+    ModelError for invalid variables and for an arena larger than ``max_bytes`` or than the
+    memory available (``collective.model.check_fits``).
     """
     specs = source.specs()
+    validate_model(specs, label=source.description)
     offsets, total = layout(specs)
+    check_fits(specs, total, label=source.description, max_bytes=max_bytes)
     arena = allocate(total)
     digests = []
     for spec, off in zip(specs, offsets, strict=True):
@@ -128,6 +132,7 @@ class ChiefService:
         heartbeats: bool = True,
         shm: bool = False,
         topology: str = "auto",
+        max_model_bytes: int | None = None,
     ) -> None:
         if num_workers < 1:
             raise UsageError(f"--workers must be at least 1, got {num_workers}")
@@ -152,12 +157,12 @@ class ChiefService:
                 self._shared = SharedArena(n)
                 return self._shared.array
 
-            self.specs, writable, self.digests = materialize(source, allocate)
+            self.specs, writable, self.digests = materialize(source, allocate, max_bytes=max_model_bytes)
             del writable  # the seal needs every writable view of the mapping gone
             self._shared.seal()  # read-only from here on, for the chief too
             self.arena = self._shared.array
         else:
-            self.specs, self.arena, self.digests = materialize(source)
+            self.specs, self.arena, self.digests = materialize(source, max_bytes=max_model_bytes)
         self.materialize_seconds = time.monotonic() - t0
         self._cond = threading.Condition(threading.RLock())  # reentrant: fail() may run under it
         if self._shared is not None:

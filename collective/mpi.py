@@ -16,7 +16,13 @@ import socket
 import sys
 
 from collective import logs
-from collective.config import add_option, add_timeout_options, positive_int, timeouts_from_args
+from collective.config import (
+    add_max_model_bytes_option,
+    add_option,
+    add_timeout_options,
+    positive_int,
+    timeouts_from_args,
+)
 from collective.errors import CollectiveError, UsageError
 
 log = logging.getLogger("collective.mpi")
@@ -26,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpiexec -n N+1 python -m collective.mpi", description=__doc__)
     add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
     add_option(p, "seed", help="seed for initializer specs", type=int, default=None)
+    add_max_model_bytes_option(p)
     add_option(p, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
     add_option(p, "chunk-bytes", help="bytes per chunk: the unit of keys, trailers and checks", type=positive_int,
                default=None)
@@ -79,7 +86,7 @@ def _chief(comm, args, watchdog) -> int:
     source = load_source(args.model, seed=args.seed)
     service = ChiefService(
         source, comm.size - 1, timeouts=timeouts, chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi",
-        heartbeats=False,
+        heartbeats=False, max_model_bytes=args.max_model_bytes,
     )
     log.info("chief %s on rank 0; %d worker rank(s)", service.incarnation, comm.size - 1)
     if args.split_bytes and args.split_bytes >= 2**31:
