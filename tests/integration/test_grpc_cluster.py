@@ -152,6 +152,23 @@ def test_a_model_bigger_than_memory_ends_the_chief_with_exit_2_before_allocating
     assert len(lines) == 1 and says in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    ("names", "says"),
+    [('"a\\ud800"', "variable 'a\\ud800': the name is not valid Unicode text"),
+     ('"x", "x/replica_1"', "variable 'x/replica_1' is named like replica 1 of variable 'x'")],
+)
+def test_a_model_whose_names_cannot_go_on_the_wire_ends_the_chief_with_exit_2(tmp_path, cluster, names, says):
+    entries = ", ".join(
+        f'{{"name": {n}, "shape": [1], "dtype": "float32", "initializer": "zeros"}}' for n in names.split(", ")
+    )
+    model = tmp_path / "names.json"
+    model.write_text(f'{{"variables": [{entries}]}}')
+    chief = cluster.chief("--workers", "1", "--model", str(model), wait_port=False)
+    assert chief.wait(30) == 2
+    lines = [ln for ln in chief.output().splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"names.json: {says}" in lines[0], lines
+
+
 def test_an_invalid_option_exits_2_without_a_traceback(cluster):
     chief = cluster.chief("--workers", "0", wait_port=False)
     assert chief.wait(30) == 2
