@@ -29,6 +29,7 @@ from collective.errors import (
     CollectiveError,
     DeadlineError,
     IntegrityError,
+    InvalidVariableError,
     JoinTimeoutError,
     PreconditionError,
     ProtocolError,
@@ -42,6 +43,7 @@ from collective.plan import (
     MAX_CHUNK_BYTES,
     Chunker,
     build_plan,
+    check_declared,
     declaration_differences,
     differing_chunk,
     layout,
@@ -261,6 +263,11 @@ class ChiefService:
                     f"worker {req.worker_id!r} cannot join: the cluster is {self._phase.value}; joins are closed"
                 )
             if req.declared:
+                try:
+                    check_declared(req.declared)
+                except InvalidVariableError as exc:
+                    log.warning("refused worker %r: it declares an invalid variable list: %s", req.worker_id, exc)
+                    raise ProtocolError(f"worker {req.worker_id!r} declares an invalid variable list: {exc}") from None
                 diffs = declaration_differences(self.specs, req.declared)
                 if diffs:
                     shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
@@ -319,8 +326,8 @@ class ChiefService:
         self._phase, self._phase_at = Phase.BROADCASTING, time.monotonic()
         logs.phase("broadcast")
         log.info(
-            "all %d workers joined; plan released (%d chunks per worker, topology %s)",
-            self.num_workers, len(self._chunker), topology,
+            "all %d workers joined; plan released (%d chunks per worker, topology %s, plan of %d bytes)",
+            self.num_workers, len(self._chunker), topology, self._plan.ByteSize(),
         )
         self._cond.notify_all()
 

@@ -2,14 +2,12 @@
 
 A ``CollectiveError`` (a user mistake or a failed round) is logged as one line naming the
 culprit, with exit code ``exc.exit_code`` (2 for usage and input errors) and no traceback.
-Ctrl-C exits 130. A reader that closed our stdout (``| head``) ends us quietly with 141, as
-SIGPIPE ends other tools. Anything else is a bug and keeps its traceback.
+Ctrl-C exits 130. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable
 
@@ -20,15 +18,7 @@ log = logging.getLogger("collective")
 
 def run_main(main: Callable[[], int]) -> int:
     try:
-        code = main()
-        sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
-        return code
-    except BrokenPipeError:
-        # Point stdout at /dev/null so the interpreter's final flush does not complain again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return 141
+        return main()
     except CollectiveError as exc:
         if logging.getLogger().handlers:
             log.error("%s", exc)

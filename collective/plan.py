@@ -18,12 +18,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from collective import keys as keymod
 from collective._proto import collective_pb2 as pb
 from collective.digest import bytes_digest, chunk_digests, combined_digest
-from collective.errors import IntegrityError, ProtocolError
-from collective.model import Aggregation, Synchronization, VariableSpec
+from collective.errors import IntegrityError, InvalidVariableError, ProtocolError
+from collective.model import Aggregation, Synchronization, VariableSpec, check_specs
 from collective.variables import replica_name
 
 ALIGN = 64
@@ -101,6 +102,30 @@ def build_plan(
     )
 
 
+PLAN_PIECE_BYTES = 4 << 20
+"""GetPlan sends the serialized plan in pieces of this size: under any gRPC message limit."""
+
+
+def plan_pieces(data: bytes, piece_bytes: int = PLAN_PIECE_BYTES) -> Iterator[pb.PlanPiece]:
+    """A serialized plan cut into GetPlan's pieces, in order (one empty piece for an empty plan)."""
+    view = memoryview(data)
+    for start in range(0, max(len(data), 1), piece_bytes):
+        yield pb.PlanPiece(data=bytes(view[start : start + piece_bytes]), plan_bytes=len(data))
+
+
+def plan_from_pieces(pieces: Sequence[pb.PlanPiece], sender: str) -> pb.Plan:
+    """The plan joined from GetPlan's pieces. Raises ProtocolError, naming ``sender``, when
+    pieces are missing or the bytes are not a Plan."""
+    data = b"".join(p.data for p in pieces)
+    if not pieces or any(p.plan_bytes != len(data) for p in pieces):
+        claimed = pieces[0].plan_bytes if pieces else "?"
+        raise ProtocolError(f"{sender} sent {len(data)} bytes of a plan of {claimed} bytes in {len(pieces)} piece(s)")
+    try:
+        return pb.Plan.FromString(data)
+    except DecodeError as exc:
+        raise ProtocolError(f"{sender} sent {len(data)} bytes that are not a plan: {exc}") from None
+
+
 def _trainable(spec: VariableSpec) -> bool:
     if spec.trainable is not None:
         return spec.trainable
@@ -108,7 +133,11 @@ def _trainable(spec: VariableSpec) -> bool:
 
 
 def declared(specs: Sequence[VariableSpec]) -> list[pb.VariableInfo]:
-    """The declaration a worker sends at join: names, shapes, dtypes and modes."""
+    """The declaration a worker sends at join: names, shapes, dtypes and modes.
+
+    Raises InvalidVariableError naming the variable when a spec could not go on the wire or be
+    a model (``collective.model.check_specs``)."""
+    check_specs(specs)
     return [
         pb.VariableInfo(
             name=s.name, shape=list(s.shape), dtype=s.dtype, synchronization=s.synchronization.name,
@@ -116,6 +145,19 @@ def declared(specs: Sequence[VariableSpec]) -> list[pb.VariableInfo]:
         )
         for s in specs
     ]
+
+
+def check_declared(worker: Sequence[pb.VariableInfo]) -> None:
+    """A worker's declaration, as received, obeys the rules of a model's variables (known modes,
+    a numpy dtype, ``check_specs``). Raises InvalidVariableError naming the first variable that
+    breaks one, before anything compares or describes it."""
+    specs = []
+    for v in worker:
+        try:
+            specs.append(spec_of(v))
+        except ValueError as exc:
+            raise InvalidVariableError(f"variable {v.name!r}: {exc}") from None
+    check_specs(specs)
 
 
 def declaration_differences(chief: Sequence[VariableSpec], worker: Sequence[pb.VariableInfo]) -> list[str]:

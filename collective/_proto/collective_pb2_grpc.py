@@ -39,10 +39,10 @@ class CollectiveStub:
                 request_serializer=collective__pb2.JoinRequest.SerializeToString,
                 response_deserializer=collective__pb2.JoinReply.FromString,
                 _registered_method=True)
-        self.GetPlan = channel.unary_unary(
+        self.GetPlan = channel.unary_stream(
                 '/collective.v1.Collective/GetPlan',
                 request_serializer=collective__pb2.WorkerRef.SerializeToString,
-                response_deserializer=collective__pb2.Plan.FromString,
+                response_deserializer=collective__pb2.PlanPiece.FromString,
                 _registered_method=True)
         self.AwaitPrepared = channel.unary_unary(
                 '/collective.v1.Collective/AwaitPrepared',
@@ -160,10 +160,10 @@ def add_CollectiveServicer_to_server(servicer, server):
                     request_deserializer=collective__pb2.JoinRequest.FromString,
                     response_serializer=collective__pb2.JoinReply.SerializeToString,
             ),
-            'GetPlan': grpc.unary_unary_rpc_method_handler(
+            'GetPlan': grpc.unary_stream_rpc_method_handler(
                     servicer.GetPlan,
                     request_deserializer=collective__pb2.WorkerRef.FromString,
-                    response_serializer=collective__pb2.Plan.SerializeToString,
+                    response_serializer=collective__pb2.PlanPiece.SerializeToString,
             ),
             'AwaitPrepared': grpc.unary_unary_rpc_method_handler(
                     servicer.AwaitPrepared,
@@ -254,12 +254,12 @@ class Collective:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/collective.v1.Collective/GetPlan',
             collective__pb2.WorkerRef.SerializeToString,
-            collective__pb2.Plan.FromString,
+            collective__pb2.PlanPiece.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
 """gRPC backend: the chief serves ``collective.v1.Collective``; workers are clients.
 
-A worker calls Join, GetPlan, AwaitPrepared (the barrier before the first byte), FetchRaw (the
+A worker calls Join, GetPlan (the plan in pieces of 4 MiB, so a plan of any size fits the
+message limit), AwaitPrepared (the barrier before the first byte), FetchRaw (the
 data stream as raw frames; Fetch is the same stream as protobuf messages), ReportReady and
 AwaitStart; from join until start it sends Heartbeat and holds a Presence call (both on a
 connection of their own), and ReportFailure when it fails. Status serves ``collective status``.
@@ -32,7 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
-from collective.plan import MAX_CHUNK_BYTES
+from collective.plan import MAX_CHUNK_BYTES, plan_from_pieces, plan_pieces
 from collective.transport.api import ChiefEndpoint, ChiefHandler, ChiefLink
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,8 @@ class _Servicer(pb_grpc.CollectiveServicer):
     def __init__(self, handler: ChiefHandler, *, bind_identity: bool = False) -> None:
         self._h = handler
         self._bind_identity = bind_identity
+        self._plan_lock = threading.Lock()
+        self._plan_bytes: tuple[pb.Plan | None, bytes] = (None, b"")
 
     def _identity(self, context, worker_id: str) -> None:
         """With mutual TLS, a worker may only act under the id its certificate names."""
@@ -224,8 +227,17 @@ class _Servicer(pb_grpc.CollectiveServicer):
         return self._call(context, self._h.join, request, context.peer())
 
     def GetPlan(self, request, context):  # noqa: N802
+        """The plan in pieces (``collective.plan.plan_pieces``): a plan of any size fits."""
         self._identity(context, request.worker_id)
-        return self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
+        plan = self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
+        yield from plan_pieces(self._serialized(plan))
+
+    def _serialized(self, plan: pb.Plan) -> bytes:
+        """Every worker gets the same plan: serialize it once (20 MiB of names take 0.1 s)."""
+        with self._plan_lock:
+            if self._plan_bytes[0] is not plan:
+                self._plan_bytes = (plan, plan.SerializeToString())
+            return self._plan_bytes[1]
 
     def AwaitPrepared(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
@@ -375,6 +387,24 @@ class GrpcEndpoint(ChiefEndpoint):
 # --- client ------------------------------------------------------------------------------
 
 
+class _Collected:
+    """A server-streaming method called as ``_unary`` calls a unary one: ``future(...)`` starts
+    the call, ``result()`` is the list of its messages, ``cancel()`` ends it."""
+
+    def __init__(self, method) -> None:
+        self._method = method
+
+    def future(self, request, *, timeout: float, metadata) -> _Collected:
+        self._call = self._method(request, timeout=timeout, metadata=metadata)
+        return self
+
+    def result(self) -> list:
+        return list(self._call)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class GrpcChiefLink(ChiefLink):
     """A worker's channel to the chief at ``address``."""
 
@@ -509,7 +539,8 @@ class GrpcChiefLink(ChiefLink):
                 raise self._error(exc, "join", timeout) from None
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
-        return self._unary(self._stub.GetPlan, ref, "join (waiting for the plan)", timeout, retry=True)
+        pieces = self._unary(_Collected(self._stub.GetPlan), ref, "join (waiting for the plan)", timeout, retry=True)
+        return plan_from_pieces(pieces, f"{self.name} at {self.address}")
 
     def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
         return self._unary(self._stub.AwaitPrepared, ref, "waiting for every worker to prepare", timeout, retry=True)

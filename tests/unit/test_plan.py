@@ -25,6 +25,8 @@ from collective.plan import (
     frame_messages,
     layout,
     manifest_digest,
+    plan_from_pieces,
+    plan_pieces,
     spec_of,
     validate_plan,
 )
@@ -876,3 +878,26 @@ def test_receiver_rejects_a_digest_on_a_message_without_bytes(abc):
     plan, _, chunks = abc
     chunks[-1].digest = "junk"
     expect_reject(plan, chunks, ProtocolError, "message at offset 392 has no bytes but claims digest junk")
+
+
+def test_a_plan_cut_into_pieces_joins_back_to_the_same_plan():
+    plan, *_ = make_plan(small_arrays())
+    data = plan.SerializeToString()
+    pieces = list(plan_pieces(data, piece_bytes=100))
+    assert len(pieces) == -(-len(data) // 100) and all(len(p.data) <= 100 for p in pieces)
+    assert plan_from_pieces(pieces, "chief at x") == plan
+    assert plan_from_pieces(list(plan_pieces(data)), "chief at x") == plan  # one piece
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [(lambda ps: ps[:-1], "chief at x sent 1700 bytes of a plan of 1736 bytes in 17 piece(s)"),
+     (lambda ps: [], "chief at x sent 0 bytes of a plan of ? bytes in 0 piece(s)"),
+     (lambda ps: [pb.PlanPiece(data=b"\xff" * 8, plan_bytes=8)], "chief at x sent 8 bytes that are not a plan")],
+)
+def test_missing_or_garbled_plan_pieces_are_a_protocol_error_naming_the_sender(damage, says):
+    plan, *_ = make_plan(small_arrays())
+    pieces = damage(list(plan_pieces(plan.SerializeToString(), piece_bytes=100)))
+    with pytest.raises(ProtocolError) as info:
+        plan_from_pieces(pieces, "chief at x")
+    assert says in str(info.value)

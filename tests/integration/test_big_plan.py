@@ -1,0 +1,37 @@
+"""A plan larger than one gRPC message (long names, many variables) still reaches every worker."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from collective.transport.grpc import MAX_MESSAGE
+
+VARIABLES = 20_000
+NAME_CHARS = 1_000  # 20,000 names of 1,000 characters: a plan of about 20.5 MiB
+
+
+def _long_names_spec(path, count: int, chars: int):
+    variables = [
+        {"name": f"layer_{i:05d}/" + "w" * (chars - 12), "shape": [2], "dtype": "float32", "initializer": "ones"}
+        for i in range(count)
+    ]
+    path.write_text(json.dumps({"seed": 0, "variables": variables}))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_a_plan_larger_than_the_grpc_message_limit_reaches_two_workers(tmp_path, cluster):
+    model = _long_names_spec(tmp_path / "long-names.json", VARIABLES, NAME_CHARS)
+    chief = cluster.chief("--workers", "2", "--model", str(model), "--join-timeout", "120", "--no-shm")
+    workers = [cluster.worker(f"w{i}", "--join-timeout", "120") for i in range(2)]
+    for w in workers:
+        assert w.wait(240) == 0, w.output()[-3000:]
+    assert chief.wait(60) == 0, chief.output()[-3000:]
+    released = re.search(r"plan released \(.*?plan of (\d+) bytes", chief.output())
+    assert released, chief.output()[-3000:]
+    assert int(released.group(1)) > MAX_MESSAGE  # the case under test: more than one message holds
+    for w in workers:
+        assert f"{VARIABLES} variables" in w.output()
