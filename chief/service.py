@@ -413,7 +413,8 @@ class ChiefService:
                 raise AbortedError(str(err))
             m.phase, m.worker_digest = "ready", req.worker_digest
             ready = sum(1 for x in self._members.values() if x.phase == "ready")
-            log.info("%s is ready with digest %s (%d/%d ready)", m.name(), req.worker_digest[:12], ready, self.num_workers)
+            log.info("%s is ready with digest %s (%d/%d ready; report of %d bytes)",
+                     m.name(), req.worker_digest[:12], ready, self.num_workers, req.ByteSize())
             if ready == self.num_workers and self._phase is Phase.BROADCASTING:
                 self._ready_at = time.monotonic()
                 self._phase, self._phase_at = Phase.STARTED, time.monotonic()

@@ -102,28 +102,41 @@ def build_plan(
     )
 
 
-PLAN_PIECE_BYTES = 4 << 20
-"""GetPlan sends the serialized plan in pieces of this size: under any gRPC message limit."""
+PIECE_BYTES = 4 << 20
+"""Messages that grow with the model (the plan, a ready report) go in pieces of this size."""
+
+MAX_PIECED_BYTES = 1 << 30
+"""The largest message a receiver joins from pieces: a ready report of 8 devices x 4M chunks."""
 
 
-def plan_pieces(data: bytes, piece_bytes: int = PLAN_PIECE_BYTES) -> Iterator[pb.PlanPiece]:
-    """A serialized plan cut into GetPlan's pieces, in order (one empty piece for an empty plan)."""
+def to_pieces(data: bytes, piece_bytes: int = PIECE_BYTES) -> Iterator[pb.Piece]:
+    """A serialized message cut into pieces, in order (one empty piece for an empty message)."""
     view = memoryview(data)
     for start in range(0, max(len(data), 1), piece_bytes):
-        yield pb.PlanPiece(data=bytes(view[start : start + piece_bytes]), plan_bytes=len(data))
+        yield pb.Piece(data=bytes(view[start : start + piece_bytes]), total_bytes=len(data))
 
 
-def plan_from_pieces(pieces: Sequence[pb.PlanPiece], sender: str) -> pb.Plan:
-    """The plan joined from GetPlan's pieces. Raises ProtocolError, naming ``sender``, when
-    pieces are missing or the bytes are not a Plan."""
-    data = b"".join(p.data for p in pieces)
-    if not pieces or any(p.plan_bytes != len(data) for p in pieces):
-        claimed = pieces[0].plan_bytes if pieces else "?"
-        raise ProtocolError(f"{sender} sent {len(data)} bytes of a plan of {claimed} bytes in {len(pieces)} piece(s)")
+def from_pieces(cls, pieces: Iterable[pb.Piece], sender: str, *, max_bytes: int = MAX_PIECED_BYTES):
+    """The ``cls`` message joined from ``pieces``. Raises ProtocolError, naming ``sender``, when
+    pieces are missing, disagree on the size, pass ``max_bytes`` or do not parse as ``cls``."""
+    what = cls.DESCRIPTOR.name
+    parts, got, claimed, count = [], 0, None, 0
+    for piece in pieces:
+        count += 1
+        claimed = piece.total_bytes if claimed is None else claimed
+        got += len(piece.data)
+        if piece.total_bytes != claimed or got > claimed or claimed > max_bytes:
+            raise ProtocolError(
+                f"{sender} sent a {what} in pieces that claim {piece.total_bytes} bytes after {claimed} "
+                f"(at most {max_bytes}) and carry {got}"
+            )
+        parts.append(piece.data)
+    if claimed is None or got != claimed:
+        raise ProtocolError(f"{sender} sent {got} bytes of a {what} of {claimed if claimed is not None else '?'} bytes in {count} piece(s)")
     try:
-        return pb.Plan.FromString(data)
+        return cls.FromString(b"".join(parts))
     except DecodeError as exc:
-        raise ProtocolError(f"{sender} sent {len(data)} bytes that are not a plan: {exc}") from None
+        raise ProtocolError(f"{sender} sent {got} bytes that are not a {what}: {exc}") from None
 
 
 def _trainable(spec: VariableSpec) -> bool:

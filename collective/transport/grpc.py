@@ -2,8 +2,8 @@
 
 A worker calls Join, GetPlan (the plan in pieces of 4 MiB, so a plan of any size fits the
 message limit), AwaitPrepared (the barrier before the first byte), FetchRaw (the
-data stream as raw frames; Fetch is the same stream as protobuf messages), ReportReady and
-AwaitStart; from join until start it sends Heartbeat and holds a Presence call (both on a
+data stream as raw frames; Fetch is the same stream as protobuf messages), ReportReady (in
+pieces too) and AwaitStart; from join until start it sends Heartbeat and holds a Presence call (both on a
 connection of their own), and ReportFailure when it fails. Status serves ``collective status``.
 FetchRaw is a generic handler outside the .proto; the other ten are the service's RPCs.
 
@@ -33,7 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
-from collective.plan import MAX_CHUNK_BYTES, plan_from_pieces, plan_pieces
+from collective.plan import MAX_CHUNK_BYTES, from_pieces, to_pieces
 from collective.transport.api import ChiefEndpoint, ChiefHandler, ChiefLink
 
 log = logging.getLogger(__name__)
@@ -227,10 +227,10 @@ class _Servicer(pb_grpc.CollectiveServicer):
         return self._call(context, self._h.join, request, context.peer())
 
     def GetPlan(self, request, context):  # noqa: N802
-        """The plan in pieces (``collective.plan.plan_pieces``): a plan of any size fits."""
+        """The plan in pieces (``collective.plan.to_pieces``): a plan of any size fits."""
         self._identity(context, request.worker_id)
         plan = self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
-        yield from plan_pieces(self._serialized(plan))
+        yield from to_pieces(self._serialized(plan))
 
     def _serialized(self, plan: pb.Plan) -> bytes:
         """Every worker gets the same plan: serialize it once (20 MiB of names take 0.1 s)."""
@@ -265,7 +265,9 @@ class _Servicer(pb_grpc.CollectiveServicer):
             context.abort(status_code(exc), str(exc))
         answered[0] = True
 
-    def ReportReady(self, request, context):  # noqa: N802
+    def ReportReady(self, request_iterator, context):  # noqa: N802
+        """A ReadyRequest in pieces: every device's chunk digests of a model of any size fit."""
+        request = self._call(context, from_pieces, pb.ReadyRequest, request_iterator, f"worker at {context.peer()}")
         self._identity(context, request.worker.worker_id)
         return self._call(context, self._h.report_ready, request)
 
@@ -315,13 +317,12 @@ class _TokenInterceptor(grpc.ServerInterceptor):
             log.warning("refused %s from %s: %s", method, context.peer(), reason)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} refused: {reason}")
 
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                refuse, handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer
-        )
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,  # ReportReady: the pieces are never read
+        }[(handler.request_streaming, handler.response_streaming)]
+        return make(refuse, handler.request_deserializer, handler.response_serializer)
 
 
 class GrpcEndpoint(ChiefEndpoint):
@@ -540,7 +541,7 @@ class GrpcChiefLink(ChiefLink):
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
         pieces = self._unary(_Collected(self._stub.GetPlan), ref, "join (waiting for the plan)", timeout, retry=True)
-        return plan_from_pieces(pieces, f"{self.name} at {self.address}")
+        return from_pieces(pb.Plan, pieces, f"{self.name} at {self.address}")
 
     def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
         return self._unary(self._stub.AwaitPrepared, ref, "waiting for every worker to prepare", timeout, retry=True)
@@ -600,7 +601,7 @@ class GrpcChiefLink(ChiefLink):
             self._untrack(call)
 
     def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply:
-        return self._unary(self._stub.ReportReady, req, "ready", timeout)
+        return self._unary(self._stub.ReportReady, to_pieces(req.SerializeToString()), "ready", timeout)
 
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
         return self._unary(self._stub.AwaitStart, ref, "waiting for start", timeout + 1.0, retry=True)

@@ -35,3 +35,21 @@ def test_a_plan_larger_than_the_grpc_message_limit_reaches_two_workers(tmp_path,
     assert int(released.group(1)) > MAX_MESSAGE  # the case under test: more than one message holds
     for w in workers:
         assert f"{VARIABLES} variables" in w.output()
+
+
+@pytest.mark.timeout(300)
+def test_a_ready_report_larger_than_the_grpc_message_limit_reaches_the_chief(tmp_path, cluster):
+    """Six devices' chunk digests of a model cut into 131,072 chunks: a 27 MB ready report (the
+    same count as a 64 GiB model in a chain's 512 KiB chunks)."""
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"variables": [
+        {"name": "w", "shape": [2 << 20], "dtype": "float32", "initializer": "uniform"}]}))
+    chief = cluster.chief("--workers", "1", "--model", str(model), "--chunk-bytes", "64", "--join-timeout", "120")
+    devices = ",".join(f"cpu:{i}" for i in range(6))
+    worker = cluster.worker("w0", "--devices", devices, "--join-timeout", "120")
+    assert worker.wait(240) == 0, worker.output()[-3000:]
+    assert chief.wait(60) == 0, chief.output()[-3000:]
+    assert "131073 chunks per worker" in chief.output()  # and the end message
+    report = re.search(r"worker w0 .* is ready with digest .*; report of (\d+) bytes\)", chief.output())
+    assert report, chief.output()[-3000:]
+    assert int(report.group(1)) > MAX_MESSAGE  # the case under test: more than one message holds

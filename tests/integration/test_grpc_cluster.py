@@ -247,7 +247,7 @@ def test_every_collective_rpc_refuses_a_wrong_token_before_any_state_changes(clu
     calls = {
         "Join": pb.JoinRequest(worker_id="x", incarnation="i", devices=["cpu:0"]),
         "GetPlan": ref, "AwaitPrepared": ref, "Fetch": ref, "AwaitStart": ref, "Heartbeat": ref, "Presence": ref,
-        "ReportReady": pb.ReadyRequest(worker=ref),
+        "ReportReady": iter([pb.Piece(data=pb.ReadyRequest(worker=ref).SerializeToString())]),
         "ReportFailure": pb.FailureReport(worker=ref, message="boom"),
         "Status": pb.StatusRequest(),
     }
