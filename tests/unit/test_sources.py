@@ -1172,3 +1172,41 @@ def test_npz_and_safetensors_names_are_checked_for_replica_clashes(tmp_path):
     raises_model_error(tmp_path / "w.npz", "w.npz: variable 'x/replica_2' is named like replica 2 of variable 'x'")
     save_file({"b": np.zeros(1, np.float32), "b/replica_1": np.zeros(1, np.float32)}, str(tmp_path / "w.safetensors"))
     raises_model_error(tmp_path / "w.safetensors", "variable 'b/replica_1' is named like replica 1 of variable 'b'")
+
+
+_ANY_INT = st.one_of(st.integers(-3, 8), st.integers(-(2**70), 2**70), st.sampled_from([2**31, 2**32, 2**62, 2**63, 2**64]))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=st.lists(_ANY_INT, max_size=4),
+    offsets=st.lists(_ANY_INT, min_size=2, max_size=2),
+    data=st.integers(0, 64),
+    name=st.sampled_from(["w", "w/replica_1", "\ud800", "a\udfffb"]),
+)
+def test_fuzz_a_safetensors_header_loads_valid_or_fails_with_one_model_error(tmp_path, shape, offsets, data, name):
+    header = {"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+              name: {"dtype": "F32", "shape": shape, "data_offsets": offsets}}
+    raw = json.dumps(header).encode()  # json escapes a lone surrogate as \\udxxx, as a writer would
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * data)
+    try:
+        specs = load_source(str(path)).specs()
+    except ModelError as exc:
+        assert "\n" not in str(exc) and str(exc).startswith(f"{path}: ")
+        return
+    for spec in specs:  # what loads is a model the wire can carry
+        pb.VariableInfo(name=spec.name, shape=list(spec.shape), nbytes=spec.nbytes).SerializeToString()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.lists(_ANY_INT, max_size=4))
+def test_fuzz_an_npz_header_loads_valid_or_fails_with_one_model_error(tmp_path, shape):
+    path = npz_with_header(tmp_path / "fuzz.npz", repr(tuple(shape)))
+    try:
+        specs = load_source(str(path)).specs()
+    except ModelError as exc:
+        assert "\n" not in str(exc) and "fuzz.npz" in str(exc)
+        return
+    for spec in specs:
+        pb.VariableInfo(name=spec.name, shape=list(spec.shape), nbytes=spec.nbytes).SerializeToString()
