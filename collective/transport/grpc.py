@@ -513,6 +513,12 @@ class GrpcChiefLink(ChiefLink):
                 self._untrack(future)
 
     def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
+        size = req.ByteSize()
+        if size > MAX_MESSAGE:  # gRPC would refuse it here, in words that blame the chief
+            raise E.UsageError(
+                f"this worker's join request is {size} bytes ({len(req.declared)} declared variables), more "
+                f"than the {MAX_MESSAGE}-byte message limit; join without --expect-model for a model this large"
+            )
         deadline = time.monotonic() + timeout
         last = "no answer"
         backoff, refusals = 0.1, 0

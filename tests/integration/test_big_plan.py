@@ -53,3 +53,20 @@ def test_a_ready_report_larger_than_the_grpc_message_limit_reaches_the_chief(tmp
     report = re.search(r"worker w0 .* is ready with digest .*; report of (\d+) bytes\)", chief.output())
     assert report, chief.output()[-3000:]
     assert int(report.group(1)) > MAX_MESSAGE  # the case under test: more than one message holds
+
+
+def test_a_declaration_too_large_for_one_message_is_refused_by_the_worker_in_its_own_words():
+    """A join request has no pieces: past the limit the worker says so instead of gRPC's 'Sent
+    message larger than max', which names the chief's address as if the chief were at fault."""
+    from collective._proto import collective_pb2 as pb
+    from collective.errors import UsageError
+    from collective.transport.grpc import GrpcChiefLink
+
+    declared = [pb.VariableInfo(name=f"layer_{i:05d}/" + "w" * 988, shape=[2], dtype="<f4") for i in range(VARIABLES)]
+    link = GrpcChiefLink("127.0.0.1:9")  # nothing is dialled: the request is refused before
+    try:
+        with pytest.raises(UsageError, match=r"join request is \d+ bytes \(20000 declared variables\), more than the "
+                                             r"17825792-byte message limit; join without --expect-model"):
+            link.join(pb.JoinRequest(worker_id="w", incarnation="i", devices=["cpu:0"], declared=declared), 5)
+    finally:
+        link.close()
