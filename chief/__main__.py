@@ -10,6 +10,7 @@ from pathlib import Path
 
 from collective import logs
 from collective.config import (
+    add_max_model_bytes_option,
     add_option,
     add_timeout_options,
     add_tls_options,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                type=positive_int, default=None)
     add_timeout_options(p, "join", "ready", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
+    add_max_model_bytes_option(p)
     add_option(p, "port-file", help="write the bound port here once serving (for launchers)", default=None)
     add_option(p, "result-file", help="write the round's JSON summary here", default=None)
     return p
@@ -85,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
     run_chief(
         source, args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
         shm=args.shm, topology=args.topology, chunk_bytes=args.chunk_bytes, on_listening=on_listening,
-        result_file=args.result_file,
+        result_file=args.result_file, max_model_bytes=args.max_model_bytes,
     )
     log.info("training started: %d workers hold identical variables", args.workers)
     return 0

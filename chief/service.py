@@ -31,6 +31,7 @@ from collective.errors import (
     CollectiveError,
     DeadlineError,
     IntegrityError,
+    InvalidVariableError,
     JoinTimeoutError,
     PreconditionError,
     ProtocolError,
@@ -38,12 +39,13 @@ from collective.errors import (
     UsageError,
 )
 from collective.keys import parse_devices
-from collective.model import ModelSource, VariableSpec
+from collective.model import ModelSource, VariableSpec, check_fits, validate_model
 from collective.plan import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     Chunker,
     build_plan,
+    check_declared,
     declaration_differences,
     differing_chunk,
     layout,
@@ -105,15 +107,19 @@ class _ChiefReplicas(Member):
 
 
 def materialize(
-    source: ModelSource, allocate=lambda n: np.zeros(n, dtype=np.uint8)
+    source: ModelSource, allocate=lambda n: np.zeros(n, dtype=np.uint8), *, max_bytes: int | None = None
 ) -> tuple[list[VariableSpec], np.ndarray, list[str]]:
     """Fill every initial value straight into one arena; return specs, arena and digests.
 
     ``allocate(nbytes)`` makes the arena (a memfd mapping for the shared-memory path). Callable
-    and seeded initializers run here, on the chief only.
+    and seeded initializers run here, on the chief only. Before anything is allocated, raises
+    ModelError for invalid variables and for an arena larger than ``max_bytes`` or than the
+    memory available (``collective.model.check_fits``).
     """
     specs = source.specs()
+    validate_model(specs, label=source.description)
     offsets, total = layout(specs)
+    check_fits(specs, total, label=source.description, max_bytes=max_bytes)
     arena = allocate(total)
     digests = []
     for spec, off in zip(specs, offsets, strict=True):
@@ -140,6 +146,7 @@ class ChiefService:
         topology: str = "auto",
         local_devices: Sequence[str] | str | None = None,
         spmd: bool = False,
+        max_model_bytes: int | None = None,
     ) -> None:
         """``local_devices``: the chief trains too and holds one replica per device; start waits
         until they are verified (``await_plan`` then ``report_local_ready``, from the driver).
@@ -176,12 +183,12 @@ class ChiefService:
                 self._shared = SharedArena(n)
                 return self._shared.array
 
-            self.specs, writable, self.digests = materialize(source, allocate)
+            self.specs, writable, self.digests = materialize(source, allocate, max_bytes=max_model_bytes)
             del writable  # the seal needs every writable view of the mapping gone
             self._shared.seal()  # read-only from here on, for the chief too
             self.arena = self._shared.array
         else:
-            self.specs, self.arena, self.digests = materialize(source)
+            self.specs, self.arena, self.digests = materialize(source, max_bytes=max_model_bytes)
         self.materialize_seconds = time.monotonic() - t0
         self._cond = threading.Condition(threading.RLock())  # reentrant: fail() may run under it
         if self._shared is not None:
@@ -283,6 +290,11 @@ class ChiefService:
                 log.warning("refused a join: %s", err)  # the operator sees extra workers too
                 raise err
             if req.declared:
+                try:
+                    check_declared(req.declared)
+                except InvalidVariableError as exc:
+                    log.warning("refused worker %r: it declares an invalid variable list: %s", req.worker_id, exc)
+                    raise ProtocolError(f"worker {req.worker_id!r} declares an invalid variable list: {exc}") from None
                 diffs = declaration_differences(self.specs, req.declared)
                 if diffs:
                     shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
@@ -354,8 +366,8 @@ class ChiefService:
         self._phase, self._phase_at = Phase.BROADCASTING, time.monotonic()
         logs.phase("broadcast")
         log.info(
-            "all %d workers joined; plan released (%d chunks per worker, topology %s)",
-            self.num_workers, len(self._chunker), topology,
+            "all %d workers joined; plan released (%d chunks per worker, topology %s, plan of %d bytes)",
+            self.num_workers, len(self._chunker), topology, self._plan.ByteSize(),
         )
         self._cond.notify_all()
 
@@ -441,7 +453,8 @@ class ChiefService:
                 raise AbortedError(str(err))
             m.phase, m.worker_digest = "ready", req.worker_digest
             ready = sum(1 for x in self._members.values() if x.phase == "ready")
-            log.info("%s is ready with digest %s (%d/%d ready)", m.name(), req.worker_digest[:12], ready, self.num_workers)
+            log.info("%s is ready with digest %s (%d/%d ready; report of %d bytes)",
+                     m.name(), req.worker_digest[:12], ready, self.num_workers, req.ByteSize())
             self._maybe_start()
             return pb.ReadyReply(ready=ready)
 

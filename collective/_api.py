@@ -185,6 +185,7 @@ def run_chief(
     spmd: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
     result_file: str | None = None,
+    max_model_bytes: int | None = None,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
     """One round as ``python -m chief`` runs it: serve over gRPC with a thread pool sized from
     the worker count, supervise the join and ready deadlines, stop. ``devices``: the chief
@@ -201,7 +202,7 @@ def run_chief(
         tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
     service = ChiefService(
         source, num_workers, timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology,
-        local_devices=devices or None, spmd=spmd,
+        local_devices=devices or None, spmd=spmd, max_model_bytes=max_model_bytes,
     )
     endpoint = GrpcEndpoint(bind, token=token, max_workers=4 * num_workers + 8, tls=tls)
     held: list = []

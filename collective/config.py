@@ -188,3 +188,18 @@ def tls_from_args(args: argparse.Namespace):
     return TlsFiles(
         cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=getattr(args, "tls_server_name", None)
     )
+
+
+def add_max_model_bytes_option(parser: argparse.ArgumentParser) -> None:
+    """``--max-model-bytes`` (``COLLECTIVE_MAX_MODEL_BYTES``) of every process that loads a model."""
+
+    def size(text: str) -> int:
+        from collective.bench import parse_size
+
+        try:
+            return parse_size(text, option="--max-model-bytes")
+        except UsageError as exc:  # argparse (or add_option, for the environment) names the source
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    add_option(parser, "max-model-bytes", type=size, default=None,
+               help="refuse (exit 2) a model whose arena is larger, e.g. 8GiB; the memory available is always checked")

@@ -9,10 +9,15 @@ materialise a model straight into its send arena without an extra copy.
 from __future__ import annotations
 
 import enum
+import os
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from collective.errors import InvalidVariableError, ModelError
 
 
 class _ParsedEnum(enum.Enum):
@@ -98,3 +103,176 @@ class ModelSource(Protocol):
         Raises ModelError naming the file and entry when the value cannot be produced.
         """
         ...
+
+
+# --------------------------------------------------------------------------------------------
+# Rules every model obeys, whatever it came from (a file, a worker's declaration)
+# --------------------------------------------------------------------------------------------
+
+MAX_NDIM = 32
+"""numpy 1's limit on dimensions, so any numpy on any worker can hold every variable."""
+
+MAX_BYTES = (1 << 63) - 1
+"""Largest dimension and largest variable: the wire carries them as int64 / uint64."""
+
+_REPLICA_SUFFIX = re.compile(r"(.+)/replica_([1-9][0-9]*)", re.DOTALL)
+
+
+def format_bytes(n: int) -> str:
+    """``3.6 TiB``: binary units, one decimal; exact below 1 KiB."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"):
+        value /= 1024
+        if value < 1024 or unit == "YiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _shape_text(spec: VariableSpec) -> str:
+    return f"[{', '.join(str(d) for d in spec.shape)}]"
+
+
+def _dtype_name(text: str) -> str:
+    try:
+        return np.dtype(text).name
+    except (TypeError, ValueError, SyntaxError):
+        return text
+
+
+def spec_problem(spec: VariableSpec) -> str | None:
+    """Why ``spec`` cannot be a variable on the wire (name, shape, size), or None.
+
+    The name must be UTF-8 text (a JSON ``"\\ud800"`` escape is not); every dimension and the
+    byte size must fit int64; at most ``MAX_NDIM`` dimensions; the dtype must be one numpy knows.
+    """
+    name = spec.name
+    if not isinstance(name, str) or not name:
+        return f"variable {name!r}: the name must be a non-empty string"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"variable {name!r}: the name is not valid Unicode text (a lone surrogate "
+            f"{name[exc.start]!r} at character {exc.start}); rename it"
+        )
+    try:
+        itemsize = np.dtype(spec.dtype).itemsize
+    except (TypeError, ValueError, SyntaxError):
+        return f"variable {name!r}: dtype {spec.dtype!r} is not a numpy dtype"
+    shape = tuple(spec.shape)
+    if len(shape) > MAX_NDIM:
+        return f"variable {name!r}: {len(shape)} dimensions; at most {MAX_NDIM} are supported"
+    for d in shape:
+        if not 0 <= d <= MAX_BYTES:
+            return (
+                f"variable {name!r}: shape {_shape_text(spec)} has dimension {d}; dimensions must be "
+                f"between 0 and 2**63-1"
+            )
+    nbytes = 1
+    for d in shape:
+        nbytes *= d
+    nbytes *= itemsize
+    if nbytes > MAX_BYTES:
+        return (
+            f"variable {name!r} is {_shape_text(spec)} {_dtype_name(spec.dtype)} = {format_bytes(nbytes)}, "
+            f"more than the 2**63-1 bytes any variable can have"
+        )
+    return None
+
+
+def check_specs(specs: Iterable[VariableSpec]) -> None:
+    """Raise InvalidVariableError (one line naming the variable) unless every spec is valid
+    (``spec_problem``), names are unique, and no variable is named like another's replica
+    (``x`` and ``x/replica_1``: the replica of ``x`` on a worker's second device has that name).
+    """
+    names: set[str] = set()
+    for spec in specs:
+        problem = spec_problem(spec)
+        if problem:
+            raise InvalidVariableError(problem)
+        if spec.name in names:
+            raise InvalidVariableError(f"variable {spec.name!r}: duplicate name")
+        names.add(spec.name)
+    for name in names:
+        m = _REPLICA_SUFFIX.fullmatch(name)
+        if m and m.group(1) in names:
+            raise InvalidVariableError(
+                f"variable {name!r} is named like replica {m.group(2)} of variable {m.group(1)!r} "
+                f"(a worker's device {m.group(2)} holds that replica under that name); rename one of them"
+            )
+
+
+def validate_model(specs: Iterable[VariableSpec], *, label: str) -> None:
+    """``check_specs`` for a model file or source: raises ModelError prefixed with ``label``."""
+    try:
+        check_specs(specs)
+    except InvalidVariableError as exc:
+        raise ModelError(f"{label}: {exc}") from None
+
+
+_HEADROOM_FRACTION = 10  # leave a tenth of the available memory ...
+_HEADROOM_MIN = 256 << 20  # ... and at least 256 MiB, for the process, gRPC buffers and the OS
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable (and the cgroup v2 limit less its
+    usage, when there is one), less headroom; None where neither can be read (not Linux)."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as fh:
+            raw = fh.read().strip()
+        if raw != "max":
+            with open("/sys/fs/cgroup/memory.current") as fh:
+                limits.append(int(raw) - int(fh.read().strip()))
+    except (OSError, ValueError):
+        pass
+    if not limits:
+        return None
+    free = max(0, min(limits))
+    return max(0, free - max(free // _HEADROOM_FRACTION, _HEADROOM_MIN))
+
+
+MAX_MODEL_BYTES_ENV = "COLLECTIVE_MAX_MODEL_BYTES"
+
+
+def check_fits(
+    specs: Sequence[VariableSpec],
+    total: int,
+    *,
+    label: str,
+    max_bytes: int | None = None,
+    available: int | None | str = "auto",
+) -> None:
+    """Raise ModelError before a byte is allocated when the model's arena (``total`` bytes)
+    exceeds ``max_bytes`` or the memory available (``available_memory()`` unless given; None:
+    unknown, not checked). The message names the file, the largest variable and both sizes."""
+    if available == "auto":
+        available = available_memory()
+    largest = max(specs, key=lambda s: s.nbytes, default=None)
+    if largest is None:
+        return
+    what = f"{_shape_text(largest)} {_dtype_name(largest.dtype)} = {format_bytes(largest.nbytes)}"
+    if largest.nbytes == total or len(specs) == 1:
+        subject = f"variable {largest.name!r} is {what}"
+    else:
+        subject = f"the model's {len(specs)} variables need {format_bytes(total)} (largest: {largest.name!r} {what})"
+    if max_bytes is not None and total > max_bytes:
+        raise ModelError(
+            f"{label}: {subject}, more than --max-model-bytes {format_bytes(max_bytes)} ({MAX_MODEL_BYTES_ENV}); "
+            f"raise the limit or use a smaller model"
+        )
+    if isinstance(available, int) and total > available:
+        raise ModelError(
+            f"{label}: {subject}, more than the {format_bytes(available)} of memory available on "
+            f"{os.uname().nodename} (MemAvailable less headroom); use a smaller model or a host with more memory"
+        )

@@ -22,6 +22,7 @@ import time
 
 from collective import logs
 from collective.config import (
+    add_max_model_bytes_option,
     add_option,
     add_timeout_options,
     parse_bool,
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mpiexec -n N+1 python -m collective.mpi", description=__doc__)
     add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
     add_option(p, "seed", help="seed for initializer specs", type=int, default=None)
+    add_max_model_bytes_option(p)
     add_option(p, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
     add_option(p, "chief-trains", help="rank 0 trains too: it holds verified replicas of its own (--no-chief-trains: "
                "it only serves)", type=parse_bool, default=False, action=argparse.BooleanOptionalAction)
@@ -107,7 +109,8 @@ def _chief(comm, args, watchdog) -> int:
     source = load_source(args.model, seed=args.seed)
     devices = [f"cpu:{i}" for i in range(args.devices_per_worker)] if args.chief_trains else None
     service, _held = run_chief_rank(comm, source, watchdog, timeouts, chunk_bytes=args.chunk_bytes,
-                                    split_bytes=args.split_bytes, devices=devices)
+                                    split_bytes=args.split_bytes, devices=devices,
+                                    max_model_bytes=args.max_model_bytes)
     result = service.result()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
@@ -120,7 +123,7 @@ def _chief(comm, args, watchdog) -> int:
 
 
 def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_bytes=None, devices=None,
-                   spmd=False):
+                   spmd=False, max_model_bytes=None):
     """Rank 0's round: ``ChiefService`` behind the MPI driver; with ``devices``, the chief's own
     replicas too. Returns (service, (store, digest) or None); the outcome is ``service.result()``."""
     from chief.service import ChiefService
@@ -130,7 +133,7 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
 
     service = ChiefService(
         source, comm.size - 1, timeouts=timeouts, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi",
-        heartbeats=False, local_devices=devices, spmd=spmd,
+        heartbeats=False, local_devices=devices, spmd=spmd, max_model_bytes=max_model_bytes,
     )
     log.info("chief %s on rank 0; %d worker rank(s)%s", service.incarnation, comm.size - 1,
              "; rank 0 trains too" if devices else "")

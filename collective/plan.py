@@ -18,12 +18,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from collective import keys as keymod
 from collective._proto import collective_pb2 as pb
 from collective.digest import bytes_digest, chunk_digests, combined_digest
-from collective.errors import IntegrityError, ProtocolError
-from collective.model import Aggregation, Synchronization, VariableSpec
+from collective.errors import IntegrityError, InvalidVariableError, ProtocolError
+from collective.model import Aggregation, Synchronization, VariableSpec, check_specs
 from collective.variables import replica_name
 
 ALIGN = 64
@@ -101,6 +102,43 @@ def build_plan(
     )
 
 
+PIECE_BYTES = 4 << 20
+"""Messages that grow with the model (the plan, a ready report) go in pieces of this size."""
+
+MAX_PIECED_BYTES = 1 << 30
+"""The largest message a receiver joins from pieces: a ready report of 8 devices x 4M chunks."""
+
+
+def to_pieces(data: bytes, piece_bytes: int = PIECE_BYTES) -> Iterator[pb.Piece]:
+    """A serialized message cut into pieces, in order (one empty piece for an empty message)."""
+    view = memoryview(data)
+    for start in range(0, max(len(data), 1), piece_bytes):
+        yield pb.Piece(data=bytes(view[start : start + piece_bytes]), total_bytes=len(data))
+
+
+def from_pieces(cls, pieces: Iterable[pb.Piece], sender: str, *, max_bytes: int = MAX_PIECED_BYTES):
+    """The ``cls`` message joined from ``pieces``. Raises ProtocolError, naming ``sender``, when
+    pieces are missing, disagree on the size, pass ``max_bytes`` or do not parse as ``cls``."""
+    what = cls.DESCRIPTOR.name
+    parts, got, claimed, count = [], 0, None, 0
+    for piece in pieces:
+        count += 1
+        claimed = piece.total_bytes if claimed is None else claimed
+        got += len(piece.data)
+        if piece.total_bytes != claimed or got > claimed or claimed > max_bytes:
+            raise ProtocolError(
+                f"{sender} sent a {what} in pieces that claim {piece.total_bytes} bytes after {claimed} "
+                f"(at most {max_bytes}) and carry {got}"
+            )
+        parts.append(piece.data)
+    if claimed is None or got != claimed:
+        raise ProtocolError(f"{sender} sent {got} bytes of a {what} of {claimed if claimed is not None else '?'} bytes in {count} piece(s)")
+    try:
+        return cls.FromString(b"".join(parts))
+    except DecodeError as exc:
+        raise ProtocolError(f"{sender} sent {got} bytes that are not a {what}: {exc}") from None
+
+
 def _trainable(spec: VariableSpec) -> bool:
     if spec.trainable is not None:
         return spec.trainable
@@ -108,7 +146,11 @@ def _trainable(spec: VariableSpec) -> bool:
 
 
 def declared(specs: Sequence[VariableSpec]) -> list[pb.VariableInfo]:
-    """The declaration a worker sends at join: names, shapes, dtypes and modes."""
+    """The declaration a worker sends at join: names, shapes, dtypes and modes.
+
+    Raises InvalidVariableError naming the variable when a spec could not go on the wire or be
+    a model (``collective.model.check_specs``)."""
+    check_specs(specs)
     return [
         pb.VariableInfo(
             name=s.name, shape=list(s.shape), dtype=s.dtype, synchronization=s.synchronization.name,
@@ -116,6 +158,19 @@ def declared(specs: Sequence[VariableSpec]) -> list[pb.VariableInfo]:
         )
         for s in specs
     ]
+
+
+def check_declared(worker: Sequence[pb.VariableInfo]) -> None:
+    """A worker's declaration, as received, obeys the rules of a model's variables (known modes,
+    a numpy dtype, ``check_specs``). Raises InvalidVariableError naming the first variable that
+    breaks one, before anything compares or describes it."""
+    specs = []
+    for v in worker:
+        try:
+            specs.append(spec_of(v))
+        except ValueError as exc:
+            raise InvalidVariableError(f"variable {v.name!r}: {exc}") from None
+    check_specs(specs)
 
 
 def declaration_differences(chief: Sequence[VariableSpec], worker: Sequence[pb.VariableInfo]) -> list[str]:

@@ -41,7 +41,7 @@ import xxhash
 import yaml
 
 from collective.errors import ModelError
-from collective.model import Aggregation, ModelSource, Synchronization, VariableSpec
+from collective.model import Aggregation, ModelSource, Synchronization, VariableSpec, validate_model
 
 __all__ = [
     "Initializer",
@@ -95,13 +95,15 @@ def load_source(ref: str | os.PathLike[str], *, seed: int | None = None) -> Mode
 
     ``seed`` overrides the spec's (or preset's) seed; it has no effect on .npz and .safetensors
     files, whose values are stored. Raises ModelError for an unknown preset, a missing,
-    unreadable or invalid file, or an invalid seed.
+    unreadable or invalid file, or an invalid seed, and for variables no transport could carry
+    (``collective.model.check_specs``: names that are not UTF-8, shapes past int64, a name
+    that is another variable's replica name).
     """
     ref = os.fspath(ref)
     if seed is not None:
         seed = _check_seed(seed, where="seed")
     source = _open(ref, seed)
-    source.specs()
+    validate_model(source.specs(), label=source.description)
     return source
 
 

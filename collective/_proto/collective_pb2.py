@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63ollective.proto\x12\rcollective.v1\"\xbc\x01\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x16\n\x0epreferred_rank\x18\x05 \x01(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12-\n\x08\x64\x65\x63lared\x18\x07 \x03(\x0b\x32\x1b.collective.v1.VariableInfo\x12\x12\n\nrelay_port\x18\x08 \x01(\x05\"I\n\tJoinReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x19\n\x11\x63hief_incarnation\x18\x03 \x01(\t\"\x88\x01\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x0e\n\x06parent\x18\x06 \x01(\x05\x12\x15\n\rrelay_address\x18\x07 \x01(\t\"/\n\tGroupInfo\x12\x11\n\tgroup_key\x18\x01 \x01(\x04\x12\x0f\n\x07\x64\x65vices\x18\x02 \x03(\t\"\xd4\x01\n\x0cVariableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x17\n\x0fsynchronization\x18\x04 \x01(\t\x12\x13\n\x0b\x61ggregation\x18\x05 \x01(\t\x12\x11\n\ttrainable\x18\x06 \x01(\x08\x12\x11\n\tgroup_key\x18\x07 \x01(\x04\x12\x14\n\x0cinstance_key\x18\x08 \x01(\x04\x12\x0e\n\x06offset\x18\t \x01(\x04\x12\x0e\n\x06nbytes\x18\n \x01(\x04\x12\x0e\n\x06\x64igest\x18\x0b \x01(\t\"\xdf\x02\n\x04Plan\x12\x19\n\x11\x63hief_incarnation\x18\x01 \x01(\t\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.collective.v1.WorkerInfo\x12(\n\x06groups\x18\x04 \x03(\x0b\x32\x18.collective.v1.GroupInfo\x12.\n\tvariables\x18\x05 \x03(\x0b\x32\x1b.collective.v1.VariableInfo\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\r\x12\x17\n\x0fmanifest_digest\x18\x08 \x01(\t\x12\r\n\x05model\x18\t \x01(\t\x12\x12\n\nshm_socket\x18\n \x01(\t\x12\x12\n\nshm_secret\x18\x0b \x01(\t\x12\x10\n\x08topology\x18\x0c \x01(\t\x12\x15\n\rchunk_digests\x18\r \x03(\t\"3\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"9\n\tStreamEnd\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\"\x8c\x01\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tgroup_key\x18\x03 \x01(\x04\x12\x15\n\rinstance_keys\x18\x04 \x03(\x04\x12%\n\x03\x65nd\x18\x06 \x01(\x0b\x32\x18.collective.v1.StreamEnd\x12\x0e\n\x06\x64igest\x18\x07 \x01(\tJ\x04\x08\x05\x10\x06\"G\n\rDeviceDigests\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\x15\n\rchunk_digests\x18\x03 \x03(\t\"\x84\x01\n\x0cReadyRequest\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.collective.v1.WorkerRef\x12\x15\n\rworker_digest\x18\x03 \x01(\t\x12-\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x1c.collective.v1.DeviceDigestsJ\x04\x08\x02\x10\x03\"\x1b\n\nReadyReply\x12\r\n\x05ready\x18\x01 \x01(\x05\"!\n\rPreparedReply\x12\x10\n\x08prepared\x18\x01 \x01(\x05\"6\n\nStartReply\x12\r\n\x05start\x18\x01 \x01(\x08\x12\x19\n\x11\x62roadcast_seconds\x18\x02 \x01(\x01\"I\n\x0eHeartbeatReply\x12\x19\n\x11\x63hief_incarnation\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"Y\n\rFailureReport\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.collective.v1.WorkerRef\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0e\n\x0c\x46\x61ilureReply\"\x0f\n\rStatusRequest\"\xf0\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x1f\n\x17seconds_since_heartbeat\x18\x08 \x01(\x01\x12\x13\n\x0b\x62ytes_total\x18\t \x01(\x04\x12\x1a\n\x12variables_received\x18\n \x01(\x05\x12\x17\n\x0fvariables_total\x18\x0b \x01(\x05\"\xd4\x01\n\x0bStatusReply\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x10\n\x08\x65xpected\x18\x02 \x01(\x05\x12\x0e\n\x06joined\x18\x03 \x01(\x05\x12,\n\x07workers\x18\x04 \x03(\x0b\x32\x1b.collective.v1.WorkerStatus\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x13\n\x0bwaiting_for\x18\x06 \x01(\t\x12\x19\n\x11\x63hief_incarnation\x18\x07 \x01(\t\x12\x18\n\x10seconds_in_phase\x18\x08 \x01(\x01\x12\r\n\x05model\x18\t \x01(\t2\xad\x05\n\nCollective\x12<\n\x04Join\x12\x1a.collective.v1.JoinRequest\x1a\x18.collective.v1.JoinReply\x12\x38\n\x07GetPlan\x12\x18.collective.v1.WorkerRef\x1a\x13.collective.v1.Plan\x12G\n\rAwaitPrepared\x12\x18.collective.v1.WorkerRef\x1a\x1c.collective.v1.PreparedReply\x12\x39\n\x05\x46\x65tch\x12\x18.collective.v1.WorkerRef\x1a\x14.collective.v1.Chunk0\x01\x12\x45\n\x0bReportReady\x12\x1b.collective.v1.ReadyRequest\x1a\x19.collective.v1.ReadyReply\x12\x41\n\nAwaitStart\x12\x18.collective.v1.WorkerRef\x1a\x19.collective.v1.StartReply\x12J\n\rReportFailure\x12\x1c.collective.v1.FailureReport\x1a\x1b.collective.v1.FailureReply\x12\x44\n\tHeartbeat\x12\x18.collective.v1.WorkerRef\x1a\x1d.collective.v1.HeartbeatReply\x12\x43\n\x08Presence\x12\x18.collective.v1.WorkerRef\x1a\x1d.collective.v1.HeartbeatReply\x12\x42\n\x06Status\x12\x1c.collective.v1.StatusRequest\x1a\x1a.collective.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63ollective.proto\x12\rcollective.v1\"\xbc\x01\n\x0bJoinRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x03 \x03(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x16\n\x0epreferred_rank\x18\x05 \x01(\x05\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12-\n\x08\x64\x65\x63lared\x18\x07 \x03(\x0b\x32\x1b.collective.v1.VariableInfo\x12\x12\n\nrelay_port\x18\x08 \x01(\x05\"I\n\tJoinReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x19\n\x11\x63hief_incarnation\x18\x03 \x01(\t\"\x88\x01\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x0e\n\x06parent\x18\x06 \x01(\x05\x12\x15\n\rrelay_address\x18\x07 \x01(\t\"/\n\tGroupInfo\x12\x11\n\tgroup_key\x18\x01 \x01(\x04\x12\x0f\n\x07\x64\x65vices\x18\x02 \x03(\t\"\xd4\x01\n\x0cVariableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x17\n\x0fsynchronization\x18\x04 \x01(\t\x12\x13\n\x0b\x61ggregation\x18\x05 \x01(\t\x12\x11\n\ttrainable\x18\x06 \x01(\x08\x12\x11\n\tgroup_key\x18\x07 \x01(\x04\x12\x14\n\x0cinstance_key\x18\x08 \x01(\x04\x12\x0e\n\x06offset\x18\t \x01(\x04\x12\x0e\n\x06nbytes\x18\n \x01(\x04\x12\x0e\n\x06\x64igest\x18\x0b \x01(\t\"\xdf\x02\n\x04Plan\x12\x19\n\x11\x63hief_incarnation\x18\x01 \x01(\t\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12*\n\x07workers\x18\x03 \x03(\x0b\x32\x19.collective.v1.WorkerInfo\x12(\n\x06groups\x18\x04 \x03(\x0b\x32\x18.collective.v1.GroupInfo\x12.\n\tvariables\x18\x05 \x03(\x0b\x32\x1b.collective.v1.VariableInfo\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x07 \x01(\r\x12\x17\n\x0fmanifest_digest\x18\x08 \x01(\t\x12\r\n\x05model\x18\t \x01(\t\x12\x12\n\nshm_socket\x18\n \x01(\t\x12\x12\n\nshm_secret\x18\x0b \x01(\t\x12\x10\n\x08topology\x18\x0c \x01(\t\x12\x15\n\rchunk_digests\x18\r \x03(\t\"*\n\x05Piece\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"3\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"9\n\tStreamEnd\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\"\x8c\x01\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x11\n\tgroup_key\x18\x03 \x01(\x04\x12\x15\n\rinstance_keys\x18\x04 \x03(\x04\x12%\n\x03\x65nd\x18\x06 \x01(\x0b\x32\x18.collective.v1.StreamEnd\x12\x0e\n\x06\x64igest\x18\x07 \x01(\tJ\x04\x08\x05\x10\x06\"G\n\rDeviceDigests\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\x15\n\rchunk_digests\x18\x03 \x03(\t\"\x84\x01\n\x0cReadyRequest\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.collective.v1.WorkerRef\x12\x15\n\rworker_digest\x18\x03 \x01(\t\x12-\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x1c.collective.v1.DeviceDigestsJ\x04\x08\x02\x10\x03\"\x1b\n\nReadyReply\x12\r\n\x05ready\x18\x01 \x01(\x05\"!\n\rPreparedReply\x12\x10\n\x08prepared\x18\x01 \x01(\x05\"6\n\nStartReply\x12\r\n\x05start\x18\x01 \x01(\x08\x12\x19\n\x11\x62roadcast_seconds\x18\x02 \x01(\x01\"I\n\x0eHeartbeatReply\x12\x19\n\x11\x63hief_incarnation\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"Y\n\rFailureReport\x12(\n\x06worker\x18\x01 \x01(\x0b\x32\x18.collective.v1.WorkerRef\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x0e\n\x0c\x46\x61ilureReply\"\x0f\n\rStatusRequest\"\xf0\x01\n\x0cWorkerStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\r\n\x05phase\x18\x05 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x1f\n\x17seconds_since_heartbeat\x18\x08 \x01(\x01\x12\x13\n\x0b\x62ytes_total\x18\t \x01(\x04\x12\x1a\n\x12variables_received\x18\n \x01(\x05\x12\x17\n\x0fvariables_total\x18\x0b \x01(\x05\"\xd4\x01\n\x0bStatusReply\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x10\n\x08\x65xpected\x18\x02 \x01(\x05\x12\x0e\n\x06joined\x18\x03 \x01(\x05\x12,\n\x07workers\x18\x04 \x03(\x0b\x32\x1b.collective.v1.WorkerStatus\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x13\n\x0bwaiting_for\x18\x06 \x01(\t\x12\x19\n\x11\x63hief_incarnation\x18\x07 \x01(\t\x12\x18\n\x10seconds_in_phase\x18\x08 \x01(\x01\x12\r\n\x05model\x18\t \x01(\t2\xab\x05\n\nCollective\x12<\n\x04Join\x12\x1a.collective.v1.JoinRequest\x1a\x18.collective.v1.JoinReply\x12;\n\x07GetPlan\x12\x18.collective.v1.WorkerRef\x1a\x14.collective.v1.Piece0\x01\x12G\n\rAwaitPrepared\x12\x18.collective.v1.WorkerRef\x1a\x1c.collective.v1.PreparedReply\x12\x39\n\x05\x46\x65tch\x12\x18.collective.v1.WorkerRef\x1a\x14.collective.v1.Chunk0\x01\x12@\n\x0bReportReady\x12\x14.collective.v1.Piece\x1a\x19.collective.v1.ReadyReply(\x01\x12\x41\n\nAwaitStart\x12\x18.collective.v1.WorkerRef\x1a\x19.collective.v1.StartReply\x12J\n\rReportFailure\x12\x1c.collective.v1.FailureReport\x1a\x1b.collective.v1.FailureReply\x12\x44\n\tHeartbeat\x12\x18.collective.v1.WorkerRef\x1a\x1d.collective.v1.HeartbeatReply\x12\x43\n\x08Presence\x12\x18.collective.v1.WorkerRef\x1a\x1d.collective.v1.HeartbeatReply\x12\x42\n\x06Status\x12\x1c.collective.v1.StatusRequest\x1a\x1a.collective.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,34 +43,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VARIABLEINFO']._serialized_end=702
   _globals['_PLAN']._serialized_start=705
   _globals['_PLAN']._serialized_end=1056
-  _globals['_WORKERREF']._serialized_start=1058
-  _globals['_WORKERREF']._serialized_end=1109
-  _globals['_STREAMEND']._serialized_start=1111
-  _globals['_STREAMEND']._serialized_end=1168
-  _globals['_CHUNK']._serialized_start=1171
-  _globals['_CHUNK']._serialized_end=1311
-  _globals['_DEVICEDIGESTS']._serialized_start=1313
-  _globals['_DEVICEDIGESTS']._serialized_end=1384
-  _globals['_READYREQUEST']._serialized_start=1387
-  _globals['_READYREQUEST']._serialized_end=1519
-  _globals['_READYREPLY']._serialized_start=1521
-  _globals['_READYREPLY']._serialized_end=1548
-  _globals['_PREPAREDREPLY']._serialized_start=1550
-  _globals['_PREPAREDREPLY']._serialized_end=1583
-  _globals['_STARTREPLY']._serialized_start=1585
-  _globals['_STARTREPLY']._serialized_end=1639
-  _globals['_HEARTBEATREPLY']._serialized_start=1641
-  _globals['_HEARTBEATREPLY']._serialized_end=1714
-  _globals['_FAILUREREPORT']._serialized_start=1716
-  _globals['_FAILUREREPORT']._serialized_end=1805
-  _globals['_FAILUREREPLY']._serialized_start=1807
-  _globals['_FAILUREREPLY']._serialized_end=1821
-  _globals['_STATUSREQUEST']._serialized_start=1823
-  _globals['_STATUSREQUEST']._serialized_end=1838
-  _globals['_WORKERSTATUS']._serialized_start=1841
-  _globals['_WORKERSTATUS']._serialized_end=2081
-  _globals['_STATUSREPLY']._serialized_start=2084
-  _globals['_STATUSREPLY']._serialized_end=2296
-  _globals['_COLLECTIVE']._serialized_start=2299
-  _globals['_COLLECTIVE']._serialized_end=2984
+  _globals['_PIECE']._serialized_start=1058
+  _globals['_PIECE']._serialized_end=1100
+  _globals['_WORKERREF']._serialized_start=1102
+  _globals['_WORKERREF']._serialized_end=1153
+  _globals['_STREAMEND']._serialized_start=1155
+  _globals['_STREAMEND']._serialized_end=1212
+  _globals['_CHUNK']._serialized_start=1215
+  _globals['_CHUNK']._serialized_end=1355
+  _globals['_DEVICEDIGESTS']._serialized_start=1357
+  _globals['_DEVICEDIGESTS']._serialized_end=1428
+  _globals['_READYREQUEST']._serialized_start=1431
+  _globals['_READYREQUEST']._serialized_end=1563
+  _globals['_READYREPLY']._serialized_start=1565
+  _globals['_READYREPLY']._serialized_end=1592
+  _globals['_PREPAREDREPLY']._serialized_start=1594
+  _globals['_PREPAREDREPLY']._serialized_end=1627
+  _globals['_STARTREPLY']._serialized_start=1629
+  _globals['_STARTREPLY']._serialized_end=1683
+  _globals['_HEARTBEATREPLY']._serialized_start=1685
+  _globals['_HEARTBEATREPLY']._serialized_end=1758
+  _globals['_FAILUREREPORT']._serialized_start=1760
+  _globals['_FAILUREREPORT']._serialized_end=1849
+  _globals['_FAILUREREPLY']._serialized_start=1851
+  _globals['_FAILUREREPLY']._serialized_end=1865
+  _globals['_STATUSREQUEST']._serialized_start=1867
+  _globals['_STATUSREQUEST']._serialized_end=1882
+  _globals['_WORKERSTATUS']._serialized_start=1885
+  _globals['_WORKERSTATUS']._serialized_end=2125
+  _globals['_STATUSREPLY']._serialized_start=2128
+  _globals['_STATUSREPLY']._serialized_end=2340
+  _globals['_COLLECTIVE']._serialized_start=2343
+  _globals['_COLLECTIVE']._serialized_end=3026
 # @@protoc_insertion_point(module_scope)

@@ -118,6 +118,14 @@ class Plan(_message.Message):
     chunk_digests: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ..., topology: _Optional[str] = ..., chunk_digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class Piece(_message.Message):
+    __slots__ = ("data", "total_bytes")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    total_bytes: int
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,10 +39,10 @@ class CollectiveStub:
                 request_serializer=collective__pb2.JoinRequest.SerializeToString,
                 response_deserializer=collective__pb2.JoinReply.FromString,
                 _registered_method=True)
-        self.GetPlan = channel.unary_unary(
+        self.GetPlan = channel.unary_stream(
                 '/collective.v1.Collective/GetPlan',
                 request_serializer=collective__pb2.WorkerRef.SerializeToString,
-                response_deserializer=collective__pb2.Plan.FromString,
+                response_deserializer=collective__pb2.Piece.FromString,
                 _registered_method=True)
         self.AwaitPrepared = channel.unary_unary(
                 '/collective.v1.Collective/AwaitPrepared',
@@ -54,9 +54,9 @@ class CollectiveStub:
                 request_serializer=collective__pb2.WorkerRef.SerializeToString,
                 response_deserializer=collective__pb2.Chunk.FromString,
                 _registered_method=True)
-        self.ReportReady = channel.unary_unary(
+        self.ReportReady = channel.stream_unary(
                 '/collective.v1.Collective/ReportReady',
-                request_serializer=collective__pb2.ReadyRequest.SerializeToString,
+                request_serializer=collective__pb2.Piece.SerializeToString,
                 response_deserializer=collective__pb2.ReadyReply.FromString,
                 _registered_method=True)
         self.AwaitStart = channel.unary_unary(
@@ -96,7 +96,8 @@ class CollectiveServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPlan(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """a Plan, in pieces
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -113,8 +114,9 @@ class CollectiveServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ReportReady(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def ReportReady(self, request_iterator, context):
+        """a ReadyRequest, in pieces
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -160,10 +162,10 @@ def add_CollectiveServicer_to_server(servicer, server):
                     request_deserializer=collective__pb2.JoinRequest.FromString,
                     response_serializer=collective__pb2.JoinReply.SerializeToString,
             ),
-            'GetPlan': grpc.unary_unary_rpc_method_handler(
+            'GetPlan': grpc.unary_stream_rpc_method_handler(
                     servicer.GetPlan,
                     request_deserializer=collective__pb2.WorkerRef.FromString,
-                    response_serializer=collective__pb2.Plan.SerializeToString,
+                    response_serializer=collective__pb2.Piece.SerializeToString,
             ),
             'AwaitPrepared': grpc.unary_unary_rpc_method_handler(
                     servicer.AwaitPrepared,
@@ -175,9 +177,9 @@ def add_CollectiveServicer_to_server(servicer, server):
                     request_deserializer=collective__pb2.WorkerRef.FromString,
                     response_serializer=collective__pb2.Chunk.SerializeToString,
             ),
-            'ReportReady': grpc.unary_unary_rpc_method_handler(
+            'ReportReady': grpc.stream_unary_rpc_method_handler(
                     servicer.ReportReady,
-                    request_deserializer=collective__pb2.ReadyRequest.FromString,
+                    request_deserializer=collective__pb2.Piece.FromString,
                     response_serializer=collective__pb2.ReadyReply.SerializeToString,
             ),
             'AwaitStart': grpc.unary_unary_rpc_method_handler(
@@ -254,12 +256,12 @@ class Collective:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/collective.v1.Collective/GetPlan',
             collective__pb2.WorkerRef.SerializeToString,
-            collective__pb2.Plan.FromString,
+            collective__pb2.Piece.FromString,
             options,
             channel_credentials,
             insecure,
@@ -325,7 +327,7 @@ class Collective:
             _registered_method=True)
 
     @staticmethod
-    def ReportReady(request,
+    def ReportReady(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -335,11 +337,11 @@ class Collective:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/collective.v1.Collective/ReportReady',
-            collective__pb2.ReadyRequest.SerializeToString,
+            collective__pb2.Piece.SerializeToString,
             collective__pb2.ReadyReply.FromString,
             options,
             channel_credentials,

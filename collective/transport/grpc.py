@@ -1,8 +1,9 @@
 """gRPC backend: the chief serves ``collective.v1.Collective``; workers are clients.
 
-A worker calls Join, GetPlan, AwaitPrepared (the barrier before the first byte), FetchRaw (the
-data stream as raw frames; Fetch is the same stream as protobuf messages), ReportReady and
-AwaitStart; from join until start it sends Heartbeat and holds a Presence call (both on a
+A worker calls Join, GetPlan (the plan in pieces of 4 MiB, so a plan of any size fits the
+message limit), AwaitPrepared (the barrier before the first byte), FetchRaw (the
+data stream as raw frames; Fetch is the same stream as protobuf messages), ReportReady (in
+pieces too) and AwaitStart; from join until start it sends Heartbeat and holds a Presence call (both on a
 connection of their own), and ReportFailure when it fails. Status serves ``collective status``.
 FetchRaw is a generic handler outside the .proto; the other ten are the service's RPCs.
 
@@ -32,7 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
-from collective.plan import MAX_CHUNK_BYTES
+from collective.plan import MAX_CHUNK_BYTES, from_pieces, to_pieces
 from collective.transport.api import ChiefEndpoint, ChiefHandler, ChiefLink
 
 log = logging.getLogger(__name__)
@@ -179,6 +180,8 @@ class _Servicer(pb_grpc.CollectiveServicer):
     def __init__(self, handler: ChiefHandler, *, bind_identity: bool = False) -> None:
         self._h = handler
         self._bind_identity = bind_identity
+        self._plan_lock = threading.Lock()
+        self._plan_bytes: tuple[pb.Plan | None, bytes] = (None, b"")
 
     def _identity(self, context, worker_id: str) -> None:
         """With mutual TLS, a worker may only act under the id its certificate names."""
@@ -224,8 +227,17 @@ class _Servicer(pb_grpc.CollectiveServicer):
         return self._call(context, self._h.join, request, context.peer())
 
     def GetPlan(self, request, context):  # noqa: N802
+        """The plan in pieces (``collective.plan.to_pieces``): a plan of any size fits."""
         self._identity(context, request.worker_id)
-        return self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
+        plan = self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
+        yield from to_pieces(self._serialized(plan))
+
+    def _serialized(self, plan: pb.Plan) -> bytes:
+        """Every worker gets the same plan: serialize it once (20 MiB of names take 0.1 s)."""
+        with self._plan_lock:
+            if self._plan_bytes[0] is not plan:
+                self._plan_bytes = (plan, plan.SerializeToString())
+            return self._plan_bytes[1]
 
     def AwaitPrepared(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
@@ -253,7 +265,9 @@ class _Servicer(pb_grpc.CollectiveServicer):
             context.abort(status_code(exc), str(exc))
         answered[0] = True
 
-    def ReportReady(self, request, context):  # noqa: N802
+    def ReportReady(self, request_iterator, context):  # noqa: N802
+        """A ReadyRequest in pieces: every device's chunk digests of a model of any size fit."""
+        request = self._call(context, from_pieces, pb.ReadyRequest, request_iterator, f"worker at {context.peer()}")
         self._identity(context, request.worker.worker_id)
         return self._call(context, self._h.report_ready, request)
 
@@ -303,13 +317,12 @@ class _TokenInterceptor(grpc.ServerInterceptor):
             log.warning("refused %s from %s: %s", method, context.peer(), reason)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} refused: {reason}")
 
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                refuse, handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer
-        )
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,  # ReportReady: the pieces are never read
+        }[(handler.request_streaming, handler.response_streaming)]
+        return make(refuse, handler.request_deserializer, handler.response_serializer)
 
 
 class GrpcEndpoint(ChiefEndpoint):
@@ -373,6 +386,24 @@ class GrpcEndpoint(ChiefEndpoint):
 
 
 # --- client ------------------------------------------------------------------------------
+
+
+class _Collected:
+    """A server-streaming method called as ``_unary`` calls a unary one: ``future(...)`` starts
+    the call, ``result()`` is the list of its messages, ``cancel()`` ends it."""
+
+    def __init__(self, method) -> None:
+        self._method = method
+
+    def future(self, request, *, timeout: float, metadata) -> _Collected:
+        self._call = self._method(request, timeout=timeout, metadata=metadata)
+        return self
+
+    def result(self) -> list:
+        return list(self._call)
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class GrpcChiefLink(ChiefLink):
@@ -482,6 +513,12 @@ class GrpcChiefLink(ChiefLink):
                 self._untrack(future)
 
     def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
+        size = req.ByteSize()
+        if size > MAX_MESSAGE:  # gRPC would refuse it here, in words that blame the chief
+            raise E.UsageError(
+                f"this worker's join request is {size} bytes ({len(req.declared)} declared variables), more "
+                f"than the {MAX_MESSAGE}-byte message limit; join without --expect-model for a model this large"
+            )
         deadline = time.monotonic() + timeout
         last = "no answer"
         backoff, refusals = 0.1, 0
@@ -509,7 +546,8 @@ class GrpcChiefLink(ChiefLink):
                 raise self._error(exc, "join", timeout) from None
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
-        return self._unary(self._stub.GetPlan, ref, "join (waiting for the plan)", timeout, retry=True)
+        pieces = self._unary(_Collected(self._stub.GetPlan), ref, "join (waiting for the plan)", timeout, retry=True)
+        return from_pieces(pb.Plan, pieces, f"{self.name} at {self.address}")
 
     def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
         return self._unary(self._stub.AwaitPrepared, ref, "waiting for every worker to prepare", timeout, retry=True)
@@ -569,7 +607,7 @@ class GrpcChiefLink(ChiefLink):
             self._untrack(call)
 
     def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply:
-        return self._unary(self._stub.ReportReady, req, "ready", timeout)
+        return self._unary(self._stub.ReportReady, to_pieces(req.SerializeToString()), "ready", timeout)
 
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
         return self._unary(self._stub.AwaitStart, ref, "waiting for start", timeout + 1.0, retry=True)

@@ -126,6 +126,48 @@ def test_a_corrupt_model_file_ends_the_chief_with_exit_2_and_one_line(tmp_path, 
     assert len([ln for ln in out.splitlines() if ln.strip()]) == 1
 
 
+def _sparse_safetensors(path, nbytes: int):
+    raw = json.dumps({"w": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()
+    with open(path, "wb") as fh:  # a hole, not 48 GiB of disk
+        fh.write(len(raw).to_bytes(8, "little") + raw)
+        fh.truncate(8 + len(raw) + nbytes)
+    return path
+
+
+@pytest.mark.parametrize("bomb", ["spec", "sparse-safetensors"])
+def test_a_model_bigger_than_memory_ends_the_chief_with_exit_2_before_allocating(tmp_path, cluster, bomb):
+    if bomb == "spec":  # 100 bytes that ask for 3.6 TiB: more than the memory available anywhere
+        model = tmp_path / "bomb.json"
+        model.write_text('{"variables": [{"name": "w", "shape": [1000000, 1000000], "dtype": "float32", '
+                         '"initializer": "zeros"}]}')
+        env, says = {}, "bomb.json: variable 'w' is [1000000, 1000000] float32 = 3.6 TiB, more than the"
+    else:  # a consistent 48 GiB file, refused against the limit in the environment
+        model = _sparse_safetensors(tmp_path / "model.safetensors", 48 << 30)
+        env = {"COLLECTIVE_MAX_MODEL_BYTES": "1GiB"}
+        says = "model.safetensors: variable 'w' is [51539607552] uint8 = 48.0 GiB, more than --max-model-bytes 1.0 GiB"
+    chief = cluster.chief("--workers", "1", "--model", str(model), env=env, wait_port=False)
+    assert chief.wait(60) == 2
+    lines = [ln for ln in chief.output().splitlines() if ln.strip()]
+    assert len(lines) == 1 and says in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("names", "says"),
+    [('"a\\ud800"', "variable 'a\\ud800': the name is not valid Unicode text"),
+     ('"x", "x/replica_1"', "variable 'x/replica_1' is named like replica 1 of variable 'x'")],
+)
+def test_a_model_whose_names_cannot_go_on_the_wire_ends_the_chief_with_exit_2(tmp_path, cluster, names, says):
+    entries = ", ".join(
+        f'{{"name": {n}, "shape": [1], "dtype": "float32", "initializer": "zeros"}}' for n in names.split(", ")
+    )
+    model = tmp_path / "names.json"
+    model.write_text(f'{{"variables": [{entries}]}}')
+    chief = cluster.chief("--workers", "1", "--model", str(model), wait_port=False)
+    assert chief.wait(30) == 2
+    lines = [ln for ln in chief.output().splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"names.json: {says}" in lines[0], lines
+
+
 def test_an_invalid_option_exits_2_without_a_traceback(cluster):
     chief = cluster.chief("--workers", "0", wait_port=False)
     assert chief.wait(30) == 2
@@ -220,7 +262,7 @@ def test_every_collective_rpc_refuses_a_wrong_token_before_any_state_changes(clu
     calls = {
         "Join": pb.JoinRequest(worker_id="x", incarnation="i", devices=["cpu:0"]),
         "GetPlan": ref, "AwaitPrepared": ref, "Fetch": ref, "AwaitStart": ref, "Heartbeat": ref, "Presence": ref,
-        "ReportReady": pb.ReadyRequest(worker=ref),
+        "ReportReady": iter([pb.Piece(data=pb.ReadyRequest(worker=ref).SerializeToString())]),
         "ReportFailure": pb.FailureReport(worker=ref, message="boom"),
         "Status": pb.StatusRequest(),
     }
@@ -230,7 +272,7 @@ def test_every_collective_rpc_refuses_a_wrong_token_before_any_state_changes(clu
             method = getattr(stub, name)
             with pytest.raises(grpc.RpcError) as info:
                 result = method(request, timeout=5, metadata=(("x-collective-token", "wrong"),))
-                if name == "Fetch":
+                if name in ("Fetch", "GetPlan"):
                     list(result)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
         from collective.transport.grpc import RAW_FETCH

@@ -201,6 +201,11 @@ def test_a_model_over_4_gib_with_a_variable_over_2_gib_arrives_bit_exact_in_boun
     big2[-7:] = 3.5  # the bytes past offset 2**32
     small = np.arange(5, dtype=np.int16)
     payload = big.nbytes + big2.nbytes
+    from collective.model import available_memory
+
+    free = available_memory()
+    if free is not None and free < 2.2 * payload:  # the chief would refuse the model, rightly
+        pytest.skip(f"needs {2.2 * payload / 2**30:.1f} GiB of memory; {free / 2**30:.1f} GiB available now")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     patient = dataclasses.replace(FAST, ready=900, start=900, stall=300)  # slow CI machines: no timing here
     service, _, agents = cluster({"big": big, "big2": big2, "small": small}, [["cpu:0"]], timeouts=patient,
@@ -214,3 +219,35 @@ def test_a_model_over_4_gib_with_a_variable_over_2_gib_arrives_bit_exact_in_boun
     assert r.variables.get("small").replicas[0].tobytes() == small.tobytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert peak - before < 2.2 * payload + (512 << 20), f"peak grew by {(peak - before) / 2**30:.2f} GiB"
+
+
+@pytest.mark.parametrize(
+    ("declared", "says"),
+    [
+        ([("w", [4], "zz")], "variable 'w': dtype 'zz' is not a numpy dtype"),
+        ([("w", [4], "<f4"), ("w/replica_1", [4], "<f4")], "variable 'w/replica_1' is named like replica 1 of variable 'w'"),
+        ([("w", [-4], "<f4")], "variable 'w': shape [-4] has dimension -4"),
+        ([("w", [4], "<f4"), ("w", [4], "<f4")], "variable 'w': duplicate name"),
+        ([("w", [2**62, 4], "<f4")], "variable 'w' is [4611686018427387904, 4] float32 = 64.0 EiB"),
+    ],
+)
+def test_a_worker_declaring_an_invalid_variable_list_is_refused_at_join_naming_it(declared, says):
+    from collective._proto import collective_pb2 as pb
+    from collective.errors import ProtocolError
+
+    service, endpoint, _ = cluster({"w": np.ones(4, np.float32)}, [["cpu:0"]])
+    variables = [pb.VariableInfo(name=n, shape=s, dtype=d, synchronization="AUTO", aggregation="NONE") for n, s, d in declared]
+    request = pb.JoinRequest(worker_id="odd", incarnation="i1", devices=["cpu:0"], declared=variables)
+    with pytest.raises(ProtocolError) as info:
+        endpoint.link().join(request, 1)
+    assert f"worker 'odd' declares an invalid variable list: {says}" in str(info.value)
+    assert service.phase is Phase.JOINING  # nothing else changed: the slot is still free
+
+
+def test_a_worker_cannot_declare_a_variable_the_wire_cannot_carry():
+    from collective.errors import InvalidVariableError
+    from collective.model import VariableSpec
+    from collective.plan import declared
+
+    with pytest.raises(InvalidVariableError, match=r"variable 'a\\ud800': the name is not valid Unicode text"):
+        declared([VariableSpec("a\ud800", (1,), "<f4")])

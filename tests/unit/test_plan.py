@@ -23,9 +23,11 @@ from collective.plan import (
     Receiver,
     build_plan,
     frame_messages,
+    from_pieces,
     layout,
     manifest_digest,
     spec_of,
+    to_pieces,
     validate_plan,
 )
 from tests.conftest import ArraySource, small_arrays
@@ -876,3 +878,29 @@ def test_receiver_rejects_a_digest_on_a_message_without_bytes(abc):
     plan, _, chunks = abc
     chunks[-1].digest = "junk"
     expect_reject(plan, chunks, ProtocolError, "message at offset 392 has no bytes but claims digest junk")
+
+
+def test_a_plan_cut_into_pieces_joins_back_to_the_same_plan():
+    plan, *_ = make_plan(small_arrays())
+    data = plan.SerializeToString()
+    pieces = list(to_pieces(data, piece_bytes=100))
+    assert len(pieces) == -(-len(data) // 100) and all(len(p.data) <= 100 for p in pieces)
+    assert from_pieces(pb.Plan, pieces, "chief at x") == plan
+    assert from_pieces(pb.Plan, list(to_pieces(data)), "chief at x") == plan  # one piece
+    assert from_pieces(pb.ReadyRequest, to_pieces(b""), "w") == pb.ReadyRequest()  # an empty message: one piece
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [(lambda ps: ps[:-1], "chief at x sent 1700 bytes of a Plan of 1736 bytes in 17 piece(s)"),
+     (lambda ps: [], "chief at x sent 0 bytes of a Plan of ? bytes in 0 piece(s)"),
+     (lambda ps: [*ps, ps[-1]], "chief at x sent a Plan in pieces that claim 1736 bytes after 1736"),
+     (lambda ps: [pb.Piece(data=b"x", total_bytes=2**40)], "claim 1099511627776 bytes after 1099511627776 (at most 1073741824)"),
+     (lambda ps: [pb.Piece(data=b"\xff" * 8, total_bytes=8)], "chief at x sent 8 bytes that are not a Plan")],
+)
+def test_missing_extra_or_garbled_pieces_are_a_protocol_error_naming_the_sender(damage, says):
+    plan, *_ = make_plan(small_arrays())
+    pieces = damage(list(to_pieces(plan.SerializeToString(), piece_bytes=100)))
+    with pytest.raises(ProtocolError) as info:
+        from_pieces(pb.Plan, pieces, "chief at x")
+    assert says in str(info.value)

@@ -19,8 +19,15 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from safetensors.numpy import save_file
 
+from collective._proto import collective_pb2 as pb
 from collective.errors import ModelError
-from collective.model import Aggregation, Synchronization, VariableSpec
+from collective.model import (
+    Aggregation,
+    Synchronization,
+    VariableSpec,
+    available_memory,
+    check_fits,
+)
 from collective.sources import (
     PRESETS,
     RANDOM_BLOCK_ELEMENTS,
@@ -1014,3 +1021,192 @@ def test_spec_breaking_the_variable_rules_is_rejected_at_load_naming_the_entry(t
     with pytest.raises(ModelError, match=words) as info:
         load_source(str(path))
     assert "bad.json" in str(info.value) and "'v'" in str(info.value)
+
+
+# ----------------------------------------------------------------------------- memory bombs, overflow, names
+
+
+def npz_with_header(path: Path, shape_text: str, name: str = "x") -> Path:
+    """An .npz whose one member claims ``shape_text`` (a Python tuple literal) and holds no data."""
+    header = "{'descr': '<f4', 'fortran_order': False, 'shape': " + shape_text + ", }"
+    header = header.ljust(118) + "\n"
+    raw = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode()
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}.npy", raw)
+    return path
+
+
+def safetensors_claiming(path: Path, shape: list[int], dtype: str = "F32") -> Path:
+    """A safetensors file whose header claims one tensor ``w`` of ``shape``; its data is a hole
+    (a sparse file), so the file's size agrees with the header at no cost in disk space."""
+    itemsize = {"F32": 4, "U8": 1}[dtype]
+    nbytes = math.prod(shape) * itemsize
+    raw = json.dumps({"w": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little") + raw)
+        fh.truncate(8 + len(raw) + nbytes)
+    return path
+
+
+_HUGE_SHAPES = [
+    ([2**62], "16.0 EiB, more than the 2**63-1 bytes"),
+    ([2**70], "dimension 1180591620717411303424"),
+    ([0, 2**70], "dimension 1180591620717411303424"),  # no bytes, but no int64 can carry the shape
+    ([2**31, 2**31, 4], "64.0 EiB, more than the 2**63-1 bytes"),
+    ([2**40, 2**40], "4.0 YiB, more than the 2**63-1 bytes"),
+    ([1] * 40, "40 dimensions; at most 32"),
+]
+
+
+@pytest.mark.parametrize(("shape", "says"), _HUGE_SHAPES)
+def test_a_spec_shape_past_int64_is_one_model_error_naming_the_variable(tmp_path, shape, says):
+    path = spec_file(tmp_path, [var("ok", [2]), var("w", shape)], name="model.json")
+    raises_model_error(path, "model.json: variable 'w'", says)
+
+
+@pytest.mark.parametrize(
+    ("shape_text", "says"),
+    [("(-1, 4)", "dimension -1"), ("(4, -3)", "dimension -3"),
+     ("(99999999999999999999999,)", "dimension 99999999999999999999999"),
+     ("(4611686018427387904, 4)", "64.0 EiB")],
+)
+def test_an_npz_header_with_a_negative_or_overflowing_shape_is_one_model_error(tmp_path, shape_text, says):
+    raises_model_error(npz_with_header(tmp_path / "w.npz", shape_text), "w.npz: variable 'x'", says)
+
+
+def test_a_safetensors_shape_past_int64_is_one_model_error(tmp_path):
+    shape = [2**62]
+    raw = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 2**64]}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    raises_model_error(path, "model.safetensors: tensor 'w'", "data_offsets end at")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=st.lists(st.one_of(st.integers(-3, 3), st.integers(-(2**80), 2**80), st.sampled_from([2**31, 2**32, 2**62, 2**63])),
+                   max_size=5),
+    dtype=st.sampled_from(["float32", "float64", "uint8", "complex128"]),
+)
+def test_fuzz_any_integer_shape_loads_valid_or_fails_with_one_model_error(tmp_path, shape, dtype):
+    """Whatever the shape, loading then the memory check give a valid model or one ModelError."""
+    path = spec_file(tmp_path, [var("w", shape, dtype)], name="fuzz.json")
+    try:
+        source = load_source(str(path))
+        (spec,) = source.specs()
+        check_fits(source.specs(), spec.nbytes, label=str(path), available=1 << 30)
+    except ModelError as exc:
+        assert "\n" not in str(exc) and "'w'" in str(exc)
+        return
+    assert all(d >= 0 for d in spec.shape) and spec.nbytes <= 1 << 30
+    # What loads must fit the wire: the plan carries every shape as int64.
+    pb.VariableInfo(name=spec.name, shape=list(spec.shape), nbytes=spec.nbytes).SerializeToString()
+
+
+def test_a_100_byte_spec_of_a_huge_tensor_is_refused_before_allocating(tmp_path):
+    from chief.service import materialize
+
+    path = spec_file(tmp_path, [var("w", [1000000, 1000000])], name="bomb.json")
+    source = load_source(str(path))  # the spec itself is valid: only its size is not
+    with pytest.raises(ModelError) as info:
+        materialize(source, allocate=lambda n: pytest.fail(f"allocated {n} bytes"), max_bytes=1 << 40)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "bomb.json: variable 'w' is [1000000, 1000000] float32 = 3.6 TiB, more than --max-model-bytes 1.0 TiB" in message
+
+
+def test_a_sparse_48_gib_safetensors_is_refused_against_available_memory(tmp_path):
+    path = safetensors_claiming(tmp_path / "model.safetensors", [12 << 30], "F32")
+    source = load_source(str(path))  # a consistent file: header, offsets and size agree
+    (spec,) = source.specs()
+    with pytest.raises(ModelError) as info:
+        check_fits(source.specs(), spec.nbytes, label=source.description, available=22 << 30)
+    assert str(info.value).startswith(
+        f"{path}: variable 'w' is [12884901888] float32 = 48.0 GiB, more than the 22.0 GiB of memory available"
+    )
+
+
+def test_the_whole_model_is_checked_naming_its_largest_variable():
+    specs = [VariableSpec(f"v{i}", (1 << 20,), "<f4") for i in range(3)] + [VariableSpec("big", (1 << 21,), "<f4")]
+    with pytest.raises(ModelError) as info:
+        check_fits(specs, 20 << 20, label="m.npz", available=16 << 20)
+    assert "m.npz: the model's 4 variables need 20.0 MiB (largest: 'big' [2097152] float32 = 8.0 MiB)" in str(info.value)
+    check_fits(specs, 20 << 20, label="m.npz", available=20 << 20)  # exactly enough is enough
+    check_fits(specs, 20 << 20, label="m.npz", available=None)  # unknown (not Linux): not checked
+
+
+def test_available_memory_reads_meminfo_and_leaves_headroom():
+    free = available_memory()
+    meminfo = Path("/proc/meminfo").read_text()
+    total = int(next(line for line in meminfo.splitlines() if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert free is not None and 0 < free < total
+
+
+@pytest.mark.parametrize("fmt", ["json", "safetensors"])
+def test_a_name_with_a_lone_surrogate_is_refused_at_load_naming_it(tmp_path, fmt):
+    if fmt == "json":
+        path = tmp_path / "model.json"
+        path.write_text('{"variables": [{"name": "a\\ud800b", "shape": [1], "dtype": "float32", "initializer": "zeros"}]}')
+    else:
+        path = write_safetensors(
+            tmp_path / "model.safetensors", {"a\ud800b": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"\0"
+        )
+    raises_model_error(path, f"{path.name}: variable 'a\\ud800b': the name is not valid Unicode text", "character 1")
+
+
+@pytest.mark.parametrize("order", [("x", "x/replica_1"), ("x/replica_12", "x")])
+def test_a_variable_named_like_another_variables_replica_is_refused_naming_both(tmp_path, order):
+    path = spec_file(tmp_path, [var(n, [2]) for n in order])
+    replica = next(n for n in order if "/" in n)
+    raises_model_error(path, f"variable {replica!r} is named like replica", "of variable 'x'")
+
+
+def test_replica_like_names_without_their_variable_are_fine(tmp_path):
+    names = ["x/replica_1", "y/replica_0", "y", "z/replica_01", "z", "w/replica_"]
+    path = spec_file(tmp_path, [var(n, [1]) for n in [*names, "w"]])
+    assert [s.name for s in load_source(str(path)).specs()] == [*names, "w"]
+
+
+def test_npz_and_safetensors_names_are_checked_for_replica_clashes(tmp_path):
+    np.savez(tmp_path / "w.npz", **{"x": np.zeros(1), "x/replica_2": np.zeros(1)})
+    raises_model_error(tmp_path / "w.npz", "w.npz: variable 'x/replica_2' is named like replica 2 of variable 'x'")
+    save_file({"b": np.zeros(1, np.float32), "b/replica_1": np.zeros(1, np.float32)}, str(tmp_path / "w.safetensors"))
+    raises_model_error(tmp_path / "w.safetensors", "variable 'b/replica_1' is named like replica 1 of variable 'b'")
+
+
+_ANY_INT = st.one_of(st.integers(-3, 8), st.integers(-(2**70), 2**70), st.sampled_from([2**31, 2**32, 2**62, 2**63, 2**64]))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=st.lists(_ANY_INT, max_size=4),
+    offsets=st.lists(_ANY_INT, min_size=2, max_size=2),
+    data=st.integers(0, 64),
+    name=st.sampled_from(["w", "w/replica_1", "\ud800", "a\udfffb"]),
+)
+def test_fuzz_a_safetensors_header_loads_valid_or_fails_with_one_model_error(tmp_path, shape, offsets, data, name):
+    header = {"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+              name: {"dtype": "F32", "shape": shape, "data_offsets": offsets}}
+    raw = json.dumps(header).encode()  # json escapes a lone surrogate as \\udxxx, as a writer would
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * data)
+    try:
+        specs = load_source(str(path)).specs()
+    except ModelError as exc:
+        assert "\n" not in str(exc) and str(exc).startswith(f"{path}: ")
+        return
+    for spec in specs:  # what loads is a model the wire can carry
+        pb.VariableInfo(name=spec.name, shape=list(spec.shape), nbytes=spec.nbytes).SerializeToString()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.lists(_ANY_INT, max_size=4))
+def test_fuzz_an_npz_header_loads_valid_or_fails_with_one_model_error(tmp_path, shape):
+    path = npz_with_header(tmp_path / "fuzz.npz", repr(tuple(shape)))
+    try:
+        specs = load_source(str(path)).specs()
+    except ModelError as exc:
+        assert "\n" not in str(exc) and "fuzz.npz" in str(exc)
+        return
+    for spec in specs:
+        pb.VariableInfo(name=spec.name, shape=list(spec.shape), nbytes=spec.nbytes).SerializeToString()
