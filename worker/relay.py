@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from collective._proto import collective_pb2 as pb
-from collective.errors import AbortedError, DeadlineError, PreconditionError
+from collective.errors import AbortedError, DeadlineError, PreconditionError, UnimplementedError
+from collective.logs import printable
 from collective.plan import Chunker, with_bytes
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 class RelayHandler:
     """The ChiefHandler of a worker's relay server. Thread-safe; every wait is bounded."""
+
+    num_workers = 0  # sizes the server: the few children of a tree or chain fit its spare threads
 
     def __init__(self, stall_timeout: float) -> None:
         self._cond = threading.Condition()
@@ -66,7 +69,7 @@ class RelayHandler:
             plan, arena = self._plan, self._arena
             if not any(w.worker_id == ref.worker_id and w.incarnation == ref.incarnation for w in plan.workers):
                 raise PreconditionError(f"worker {ref.worker_id!r} is not in this round's plan")
-        log.info("relaying to worker %s", ref.worker_id)
+        log.info("relaying to worker %s", printable(ref.worker_id))
         for msg, data in Chunker(plan, arena).frames():
             end = msg.offset + len(data)
             with self._cond:
@@ -74,12 +77,14 @@ class RelayHandler:
             yield msg, data
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
-        log.info("relay stream to worker %s ended early: %s", ref.worker_id, reason)
+        log.info("relay stream to worker %s ended early: %s", printable(ref.worker_id), reason)
 
-    def _only_fetch(self, *args, **kwargs):
-        raise PreconditionError("this is a worker's relay: it answers Fetch only; talk to the chief")
+    def _not_served(self, *args, **kwargs):
+        raise UnimplementedError("this is a worker's relay: it serves only the data stream (Fetch, FetchRaw); "
+                                 "send every other call to the chief")
 
-    join = get_plan = report_ready = await_start = report_failure = heartbeat = status = _only_fetch
+    join = get_plan = await_prepared = report_ready = await_start = report_failure = _not_served
+    heartbeat = await_outcome = status = _not_served
 
 
 class Relay:
@@ -89,7 +94,7 @@ class Relay:
         from collective.transport.grpc import GrpcEndpoint
 
         self.handler = RelayHandler(stall_timeout)
-        self._endpoint = GrpcEndpoint(bind, token=token, tls=tls, max_workers=8)
+        self._endpoint = GrpcEndpoint(bind, token=token, tls=tls, name="relay")
         self._endpoint.start(self.handler)
         self.port = self._endpoint.port
         self._started = time.monotonic()
