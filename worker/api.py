@@ -33,18 +33,22 @@ def join_cluster(
     expected: Sequence[VariableSpec] | None = None,
     tls: TlsFiles | None = None,
     shm: bool = True,
-    relay_host: str | None = "0.0.0.0",
+    relay_host: str | None = "auto",
 ) -> WorkerResult:
     """Join the chief at ``chief`` and return once start is released (see the module doc).
 
     ``expected``: the variables this process builds itself (SPMD style); the chief refuses the
-    join before any byte moves if its model differs, listing every difference.
+    join before any byte moves if its model differs, listing every difference. ``relay_host``:
+    where this worker's relay listens; "auto" is the interface that reaches the chief, None: no
+    relay (star only).
     """
-    from worker.relay import Relay
+    from worker.relay import Relay, host_towards
 
     t = timeouts or Timeouts()
     link = GrpcChiefLink(chief, token=token, tls=tls)
-    # The relay listens on every interface; the chief tells children the address it saw us at.
+    # The chief tells children the address it saw us at: the interface that reaches the chief.
+    if relay_host == "auto":
+        relay_host = host_towards(chief)
     relay = Relay(f"{relay_host}:0", token=token, tls=tls, stall_timeout=t.stall) if relay_host else None
 
     def connect(address: str, name: str) -> GrpcChiefLink:

@@ -10,6 +10,7 @@ arrived here (``progress``), so a chain pipelines: every link carries the model 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,25 @@ from collective.logs import printable
 from collective.plan import Chunker, with_bytes
 
 log = logging.getLogger(__name__)
+
+
+def host_towards(chief: str) -> str:
+    """This host's address on the interface that reaches ``chief`` (HOST:PORT), for a relay to
+    bind: children reach it where the chief saw this worker, and no other interface is opened
+    (loopback when the chief is on 127.0.0.1). It is the kernel's own route choice, read from a
+    UDP socket connected towards the chief (nothing is sent). If the chief's name does not
+    resolve yet, every interface ("0.0.0.0") is the fallback."""
+    host, _, port = chief.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, int(port or 0) or 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(addr)
+            local = probe.getsockname()[0]
+    except (OSError, ValueError) as exc:
+        log.info("no route to the chief at %s yet (%s); the relay listens on every interface", chief, exc)
+        return "0.0.0.0"
+    return f"[{local}]" if ":" in local else local
 
 
 class RelayHandler:
