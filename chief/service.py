@@ -393,6 +393,9 @@ class ChiefService:
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
         with self._cond:
             m = self._member(req.worker)
+            if self._plan is None:
+                raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
+                                        f"ReportReady comes after GetPlan and the data stream")
             problem = self._check_digests(m, req)
             if problem is not None:
                 err = IntegrityError(f"{m.name()}: {problem}")

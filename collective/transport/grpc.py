@@ -579,6 +579,12 @@ def is_loopback(host: str) -> bool:
 # --- client ------------------------------------------------------------------------------
 
 
+# Join retries back off exponentially to JOIN_BACKOFF_CAP s between tries; their log lines come
+# after the first failure and then at doubling intervals up to JOIN_LOG_CAP s, each a summary.
+JOIN_BACKOFF_CAP = 2.0
+JOIN_LOG_FIRST, JOIN_LOG_CAP = 2.0, 30.0
+
+
 class GrpcChiefLink(ChiefLink):
     """A worker's channel to the chief at ``address``."""
 
@@ -686,9 +692,11 @@ class GrpcChiefLink(ChiefLink):
                 self._untrack(future)
 
     def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         last = "no answer"
-        backoff, refusals = 0.1, 0
+        backoff, refusals, tries = 0.1, 0, 0
+        next_log, log_every = started, JOIN_LOG_FIRST
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -706,9 +714,15 @@ class GrpcChiefLink(ChiefLink):
                     refusals = refusals + 1 if hint else 0
                     if refusals >= 3:  # a listening chief that keeps closing on us: not a start-up race
                         raise E.AuthError(f"{self.name} at {self.address} refused the connection during join: {last}{hint}") from None
-                    log.info("chief at %s not reachable yet (%s); retrying for %.0f s more", self.address, last, left)
+                    tries += 1
+                    now = time.monotonic()
+                    if now >= next_log:  # the first failure, then a summary at doubling intervals
+                        log.info("%s at %s not reachable yet after %d tr%s in %.0f s (%s); retrying for %.0f s more",
+                                 self.name, self.address, tries, "y" if tries == 1 else "ies", now - started,
+                                 printable(last), max(deadline - now, 0.0))
+                        next_log, log_every = now + log_every, min(log_every * 2, JOIN_LOG_CAP)
                     time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-                    backoff = min(1.0, backoff * 2)
+                    backoff = min(JOIN_BACKOFF_CAP, backoff * 2)
                     continue
                 raise self._error(exc, "join", timeout) from None
 
