@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
         source, args.workers, timeouts=timeouts_from_args(args), chunk_bytes=args.chunk_bytes, shm=args.shm,
         topology=args.topology,
     )
-    endpoint = GrpcEndpoint(args.bind, token=args.token, max_workers=4 * args.workers + 8, tls=tls)
+    endpoint = GrpcEndpoint(args.bind, token=args.token, tls=tls)  # its pool is sized from the service
     address = endpoint.start(service)
     log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address, args.workers)
     if args.port_file:
