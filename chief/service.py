@@ -88,7 +88,7 @@ class Member:
         return f"{host}:{self.relay_port}" if host else ""
 
     def name(self) -> str:
-        return f"worker {self.worker_id} (rank {self.rank}, host {self.host})"
+        return f"worker {logs.printable(self.worker_id)} (rank {self.rank}, host {logs.printable(self.host)})"
 
     def replica_names(self, variable: str) -> list[str]:
         return [replica_name(variable, i) for i in range(len(self.devices))]
@@ -502,7 +502,7 @@ class ChiefService:
         with self._cond:
             m = self._member(req.worker)
             m.phase, m.told = "failed", True
-            self.fail(AbortedError(f"{m.name()} failed during {req.phase or 'the round'}: {req.message}"))
+            self.fail(AbortedError(f"{m.name()} failed during {logs.printable(req.phase or 'the round')}: {logs.printable(req.message, limit=4000)}"))
             return pb.FailureReply()
 
     def heartbeat(self, ref: pb.WorkerRef) -> pb.HeartbeatReply:

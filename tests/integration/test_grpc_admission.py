@@ -373,3 +373,24 @@ def test_a_workers_relay_listens_only_on_the_interface_that_reaches_a_loopback_c
         assert worker.proc.poll() is None, worker.output()
         time.sleep(0.05)
     assert _listening(worker.pid) == {"127.0.0.1"}, worker.output()
+
+
+def test_a_worker_id_host_and_failure_message_with_newlines_and_escapes_are_logged_escaped(caplog):
+    from chief.service import ChiefService
+
+    caplog.set_level(logging.INFO)
+    evil = "w0\nFORGED ERROR line\x1b[2J"
+    service = ChiefService(ArraySource(small_arrays()), 2, timeouts=ROUND, chunk_bytes=4096)
+    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
+    link = GrpcChiefLink(endpoint.start(service), token=TOKEN)
+    try:
+        link.join(pb.JoinRequest(worker_id=evil, incarnation="i0", devices=["cpu:0"], host="h\x1b[31m\r"), 5)
+        link.report_failure(pb.FailureReport(worker=pb.WorkerRef(worker_id=evil, incarnation="i0"),
+                                             message="disk\nfull\x1b[0m"), 5)
+    finally:
+        link.close()
+        endpoint.stop(grace=0.5)
+        service.close()
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("chief")]
+    assert any("joined" in m for m in messages) and any("disk\\x0afull" in m for m in messages), messages
+    assert not [m for m in messages if any(c in m for c in "\n\r\x1b")], messages
