@@ -9,6 +9,7 @@ arrived here (``progress``), so a chain pipelines: every link carries the model 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -28,9 +29,9 @@ log = logging.getLogger(__name__)
 def host_towards(chief: str) -> str:
     """This host's address on the interface that reaches ``chief`` (HOST:PORT), for a relay to
     bind: children reach it where the chief saw this worker, and no other interface is opened
-    (loopback when the chief is on 127.0.0.1). It is the kernel's own route choice, read from a
-    UDP socket connected towards the chief (nothing is sent). If the chief's name does not
-    resolve yet, every interface ("0.0.0.0") is the fallback."""
+    ("localhost", both families, for a chief on this host's loopback). It is the kernel's own
+    route choice, read from a UDP socket connected towards the chief (nothing is sent). If the
+    chief's name does not resolve yet, every interface ("0.0.0.0") is the fallback."""
     host, _, port = chief.rpartition(":")
     host = host.strip("[]")
     try:
@@ -41,6 +42,8 @@ def host_towards(chief: str) -> str:
     except (OSError, ValueError) as exc:
         log.info("no route to the chief at %s yet (%s); the relay listens on every interface", chief, exc)
         return "0.0.0.0"
+    if ipaddress.ip_address(local).is_loopback:
+        return "localhost"  # both loopbacks: gRPC may reach "localhost" over either family
     return f"[{local}]" if ":" in local else local
 
 

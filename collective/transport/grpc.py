@@ -450,7 +450,7 @@ class _Admission(grpc.ServerInterceptor):
             if raw is None:
                 context.abort(grpc.StatusCode.CANCELLED, f"{method}: the call ended before its request arrived")
             try:
-                request = decode(raw)
+                request = decode(raw) if decode is not None else raw
             except DecodeError:
                 self._refusals.refused(context.peer(), method, "an undecodable request")
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
