@@ -92,7 +92,7 @@ class Member:
         return f"{host}:{self.relay_port}" if host else ""
 
     def name(self) -> str:
-        return f"worker {self.worker_id} (rank {self.rank}, host {self.host})"
+        return f"worker {logs.printable(self.worker_id)} (rank {self.rank}, host {logs.printable(self.host)})"
 
     def replica_names(self, variable: str) -> list[str]:
         return [replica_name(variable, i) for i in range(len(self.devices))]
@@ -445,6 +445,9 @@ class ChiefService:
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
         with self._cond:
             m = self._member(req.worker)
+            if self._plan is None:
+                raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
+                                        f"ReportReady comes after GetPlan and the data stream")
             problem = self._check_digests(m, req)
             if problem is not None:
                 err = IntegrityError(f"{m.name()}: {problem}")
@@ -592,7 +595,7 @@ class ChiefService:
         with self._cond:
             m = self._member(req.worker)
             m.phase, m.told = "failed", True
-            self.fail(AbortedError(f"{m.name()} failed during {req.phase or 'the round'}: {req.message}"))
+            self.fail(AbortedError(f"{m.name()} failed during {logs.printable(req.phase or 'the round')}: {logs.printable(req.message, limit=4000)}"))
             return pb.FailureReply()
 
     def heartbeat(self, ref: pb.WorkerRef) -> pb.HeartbeatReply:

@@ -204,7 +204,7 @@ def run_chief(
         source, num_workers, timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology,
         local_devices=devices or None, spmd=spmd, max_model_bytes=max_model_bytes,
     )
-    endpoint = GrpcEndpoint(bind, token=token, max_workers=4 * num_workers + 8, tls=tls)
+    endpoint = GrpcEndpoint(bind, token=token, tls=tls)  # its pool is sized from the service
     held: list = []
     previous: dict[int, Any] = {}
     try:
@@ -327,7 +327,7 @@ def join(
     timeouts: Timeouts | None = None,
     expected: Sequence[VariableSpec] | None = None,
     shm: bool | None = None,
-    relay_host: str | None = "0.0.0.0",
+    relay_host: str | None = "auto",
 ):
     """Join the chief as a worker in this process, as ``python -m worker`` does. Blocks until
     start is released and returns the ``WorkerResult`` (``variables``: the verified replicas,
@@ -337,14 +337,15 @@ def join(
     ``_RANK`` as preferred worker rank, ``_WORKER_ID``, ``_TOKEN``, ``_TLS_*``, ``_SHM``,
     ``_EXPECT_MODEL``, the timeouts), then ``TF_CONFIG`` / torchrun. ``expected``: the
     variables this process builds itself; the chief refuses the join before any byte moves if
-    its model differs, listing every difference. ``relay_host=None``: never relay to other
+    its model differs, listing every difference. ``relay_host``: where this worker's relay
+    listens; "auto" is the interface that reaches the chief; None: never relay to other
     workers (star topology for this worker). Raises a ``CollectiveError`` naming the phase and
     the culprit; every wait has a deadline.
     """
     from collective.config import timeouts_from_args, tls_from_args
     from collective.transport.grpc import GrpcChiefLink
     from worker.agent import WorkerAgent
-    from worker.relay import Relay
+    from worker.relay import Relay, host_towards
 
     args = _cli_settings("worker", _environ("worker"))
     chief = chief or args.chief
@@ -357,7 +358,9 @@ def join(
     if expected is None and args.expect_model:
         expected = as_source(args.expect_model).specs()
     link = GrpcChiefLink(chief, token=token, tls=tls)
-    # The relay listens on every interface; the chief tells children the address it saw us at.
+    # The chief tells children the address it saw us at: the interface that reaches the chief.
+    if relay_host == "auto":
+        relay_host = host_towards(chief)
     relay = Relay(f"{relay_host}:0", token=token, tls=tls, stall_timeout=t.stall) if relay_host else None
 
     def connect(address: str, name: str) -> GrpcChiefLink:

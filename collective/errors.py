@@ -88,3 +88,12 @@ class PermissionDeniedError(CollectiveError):
 
 class RelayError(TransportError):
     """The worker this one receives from (its relay parent) failed or went silent."""
+
+
+class UnimplementedError(ProtocolError):
+    """A server was asked for a call it does not serve (e.g. a control call sent to a relay)."""
+
+
+class InternalError(CollectiveError):
+    """A bug inside the chief or a relay: the message names the call; that process's log has the
+    traceback."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 
@@ -16,12 +17,27 @@ _context = {"role": "-", "rank": "-", "worker_id": "-", "phase": "-"}
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(role)s rank=%(rank)s id=%(worker_id)s phase=%(phase)s: %(message)s"
 
 
+# C0 and C1 control characters and DEL: newlines would forge log lines, ESC would drive the terminal.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _escape(text: str) -> str:
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def printable(value: object, limit: int = 300) -> str:
+    """``value`` as one safe line: control characters (newline, ESC, ...) escaped as ``\\xNN``,
+    cut to ``limit`` characters. For anything a peer chose: worker ids, hosts, failure messages."""
+    text = _escape(str(value))
+    return text if len(text) <= limit else text[:limit] + f"...({len(text) - limit} more)"
+
+
 def set_context(**fields: object) -> None:
     """Set role/rank/worker_id/phase for every later log line of this process."""
     for key, value in fields.items():
         if key not in _context:
             raise KeyError(f"unknown log context field {key!r}")
-        _context[key] = "-" if value is None else str(value)
+        _context[key] = "-" if value is None else _escape(str(value))
 
 
 def current(field: str) -> str:
@@ -36,6 +52,11 @@ class _ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         for key, value in _context.items():
             setattr(record, key, value)
+        # One line per event whatever a peer put in a name or message (tracebacks stay as they are).
+        message = record.getMessage()
+        safe = _escape(message)
+        if safe != message:
+            record.msg, record.args = safe, None
         return True
 
 

@@ -195,8 +195,15 @@ def declaration_differences(chief: Sequence[VariableSpec], worker: Sequence[pb.V
                 f"{name}: chief {s.synchronization.name}/{s.aggregation.name} vs worker "
                 f"{w.synchronization.name}/{w.aggregation.name}"
             )
-    out += [f"{name}: chief (missing) vs worker {spec_of(v).describe()}" for name, v in theirs.items() if name not in mine]
+    out += [f"{name}: chief (missing) vs worker {_declared(v)}" for name, v in theirs.items() if name not in mine]
     return out
+
+
+def _declared(v: pb.VariableInfo) -> str:
+    try:
+        return spec_of(v).describe()
+    except ValueError as exc:
+        return f"(an invalid declaration: {exc})"
 
 
 def spec_of(v: pb.VariableInfo) -> VariableSpec:

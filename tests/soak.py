@@ -191,7 +191,7 @@ class Soak:
         handler = FaultyHandler(service, self)
         ids = [f"w{i}" for i in range(self.workers)]
         handler.victim = self.rng.choice(ids)
-        endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN, max_workers=4 * self.workers + 8)
+        endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)  # sized from the service it wraps
         self.address = endpoint.start(handler)
         t0 = time.monotonic()
         outcome: list = []

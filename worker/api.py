@@ -34,7 +34,7 @@ def join_cluster(
     expected: Sequence[VariableSpec] | None = None,
     tls=None,
     shm: bool | None = None,
-    relay_host: str | None = "0.0.0.0",
+    relay_host: str | None = "auto",
 ) -> WorkerResult:
     """``collective.join``: see the module doc."""
     from collective._api import join

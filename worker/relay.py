@@ -9,7 +9,9 @@ arrived here (``progress``), so a chain pipelines: every link carries the model 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,14 +19,38 @@ from collections.abc import Iterator
 import numpy as np
 
 from collective._proto import collective_pb2 as pb
-from collective.errors import AbortedError, DeadlineError, PreconditionError
+from collective.errors import AbortedError, DeadlineError, PreconditionError, UnimplementedError
+from collective.logs import printable
 from collective.plan import Chunker, with_bytes
 
 log = logging.getLogger(__name__)
 
 
+def host_towards(chief: str) -> str:
+    """This host's address on the interface that reaches ``chief`` (HOST:PORT), for a relay to
+    bind: children reach it where the chief saw this worker, and no other interface is opened
+    ("localhost", both families, for a chief on this host's loopback). It is the kernel's own
+    route choice, read from a UDP socket connected towards the chief (nothing is sent). If the
+    chief's name does not resolve yet, every interface ("0.0.0.0") is the fallback."""
+    host, _, port = chief.rpartition(":")
+    host = host.strip("[]")
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, int(port or 0) or 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(addr)
+            local = probe.getsockname()[0]
+    except (OSError, ValueError) as exc:
+        log.info("no route to the chief at %s yet (%s); the relay listens on every interface", chief, exc)
+        return "0.0.0.0"
+    if ipaddress.ip_address(local).is_loopback:
+        return "localhost"  # both loopbacks: gRPC may reach "localhost" over either family
+    return f"[{local}]" if ":" in local else local
+
+
 class RelayHandler:
     """The ChiefHandler of a worker's relay server. Thread-safe; every wait is bounded."""
+
+    num_workers = 0  # sizes the server: the few children of a tree or chain fit its spare threads
 
     def __init__(self, stall_timeout: float) -> None:
         self._cond = threading.Condition()
@@ -66,7 +92,7 @@ class RelayHandler:
             plan, arena = self._plan, self._arena
             if not any(w.worker_id == ref.worker_id and w.incarnation == ref.incarnation for w in plan.workers):
                 raise PreconditionError(f"worker {ref.worker_id!r} is not in this round's plan")
-        log.info("relaying to worker %s", ref.worker_id)
+        log.info("relaying to worker %s", printable(ref.worker_id))
         for msg, data in Chunker(plan, arena).frames():
             end = msg.offset + len(data)
             with self._cond:
@@ -74,12 +100,14 @@ class RelayHandler:
             yield msg, data
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
-        log.info("relay stream to worker %s ended early: %s", ref.worker_id, reason)
+        log.info("relay stream to worker %s ended early: %s", printable(ref.worker_id), reason)
 
-    def _only_fetch(self, *args, **kwargs):
-        raise PreconditionError("this is a worker's relay: it answers Fetch only; talk to the chief")
+    def _not_served(self, *args, **kwargs):
+        raise UnimplementedError("this is a worker's relay: it serves only the data stream (Fetch, FetchRaw); "
+                                 "send every other call to the chief")
 
-    join = get_plan = report_ready = await_start = report_failure = heartbeat = status = _only_fetch
+    join = get_plan = await_prepared = report_ready = await_start = report_failure = _not_served
+    heartbeat = await_outcome = status = _not_served
 
 
 class Relay:
@@ -89,7 +117,7 @@ class Relay:
         from collective.transport.grpc import GrpcEndpoint
 
         self.handler = RelayHandler(stall_timeout)
-        self._endpoint = GrpcEndpoint(bind, token=token, tls=tls, max_workers=8)
+        self._endpoint = GrpcEndpoint(bind, token=token, tls=tls, name="relay")
         self._endpoint.start(self.handler)
         self.port = self._endpoint.port
         self._started = time.monotonic()

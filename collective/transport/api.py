@@ -23,7 +23,13 @@ from collective.errors import CollectiveError
 
 
 class ChiefHandler(Protocol):
-    """What the chief does for each request. Every method is thread-safe; waits are bounded."""
+    """What the chief does for each request. Every method is thread-safe; waits are bounded.
+
+    ``num_workers``: how many workers it serves; a server sizes its threads from it, since
+    every worker holds a few long calls at once (``collective.transport.grpc.pool_size``).
+    """
+
+    num_workers: int
 
     def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply: ...
 

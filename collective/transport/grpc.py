@@ -16,7 +16,9 @@ health service reports SERVING while the chief serves and NOT_SERVING once it st
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import ipaddress
 import logging
 import struct
 import threading
@@ -33,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
+from collective.logs import printable
 from collective.plan import MAX_CHUNK_BYTES, from_pieces, to_pieces
 from collective.transport.api import ChiefEndpoint, ChiefHandler, ChiefLink
 
@@ -61,7 +64,9 @@ SERVER_OPTIONS = _MESSAGE_OPTIONS + [
 ]
 
 # One table, read both ways: the chief's error class <-> the status code on the wire.
+# Subclasses before their bases (UnimplementedError is a ProtocolError).
 _CODES: list[tuple[type[E.CollectiveError], grpc.StatusCode]] = [
+    (E.UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
     (E.AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (E.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (E.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
@@ -71,6 +76,7 @@ _CODES: list[tuple[type[E.CollectiveError], grpc.StatusCode]] = [
     (E.DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (E.IntegrityError, grpc.StatusCode.DATA_LOSS),
     (E.AbortedError, grpc.StatusCode.ABORTED),
+    (E.InternalError, grpc.StatusCode.INTERNAL),
 ]
 _CLASS_OF = {code: cls for cls, code in _CODES}
 
@@ -177,11 +183,18 @@ def peer_identities(context) -> set[str]:
 
 
 class _Servicer(pb_grpc.CollectiveServicer):
-    def __init__(self, handler: ChiefHandler, *, bind_identity: bool = False) -> None:
+    """The service boundary: every handler error becomes a status the client maps back.
+
+    A ``CollectiveError`` keeps its class (``_CODES``); anything else is a bug in this process:
+    INTERNAL naming the method and the exception, with the traceback in this process's log.
+    """
+
+    def __init__(self, handler: ChiefHandler, *, bind_identity: bool = False, name: str = "chief") -> None:
         self._h = handler
         self._bind_identity = bind_identity
         self._plan_lock = threading.Lock()
         self._plan_bytes: tuple[pb.Plan | None, bytes] = (None, b"")
+        self._name = name
 
     def _identity(self, context, worker_id: str) -> None:
         """With mutual TLS, a worker may only act under the id its certificate names."""
@@ -189,47 +202,57 @@ class _Servicer(pb_grpc.CollectiveServicer):
             return
         names = peer_identities(context)
         if worker_id not in names:
-            log.warning("refused worker id %r from %s: its certificate names %s", worker_id, context.peer(), sorted(names))
+            log.warning("refused worker id %s from %s: its certificate names %s",
+                        printable(repr(worker_id)), printable(context.peer()), printable(sorted(names)))
             context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"worker id {worker_id!r} refused: the client certificate names {', '.join(sorted(names)) or 'nobody'}",
             )
 
-    def _call(self, context, fn, *args):
+    @contextlib.contextmanager
+    def _boundary(self, context, method: str, ref: pb.WorkerRef | None = None, what: str = ""):
+        """Map what the handler raises to a status. With ``ref``, a call that ends before it was
+        answered (process gone, link cut) is reported to the handler as lost."""
+        answered = [ref is None]
+        if ref is not None:
+
+            def on_end() -> None:
+                if not answered[0]:
+                    self._h.lost(ref, f"its {what} call was cut off (process gone or connection lost)")
+
+            context.add_callback(on_end)
         try:
-            return fn(*args)
-        except E.CollectiveError as exc:
-            context.abort(status_code(exc), str(exc))
-
-    def _watch(self, context, ref: pb.WorkerRef, what: str) -> list[bool]:
-        """Tell the handler if this call ends before we answered: the worker is gone."""
-        answered = [False]
-
-        def on_end() -> None:
-            if not answered[0]:
-                self._h.lost(ref, f"its {what} call was cut off (process gone or connection lost)")
-
-        context.add_callback(on_end)
-        return answered
-
-    def _long_call(self, context, ref, what, fn, *args):
-        answered = self._watch(context, ref, what)
-        try:
-            return fn(*args)
+            yield
         except E.CollectiveError as exc:
             answered[0] = True
             context.abort(status_code(exc), str(exc))
+        except Exception as exc:
+            answered[0] = True
+            log.exception("%s from %s failed inside the %s", method, printable(context.peer()), self._name)
+            context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"{method} failed inside the {self._name} ({type(exc).__name__}: {printable(exc)}); "
+                f"this is a bug: the {self._name}'s log has the traceback",
+            )
         finally:
             answered[0] = True
 
+    def _call(self, context, method: str, fn, *args):
+        with self._boundary(context, method):
+            return fn(*args)
+
+    def _long_call(self, context, method: str, ref, what: str, fn, *args):
+        with self._boundary(context, method, ref, what):
+            return fn(*args, _remaining(context))
+
     def Join(self, request, context):  # noqa: N802 - gRPC method names
         self._identity(context, request.worker_id)
-        return self._call(context, self._h.join, request, context.peer())
+        return self._call(context, "Join", self._h.join, request, context.peer())
 
     def GetPlan(self, request, context):  # noqa: N802
         """The plan in pieces (``collective.plan.to_pieces``): a plan of any size fits."""
         self._identity(context, request.worker_id)
-        plan = self._long_call(context, request, "plan", self._h.get_plan, request, _remaining(context))
+        plan = self._long_call(context, "GetPlan", request, "plan", self._h.get_plan, request)
         yield from to_pieces(self._serialized(plan))
 
     def _serialized(self, plan: pb.Plan) -> bytes:
@@ -241,54 +264,44 @@ class _Servicer(pb_grpc.CollectiveServicer):
 
     def AwaitPrepared(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
-        return self._long_call(context, request, "prepared", self._h.await_prepared, request, _remaining(context))
+        return self._long_call(context, "AwaitPrepared", request, "prepared", self._h.await_prepared, request)
 
     def FetchRaw(self, request, context):  # noqa: N802
         """Fetch as raw frames (see ``frame``): the chunk's bytes are copied once, into the frame."""
         self._identity(context, request.worker_id)
-        answered = self._watch(context, request, "data stream")
-        try:
+        with self._boundary(context, "FetchRaw", request, "data stream"):
             for msg, data in self._h.stream_views([request]):
                 yield frame(msg, data)
-        except E.CollectiveError as exc:
-            answered[0] = True
-            context.abort(status_code(exc), str(exc))
-        answered[0] = True
 
     def Fetch(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
-        answered = self._watch(context, request, "data stream")
-        try:
+        with self._boundary(context, "Fetch", request, "data stream"):
             yield from self._h.fetch(request)
-        except E.CollectiveError as exc:
-            answered[0] = True
-            context.abort(status_code(exc), str(exc))
-        answered[0] = True
 
     def ReportReady(self, request_iterator, context):  # noqa: N802
         """A ReadyRequest in pieces: every device's chunk digests of a model of any size fit."""
-        request = self._call(context, from_pieces, pb.ReadyRequest, request_iterator, f"worker at {context.peer()}")
+        request = self._call(context, "ReportReady", from_pieces, pb.ReadyRequest, request_iterator, f"worker at {context.peer()}")
         self._identity(context, request.worker.worker_id)
-        return self._call(context, self._h.report_ready, request)
+        return self._call(context, "ReportReady", self._h.report_ready, request)
 
     def AwaitStart(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
-        return self._long_call(context, request, "start", self._h.await_start, request, _remaining(context))
+        return self._long_call(context, "AwaitStart", request, "start", self._h.await_start, request)
 
     def Heartbeat(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
-        return self._call(context, self._h.heartbeat, request)
+        return self._call(context, "Heartbeat", self._h.heartbeat, request)
 
     def ReportFailure(self, request, context):  # noqa: N802
         self._identity(context, request.worker.worker_id)
-        return self._call(context, self._h.report_failure, request)
+        return self._call(context, "ReportFailure", self._h.report_failure, request)
 
     def Status(self, request, context):  # noqa: N802
-        return self._call(context, self._h.status)
+        return self._call(context, "Status", self._h.status)
 
     def Presence(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
-        return self._long_call(context, request, "presence", self._h.await_outcome, request, _remaining(context))
+        return self._long_call(context, "Presence", request, "presence", self._h.await_outcome, request)
 
 
 def _remaining(context) -> float:
@@ -297,60 +310,226 @@ def _remaining(context) -> float:
     return 3600.0 if left is None else max(0.0, left - 0.5)
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Refuse every Collective RPC whose token is missing or wrong, before any handler runs."""
+# --- admission -----------------------------------------------------------------------------
 
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
+# A pool thread must never wait on a peer. gRPC Python hands a call to a pool thread as soon as
+# its headers arrive, and a unary handler's thread then waits for the request body; so a peer
+# that sends headers and no body holds a thread for as long as it likes, and 4N+8 such calls
+# take every thread of the chief. Hence every Collective RPC is admitted here, in the server's
+# own polling thread, from its headers alone: a call without the right token gets a handler
+# that never reads its body (refused at once, its body never decoded); an admitted call reads
+# its one request under a deadline (BODY_TIMEOUT: a member sends it with the headers), after
+# which the call is cancelled and its thread is free again.
+BODY_TIMEOUT = 10.0
+REFUSAL_WINDOW = 10.0
+
+
+def _peer_host(peer: str) -> str:
+    """``ipv4:10.0.0.5:41234`` -> ``10.0.0.5``; refusals are counted per host, not per port."""
+    kind, _, rest = peer.partition(":")
+    host = rest.rpartition(":")[0] if kind in ("ipv4", "ipv6") else rest
+    return printable(host or peer, limit=80)
+
+
+class RefusalLog:
+    """Refused calls logged without flooding: the first from a host at WARNING, then one line per
+    ``window`` s saying how many more came from it. Thread-safe; remembers at most 1024 hosts."""
+
+    def __init__(self, window: float = REFUSAL_WINDOW, clock=time.monotonic) -> None:
+        self._window, self._clock = window, clock
+        self._lock = threading.Lock()
+        self._hosts: dict[str, list] = {}  # host -> [window start, calls held back, last reason]
+
+    def refused(self, peer: str, method: str, reason: str) -> None:
+        host, now = _peer_host(peer), self._clock()
+        ended = []
+        with self._lock:
+            entry = self._hosts.get(host)
+            if entry is not None and now - entry[0] < self._window:
+                entry[1], entry[2] = entry[1] + 1, reason
+                return
+            if entry is not None:
+                ended.append((host, self._hosts.pop(host)))
+            if len(self._hosts) >= 1024:  # forget the oldest host, saying what it did
+                oldest = next(iter(self._hosts))
+                ended.append((oldest, self._hosts.pop(oldest)))
+            self._hosts[host] = [now, 0, reason]
+        for other, held in ended:
+            self._summarise(other, *held)
+        log.warning("refused %s from %s: %s", method, printable(peer), reason)
+
+    def _summarise(self, host: str, since: float, count: int, reason: str) -> None:
+        if count:
+            log.warning("%d more refused call(s) from %s in the last %.0f s (last: %s)",
+                        count, host, max(self._clock() - since, 0.0), reason)
+
+    def flush(self) -> None:
+        with self._lock:
+            held, self._hosts = self._hosts, {}
+        for host, entry in held.items():
+            self._summarise(host, *entry)
+
+
+class _BodyWatch:
+    """Cancels admitted calls whose request has not arrived within ``timeout`` s (one thread)."""
+
+    def __init__(self, timeout: float, refusals: RefusalLog) -> None:
+        self.timeout = timeout
+        self._refusals = refusals
+        self._cond = threading.Condition()
+        self._waiting: dict[int, tuple[float, object, str]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="rpc-body-watch", daemon=True)
+        self._thread.start()
+
+    def read(self, requests: Iterator, context, method: str):
+        """The call's one request, or None once the call is over without one."""
+        key = id(context)
+        with self._cond:
+            self._waiting[key] = (time.monotonic() + self.timeout, context, method)
+            self._cond.notify()
+        try:
+            return next(requests, None)
+        except grpc.RpcError:  # cancelled: by the peer, or by us for its missing body
+            return None
+        finally:
+            with self._cond:
+                self._waiting.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                late = [(k, c, m) for k, (t, c, m) in self._waiting.items() if t <= now]
+                for key, _, _ in late:
+                    del self._waiting[key]
+                if not late:
+                    nxt = min((t for t, _, _ in self._waiting.values()), default=now + 3600.0)
+                    self._cond.wait(max(nxt - now, 0.01))
+                    continue
+            for _, context, method in late:
+                self._refusals.refused(context.peer(), method, f"no request within {self.timeout:g} s of its headers")
+                context.cancel()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(2.0)
+
+
+class _Admission(grpc.ServerInterceptor):
+    """Admits every Collective RPC from its headers (see BODY_TIMEOUT above).
+
+    Without the right ``token`` (when there is one) the call gets UNAUTHENTICATED at once and its
+    body is never read or decoded (constant-time comparison; the log names the peer, rate-limited
+    by ``RefusalLog``, never the token). An admitted call reads and decodes its request itself:
+    an undecodable one gets INVALID_ARGUMENT and a log line, not a traceback.
+    """
+
+    def __init__(self, token: str | None, refusals: RefusalLog, body: _BodyWatch) -> None:
+        self._token = token.encode() if token else None
+        self._refusals = refusals
+        self._body = body
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
         if handler is None or not details.method.startswith(f"/{SERVICE}/"):
             return handler  # the health service answers without a token
-        given = dict(details.invocation_metadata).get(TOKEN_HEADER, "")
-        if hmac.compare_digest(given.encode(), self._token):
-            return handler
-        reason = "no cluster token" if not given else "a wrong cluster token"
         method = details.method.rsplit("/", 1)[-1]
+        if self._token is not None:
+            given = dict(details.invocation_metadata).get(TOKEN_HEADER, "")
+            if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._token):
+                reason = "no cluster token" if not given else "a wrong cluster token"
+                return self._refuse(handler, method, reason)
+        return self._admit(handler, method)
 
-        def refuse(request, context):
-            log.warning("refused %s from %s: %s", method, context.peer(), reason)
+    def _refuse(self, handler, method: str, reason: str):
+        def refuse(requests, context):
+            self._refusals.refused(context.peer(), method, reason)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} refused: {reason}")
 
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,  # ReportReady: the pieces are never read
-        }[(handler.request_streaming, handler.response_streaming)]
-        return make(refuse, handler.request_deserializer, handler.response_serializer)
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse, None, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(refuse, None, handler.response_serializer)
+
+    def _admit(self, handler, method: str):
+        behavior = handler.unary_stream or handler.unary_unary
+        decode = handler.request_deserializer
+
+        def admitted(requests, context):
+            raw = self._body.read(requests, context, method)
+            if raw is None:
+                context.abort(grpc.StatusCode.CANCELLED, f"{method}: the call ended before its request arrived")
+            try:
+                request = decode(raw) if decode is not None else raw
+            except DecodeError:
+                self._refusals.refused(context.peer(), method, "an undecodable request")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
+            return behavior(request, context)
+
+        if handler.request_streaming:
+            return handler  # the service has no client streams; left as gRPC serves them
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(admitted, None, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(admitted, None, handler.response_serializer)
+
+
+def pool_size(handler) -> int:
+    """Threads a server needs for ``handler``: a worker holds at most CALLS_PER_WORKER calls at
+    once (a long-poll or stream on its data connection, Heartbeat and Presence on its own, and
+    ReportFailure), plus 8 for Status and what arrives while calls end."""
+    return CALLS_PER_WORKER * max(int(getattr(handler, "num_workers", 0)), 0) + 8
+
+
+CALLS_PER_WORKER = 4
 
 
 class GrpcEndpoint(ChiefEndpoint):
-    """Serves the chief on ``bind`` (``HOST:PORT``; port 0 picks a free one)."""
+    """Serves ``handler`` on ``bind`` (``HOST:PORT``; port 0 picks a free one).
+
+    The thread pool is sized from the handler (``pool_size``) unless ``max_workers`` is given;
+    ``name`` says who serves (chief, relay) in statuses and logs.
+    """
 
     def __init__(
-        self, bind: str, *, token: str | None = None, max_workers: int = 16, tls: TlsFiles | None = None
+        self,
+        bind: str,
+        *,
+        token: str | None = None,
+        max_workers: int | None = None,
+        tls: TlsFiles | None = None,
+        name: str = "chief",
+        body_timeout: float = BODY_TIMEOUT,
     ) -> None:
         self.bind = bind
         self.token = token
         self.tls = tls if tls is not None and tls.enabled else None
         self._credentials = self.tls.server_credentials() if self.tls else None  # refuse bad setups early
         self.max_workers = max_workers
+        self.name = name
+        self.body_timeout = body_timeout
         self.port = 0
         self._server: grpc.Server | None = None
         self._pool: futures.ThreadPoolExecutor | None = None
         self._health: health.HealthServicer | None = None
+        self._refusals = RefusalLog()
+        self._body: _BodyWatch | None = None
 
     def start(self, handler: ChiefHandler) -> str:
-        interceptors = [_TokenInterceptor(self.token)] if self.token else []
-        self._pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="chief-rpc")
+        self.max_workers = self.max_workers or pool_size(handler)
+        self._warn_if_open()
+        self._body = _BodyWatch(self.body_timeout, self._refusals)
+        self._pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"{self.name}-rpc")
         server = grpc.server(
             self._pool,
-            interceptors=interceptors,
+            interceptors=[_Admission(self.token, self._refusals, self._body)],
             options=SERVER_OPTIONS,
         )
         bind_identity = bool(self.tls and self.tls.ca)
-        servicer = _Servicer(handler, bind_identity=bind_identity)
+        servicer = _Servicer(handler, bind_identity=bind_identity, name=self.name)
         pb_grpc.add_CollectiveServicer_to_server(servicer, server)
         raw = grpc.unary_stream_rpc_method_handler(
             servicer.FetchRaw, request_deserializer=pb.WorkerRef.FromString, response_serializer=None
@@ -364,8 +543,10 @@ class GrpcEndpoint(ChiefEndpoint):
             else:
                 port = server.add_insecure_port(self.bind)
         except RuntimeError as exc:
+            self._body.close()
             raise E.UsageError(f"cannot listen on {self.bind}: {exc}; is the port in use?") from exc
         if not port:
+            self._body.close()
             raise E.UsageError(f"cannot listen on {self.bind}: the port is in use or the address is not local")
         server.start()
         for name in ("", SERVICE):
@@ -373,6 +554,16 @@ class GrpcEndpoint(ChiefEndpoint):
         self._server, self.port = server, port
         host = self.bind.rpartition(":")[0]
         return f"{host}:{port}"
+
+    def _warn_if_open(self) -> None:
+        """Anyone who can reach a non-loopback address may join a server without a token."""
+        host = self.bind.rpartition(":")[0].strip("[]")
+        if self.token or is_loopback(host):
+            return
+        log.warning(
+            "the %s listens on %s WITHOUT a cluster token: anyone who can reach this address can join "
+            "and read the model; set COLLECTIVE_TOKEN (or --token) or bind 127.0.0.1", self.name, self.bind,
+        )
 
     def stop(self, grace: float) -> None:
         if self._health is not None:
@@ -383,6 +574,20 @@ class GrpcEndpoint(ChiefEndpoint):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)  # grpc does not own its pool
             self._pool = None
+        if self._body is not None:
+            self._body.close()
+            self._body = None
+        self._refusals.flush()
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost``: addresses no other host can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 # --- client ------------------------------------------------------------------------------
@@ -404,6 +609,10 @@ class _Collected:
 
     def cancel(self) -> None:
         self._call.cancel()
+# Join retries back off exponentially to JOIN_BACKOFF_CAP s between tries; their log lines come
+# after the first failure and then at doubling intervals up to JOIN_LOG_CAP s, each a summary.
+JOIN_BACKOFF_CAP = 2.0
+JOIN_LOG_FIRST, JOIN_LOG_CAP = 2.0, 30.0
 
 
 class GrpcChiefLink(ChiefLink):
@@ -519,9 +728,11 @@ class GrpcChiefLink(ChiefLink):
                 f"this worker's join request is {size} bytes ({len(req.declared)} declared variables), more "
                 f"than the {MAX_MESSAGE}-byte message limit; join without --expect-model for a model this large"
             )
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         last = "no answer"
-        backoff, refusals = 0.1, 0
+        backoff, refusals, tries = 0.1, 0, 0
+        next_log, log_every = started, JOIN_LOG_FIRST
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -539,9 +750,15 @@ class GrpcChiefLink(ChiefLink):
                     refusals = refusals + 1 if hint else 0
                     if refusals >= 3:  # a listening chief that keeps closing on us: not a start-up race
                         raise E.AuthError(f"{self.name} at {self.address} refused the connection during join: {last}{hint}") from None
-                    log.info("chief at %s not reachable yet (%s); retrying for %.0f s more", self.address, last, left)
+                    tries += 1
+                    now = time.monotonic()
+                    if now >= next_log:  # the first failure, then a summary at doubling intervals
+                        log.info("%s at %s not reachable yet after %d tr%s in %.0f s (%s); retrying for %.0f s more",
+                                 self.name, self.address, tries, "y" if tries == 1 else "ies", now - started,
+                                 printable(last), max(deadline - now, 0.0))
+                        next_log, log_every = now + log_every, min(log_every * 2, JOIN_LOG_CAP)
                     time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-                    backoff = min(1.0, backoff * 2)
+                    backoff = min(JOIN_BACKOFF_CAP, backoff * 2)
                     continue
                 raise self._error(exc, "join", timeout) from None
 

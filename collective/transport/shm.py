@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from collective.logs import printable
+
 log = logging.getLogger(__name__)
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
@@ -61,6 +63,21 @@ class SharedArena:
         os.close(self.fd)
 
 
+_HELLO_FIELDS = ("secret", "worker_id", "incarnation")
+
+
+def parse_hello(raw: bytes) -> dict[str, str] | str:
+    """A worker's hello: a JSON object of string ``secret``, ``worker_id`` and ``incarnation``.
+    Returns the fields, or what is wrong with it (for the refusal)."""
+    try:
+        req = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        return f"malformed hello ({len(raw)} bytes, not JSON)"
+    if not isinstance(req, dict) or not all(isinstance(req.get(k), str) for k in _HELLO_FIELDS):
+        return f"malformed hello: expected an object with string fields {', '.join(_HELLO_FIELDS)}"
+    return {k: req[k] for k in _HELLO_FIELDS}
+
+
 class ShmServer:
     """Hands the arena's descriptor to authenticated members on an abstract unix socket."""
 
@@ -74,30 +91,54 @@ class ShmServer:
         self._sock.bind("\0" + self.name)
         self._sock.listen(64)
         self._closed = threading.Event()
+        self._slots = threading.BoundedSemaphore(16)
         self._thread = threading.Thread(target=self._serve, name="shm-server", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
+        """Accept forever; each hello is answered on a thread of its own (at most 16 at once), so
+        a local process that connects and says nothing delays no one, and nothing a peer sends
+        can end this loop."""
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                with conn:
+                    self._reply(conn, b"no: shared-memory server busy")
+                continue
+            threading.Thread(target=self._answer_and_close, args=(conn,), name="shm-hello", daemon=True).start()
+
+    def _answer_and_close(self, conn: socket.socket) -> None:
+        try:
             with conn:
-                try:
-                    self._answer(conn)
-                except (OSError, ValueError) as exc:
-                    log.warning("shared-memory request failed: %s", exc)
+                self._answer(conn)
+        except Exception as exc:  # noqa: BLE001 - a peer's hello must never end the server
+            log.warning("shared-memory request failed: %s", printable(exc))
+        finally:
+            self._slots.release()
+
+    @staticmethod
+    def _reply(conn: socket.socket, msg: bytes) -> None:
+        try:
+            conn.sendall(msg)
+        except OSError:
+            pass
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(5.0)
-        req = json.loads(conn.recv(4096).decode())
-        if not hmac.compare_digest(str(req.get("secret", "")).encode(), self.secret.encode()):
-            conn.sendall(b"no: wrong shared-memory secret")
+        req = parse_hello(conn.recv(4096))
+        if isinstance(req, str):
+            log.warning("refused a shared-memory request: %s", req)
+            self._reply(conn, f"no: {req}".encode())
             return
-        why = self.admit(str(req.get("worker_id", "")), str(req.get("incarnation", "")))
+        if not hmac.compare_digest(req["secret"].encode(), self.secret.encode()):
+            self._reply(conn, b"no: wrong shared-memory secret")
+            return
+        why = self.admit(req["worker_id"], req["incarnation"])
         if why is not None:
-            conn.sendall(f"no: {why}".encode())
+            self._reply(conn, f"no: {why}".encode())
             return
         socket.send_fds(conn, [b"ok"], [self.arena.fd])
 

@@ -73,3 +73,30 @@ def test_an_unsealed_arena_is_writable_through_a_second_mapping():
 def test_a_segment_smaller_than_the_plan_says_is_not_used(served):
     _, server = served
     assert attach(server.name, server.secret, "w0", "i0", 8192) is None
+
+
+def _hello(name: str, raw: bytes) -> bytes:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect("\0" + name)
+        s.sendall(raw)
+        return s.recv(4096)
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"null", b'"w0"', b"\xff\xfe", b"{", b'{"secret": 1, "worker_id": [], "incarnation": {}}'])
+def test_a_malformed_hello_is_refused_and_the_server_keeps_serving_members(served, raw):
+    _, server = served
+    assert _hello(server.name, raw).startswith(b"no: malformed hello")
+    assert attach(server.name, server.secret, "w0", "i0", 4096) is not None
+
+
+def test_a_local_client_that_connects_and_says_nothing_does_not_hold_up_a_member(served):
+    import socket
+
+    _, server = served
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.connect("\0" + server.name)
+        # The silent client holds its connection for the server's whole 5 s read timeout.
+        assert attach(server.name, server.secret, "w0", "i0", 4096, timeout=2.0) is not None

@@ -1,0 +1,396 @@
+"""The gRPC server boundary: admission from headers, the servicer catch-all, pool sizing, logs.
+
+Real gRPC servers and channels on loopback; the chief runs in this process (``ChiefService`` behind
+a ``GrpcEndpoint``, as a training script serving it through the Python API would) and its
+workers join through ``worker.api.join_cluster`` in threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import pytest
+
+from collective import errors as E
+from collective._proto import collective_pb2 as pb
+from collective.config import Timeouts
+from collective.transport.grpc import SERVICE, TOKEN_HEADER, GrpcChiefLink, GrpcEndpoint
+from tests.conftest import ArraySource, run_threads, small_arrays
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "the-token"
+ROUND = Timeouts(join=30.0, straggler_log=5.0, rpc=10.0, stall=10.0, ready=20.0, start=20.0, linger=2.0)
+
+
+class IdleCalls:
+    """``n`` calls that send their headers and never a request body (a slow-loris)."""
+
+    def __init__(self, address: str, n: int, metadata=()) -> None:
+        self._release = threading.Event()
+        self._channel = grpc.insecure_channel(address)
+        methods = ["Join", "GetPlan", "Heartbeat", "Fetch", "Status", "Presence"]
+
+        def body():
+            self._release.wait(120)
+            return
+            yield  # a generator that blocks, then ends without a message
+
+        self.calls = [
+            self._channel.stream_stream(f"/{SERVICE}/{methods[i % len(methods)]}")(body(), metadata=metadata)
+            for i in range(n)
+        ]
+
+    def codes(self, timeout: float) -> list:
+        """Each call's status code once it ends (None if it is still open after ``timeout`` s)."""
+        out = []
+        for call in self.calls:
+            done = threading.Event()
+            call.add_done_callback(lambda _c, done=done: done.set())
+            out.append(call.code() if done.wait(timeout) else None)
+        return out
+
+    def close(self) -> None:
+        self._release.set()
+        for call in self.calls:
+            call.cancel()
+        self._channel.close()
+
+
+def serve_round(n: int, *, token: str | None = TOKEN, before=None, **endpoint_options):
+    """A chief on loopback with ``n`` workers in threads; ``before(address)`` runs once the chief
+    listens and before any worker starts. Returns (supervise's error or None, worker results)."""
+    from chief.service import ChiefService
+    from worker.api import join_cluster
+
+    service = ChiefService(ArraySource(small_arrays()), n, timeouts=ROUND, chunk_bytes=4096)
+    endpoint = GrpcEndpoint("127.0.0.1:0", token=token, **endpoint_options)
+    address = endpoint.start(service)
+    outcome: list = []
+    supervisor = threading.Thread(target=lambda: outcome.append(_catch(service.supervise)), daemon=True)
+    supervisor.start()
+    try:
+        if before is not None:
+            before(address)
+        workers = [
+            (lambda i=i: join_cluster(address, worker_id=f"w{i}", token=token, timeouts=ROUND))
+            for i in range(n)
+        ]
+        results = run_threads(workers, timeout=90)
+        supervisor.join(60)
+        assert not supervisor.is_alive(), "supervise() did not return"
+        return outcome[0], results
+    finally:
+        endpoint.stop(grace=0.5)
+        service.close()
+
+
+def _catch(fn):
+    try:
+        fn()
+    except E.CollectiveError as exc:
+        return exc
+    return None
+
+
+# --- item 4: slow-loris ------------------------------------------------------------------------
+
+
+def test_a_round_completes_while_4n_plus_8_unauthenticated_calls_send_headers_and_no_body():
+    n = 2
+    idle: list[IdleCalls] = []
+
+    def attack(address):
+        idle.append(IdleCalls(address, 4 * n + 8))
+
+    try:
+        error, results = serve_round(n, before=attack)
+        assert error is None, error
+        assert all(not isinstance(r, BaseException) for r in results), results
+        # Refused from their headers alone: none of them waited for a body.
+        assert set(idle[0].codes(timeout=10)) == {grpc.StatusCode.UNAUTHENTICATED}
+    finally:
+        for calls in idle:
+            calls.close()
+
+
+def test_calls_with_the_token_but_no_body_are_cut_after_the_body_timeout_and_the_round_completes():
+    n = 2
+    idle: list[IdleCalls] = []
+
+    def attack(address):
+        idle.append(IdleCalls(address, 4 * n + 8, metadata=((TOKEN_HEADER, TOKEN),)))
+
+    try:
+        error, results = serve_round(n, before=attack, body_timeout=1.0)
+        assert error is None, error
+        assert all(not isinstance(r, BaseException) for r in results), results
+        assert set(idle[0].codes(timeout=10)) == {grpc.StatusCode.CANCELLED}
+    finally:
+        for calls in idle:
+            calls.close()
+
+
+def test_a_relay_answers_while_more_unauthenticated_calls_than_its_threads_send_no_body():
+    from worker.relay import Relay
+
+    relay = Relay("127.0.0.1:0", token=TOKEN, tls=None, stall_timeout=5.0)
+    idle = IdleCalls(f"127.0.0.1:{relay.port}", 16)
+    link = GrpcChiefLink(f"127.0.0.1:{relay.port}", token=TOKEN, name="relay")
+    try:
+        assert set(idle.codes(timeout=10)) == {grpc.StatusCode.UNAUTHENTICATED}
+        with pytest.raises(E.UnimplementedError, match="relay"):
+            link.status(timeout=5)
+    finally:
+        link.close()
+        idle.close()
+        relay.stop()
+
+
+# --- item 10: one catch-all at the servicer boundary ---------------------------------------------
+
+
+class BrokenHandler:
+    """A handler with a bug in Status and Fetch, and a refusal (a CollectiveError) in Join."""
+
+    num_workers = 1
+
+    def status(self):
+        raise ValueError("boom")
+
+    def fetch(self, ref):
+        raise RuntimeError("stream bug")
+        yield  # pragma: no cover
+
+    def join(self, req, peer):
+        raise E.AlreadyExistsError("worker id 'w0' is taken")
+
+    def lost(self, ref, reason):
+        pass
+
+
+@pytest.fixture
+def broken_chief():
+    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
+    address = endpoint.start(BrokenHandler())
+    link = GrpcChiefLink(address, token=TOKEN)
+    yield link
+    link.close()
+    endpoint.stop(grace=0.5)
+
+
+def test_an_unexpected_exception_in_a_handler_is_internal_with_a_traceback_in_the_servers_log(broken_chief, caplog):
+    with pytest.raises(E.InternalError, match=r"Status failed inside the chief \(ValueError: boom\)"):
+        broken_chief.status(timeout=5)
+    with pytest.raises(E.InternalError, match=r"Fetch failed inside the chief \(RuntimeError: stream bug\)"):
+        list(broken_chief.fetch(pb.WorkerRef(worker_id="w0"), stall_timeout=5))
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR and r.exc_info]
+    assert {r.getMessage().split()[0] for r in logged} == {"Status", "Fetch"}
+    assert {type(r.exc_info[1]) for r in logged} == {ValueError, RuntimeError}
+
+
+def test_a_collective_error_in_a_handler_keeps_its_class_on_the_client(broken_chief):
+    with pytest.raises(E.AlreadyExistsError, match="'w0' is taken"):
+        broken_chief.join(pb.JoinRequest(worker_id="w0"), timeout=5)
+
+
+def test_a_relay_answers_unimplemented_to_every_call_but_the_data_stream():
+    from worker.relay import Relay
+
+    relay = Relay("127.0.0.1:0", token=TOKEN, tls=None, stall_timeout=5.0)
+    link = GrpcChiefLink(f"127.0.0.1:{relay.port}", token=TOKEN, name="relay")
+    ref = pb.WorkerRef(worker_id="w1", incarnation="i")
+    calls = {
+        "GetPlan": lambda: link.get_plan(ref, 5),
+        "AwaitPrepared": lambda: link.await_prepared(ref, 5),
+        "ReportReady": lambda: link.report_ready(pb.ReadyRequest(worker=ref), 5),
+        "AwaitStart": lambda: link.await_start(ref, 5),
+        "Presence": lambda: link.presence(ref, 5),
+        "Heartbeat": lambda: link.heartbeat(ref, 5),
+        "Status": lambda: link.status(5),
+    }
+    try:
+        for name, call in calls.items():
+            with pytest.raises(E.UnimplementedError, match="worker's relay: it serves only the data stream"):
+                call()
+                pytest.fail(f"{name} was answered")
+    finally:
+        link.close()
+        relay.stop()
+
+
+def test_report_ready_before_the_plan_is_answered_without_aborting_the_round():
+    from chief.service import ChiefService
+
+    service = ChiefService(ArraySource(small_arrays()), 2, timeouts=ROUND, chunk_bytes=4096)
+    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
+    link = GrpcChiefLink(endpoint.start(service), token=TOKEN)
+    try:
+        reply = link.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), timeout=5)
+        assert reply.rank == 0
+        ref = pb.WorkerRef(worker_id="w0", incarnation="i0")
+        with pytest.raises(E.PreconditionError, match="w0.* reported ready before the plan was released"):
+            link.report_ready(pb.ReadyRequest(worker=ref), timeout=5)
+        assert link.status(timeout=5).phase == "joining"
+    finally:
+        link.close()
+        endpoint.stop(grace=0.5)
+        service.close()
+
+
+def test_a_worker_declaring_a_variable_with_a_bad_dtype_is_refused_by_name_not_by_a_crash():
+    from chief.service import ChiefService
+
+    service = ChiefService(ArraySource(small_arrays()), 1, timeouts=ROUND, chunk_bytes=4096)
+    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
+    link = GrpcChiefLink(endpoint.start(service), token=TOKEN)
+    declared = [pb.VariableInfo(name="odd", shape=[2], dtype="not-a-dtype")]
+    try:
+        with pytest.raises(E.PreconditionError, match="odd: chief \\(missing\\) vs worker \\(an invalid declaration"):
+            link.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"], declared=declared), 5)
+    finally:
+        link.close()
+        endpoint.stop(grace=0.5)
+        service.close()
+
+
+# --- item 11: the endpoint sizes its own pool ------------------------------------------------------
+
+
+def test_a_chief_served_through_the_python_api_with_9_workers_completes_with_the_default_pool():
+    error, results = serve_round(9)
+    assert error is None, error
+    assert all(not isinstance(r, BaseException) for r in results), results
+
+
+# --- item 13: logs that a peer cannot flood or forge -----------------------------------------------
+
+
+def test_an_undecodable_request_is_refused_without_a_traceback_with_or_without_the_token(broken_chief, caplog):
+    with grpc.insecure_channel(broken_chief.address) as channel:
+        join = channel.unary_unary(f"/{SERVICE}/Join")
+        for metadata, code in [((), grpc.StatusCode.UNAUTHENTICATED),
+                               (((TOKEN_HEADER, TOKEN),), grpc.StatusCode.INVALID_ARGUMENT)]:
+            with pytest.raises(grpc.RpcError) as info:
+                join(b"\xff\xff\xff\xff", timeout=5, metadata=metadata)
+            assert info.value.code() == code
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_wrong_token_flood_is_logged_once_then_summarised():
+    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
+    address = endpoint.start(BrokenHandler())
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("collective.transport.grpc")
+    logger.addHandler(handler)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            status = channel.unary_unary(f"/{SERVICE}/Status")
+            for _ in range(200):
+                with pytest.raises(grpc.RpcError):
+                    status(b"", timeout=5, metadata=((TOKEN_HEADER, "wrong"),))
+        during = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        endpoint.stop(grace=0.5)
+    finally:
+        logger.removeHandler(handler)
+    assert len(during) == 1 and "refused Status" in during[0] and "a wrong cluster token" in during[0]
+    summary = [r.getMessage() for r in records if "more refused call(s)" in r.getMessage()]
+    assert len(summary) == 1 and summary[0].startswith("199 more refused call(s) from 127.0.0.1"), summary
+
+
+def test_join_retries_back_off_and_log_summaries_not_a_line_a_second(caplog):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    link = GrpcChiefLink(f"127.0.0.1:{port}", token=TOKEN)
+    caplog.set_level(logging.INFO, logger="collective.transport.grpc")
+    try:
+        with pytest.raises(E.ChiefUnreachableError):
+            link.join(pb.JoinRequest(worker_id="w0"), timeout=8)
+    finally:
+        link.close()
+    lines = [r.getMessage() for r in caplog.records if "not reachable yet" in r.getMessage()]
+    assert 1 <= len(lines) <= 3, lines
+    assert "after 1 try" in lines[0]
+    assert all("tries" in line for line in lines[1:]), lines
+
+
+# --- item 14: who may listen where -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("bind", "token", "warned"), [
+    ("0.0.0.0:0", None, True), ("[::]:0", None, True), ("0.0.0.0:0", TOKEN, False), ("127.0.0.1:0", None, False),
+])
+def test_listening_beyond_loopback_without_a_token_is_a_loud_warning(caplog, bind, token, warned):
+    endpoint = GrpcEndpoint(bind, token=token)
+    endpoint.start(BrokenHandler())
+    endpoint.stop(grace=0.1)
+    loud = [r for r in caplog.records if r.levelno == logging.WARNING and "WITHOUT a cluster token" in r.getMessage()]
+    assert bool(loud) == warned
+
+
+
+def _listening(pid: int) -> set[str]:
+    """Local addresses of the TCP sockets process ``pid`` listens on (from /proc)."""
+    import ipaddress
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as fh:
+            for line in list(fh)[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                    raw = bytes.fromhex(f[1].split(":")[0])
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    addr = ipaddress.ip_address(words)
+                    out.add(str(addr.ipv4_mapped or addr) if addr.version == 6 else str(addr))
+    return out
+
+
+def test_a_workers_relay_listens_only_on_the_interface_that_reaches_a_loopback_chief(cluster):
+    import time
+
+    cluster.chief("--workers", "2", "--join-timeout", "30", env={"COLLECTIVE_TOKEN": TOKEN})
+    worker = cluster.worker("w0", env={"COLLECTIVE_TOKEN": TOKEN})
+    deadline = time.monotonic() + 30
+    while not _listening(worker.pid) and time.monotonic() < deadline:
+        assert worker.proc.poll() is None, worker.output()
+        time.sleep(0.05)
+    assert _listening(worker.pid) and _listening(worker.pid) <= {"127.0.0.1", "::1"}, worker.output()
+
+
+def test_a_worker_id_host_and_failure_message_with_newlines_and_escapes_are_logged_escaped(caplog):
+    from chief.service import ChiefService
+
+    caplog.set_level(logging.INFO)
+    evil = "w0\nFORGED ERROR line\x1b[2J"
+    service = ChiefService(ArraySource(small_arrays()), 2, timeouts=ROUND, chunk_bytes=4096)
+    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
+    link = GrpcChiefLink(endpoint.start(service), token=TOKEN)
+    try:
+        link.join(pb.JoinRequest(worker_id=evil, incarnation="i0", devices=["cpu:0"], host="h\x1b[31m\r"), 5)
+        link.report_failure(pb.FailureReport(worker=pb.WorkerRef(worker_id=evil, incarnation="i0"),
+                                             message="disk\nfull\x1b[0m"), 5)
+    finally:
+        link.close()
+        endpoint.stop(grace=0.5)
+        service.close()
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("chief")]
+    assert any("joined" in m for m in messages) and any("disk\\x0afull" in m for m in messages), messages
+    assert not [m for m in messages if any(c in m for c in "\n\r\x1b")], messages

@@ -1,0 +1,44 @@
+"""collective.logs: what a peer chose (ids, hosts, messages) cannot forge lines or drive a terminal."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from collective import logs
+
+EVIL = "w1\n2026-01-01T00:00:00.000Z ERROR chief: forged line\x1b[2J\x1b[31m\r\x00\x9b"
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logs.set_context(role="-", rank="-", worker_id="-", phase="-")
+
+
+def test_printable_escapes_every_control_character_and_cuts_long_text():
+    safe = logs.printable(EVIL)
+    assert "\n" not in safe and "\x1b" not in safe and "\r" not in safe and "\x00" not in safe and "\x9b" not in safe
+    assert "\\x0a" in safe and "\\x1b[2J" in safe
+    assert logs.printable("x" * 1000, limit=10) == "x" * 10 + "...(990 more)"
+    assert logs.printable("plain id-3 ünïcode") == "plain id-3 ünïcode"
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_logged_worker_id_with_newlines_and_escapes_stays_one_safe_line(restore_logging, fmt):
+    out = io.StringIO()
+    logs.configure("chief", fmt=fmt, stream=out)
+    logs.set_context(worker_id=EVIL)
+    logging.getLogger("chief.service").warning("refused worker %s: %s", EVIL, EVIL)
+    text = out.getvalue()
+    assert text.count("\n") == 1 and "\x1b" not in text and "\r" not in text
+    if fmt == "json":
+        record = json.loads(text)
+        assert "\x1b" not in record["message"] and "\n" not in record["worker_id"]
