@@ -78,6 +78,7 @@ class Member:
     joined_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     relay_port: int = 0
+    relay_cert: bytes = b""  # server-only TLS: the certificate its relay serves
 
     def relay_address(self) -> str:
         """Where this worker relays: the address it connected from, with its relay port."""
@@ -272,7 +273,7 @@ class ChiefService:
             free = [r for r in range(self.num_workers) if r not in taken]
             rank = req.preferred_rank if req.preferred_rank in free else free[0]
             m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
-                       relay_port=req.relay_port)
+                       relay_port=req.relay_port, relay_cert=req.relay_cert)
             self._members[m.worker_id] = m
             log.info(
                 "%s joined with devices %s (%d/%d)",
@@ -294,7 +295,8 @@ class ChiefService:
         parent_of = parents(topology, self.num_workers)
         workers = [
             pb.WorkerInfo(rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices, incarnation=m.incarnation,
-                          parent=parent_of[m.rank], relay_address=m.relay_address())
+                          parent=parent_of[m.rank], relay_address=m.relay_address(),
+                          relay_cert=m.relay_cert)
             for m in members
         ]
         self._plan = build_plan(

@@ -177,8 +177,8 @@ class WorkerAgent:
         connect=None,
     ) -> None:
         """``relay``: this worker's relay server (``worker.relay.Relay``) for tree and chain
-        topologies; ``connect(address, name)``: a ChiefLink to the relay of the worker this one
-        receives from. Without them (MPI, in-memory) the chief streams to this worker itself."""
+        topologies; ``connect(parent, name)``: a ChiefLink to the relay of ``parent`` (the plan's
+        WorkerInfo of the worker this one receives from). Without them (MPI, in-memory) the chief streams to this worker itself."""
         self.link = link
         self.use_shm = shm
         self.relay = relay
@@ -252,7 +252,7 @@ class WorkerAgent:
         else:
             parent = next(w for w in plan.workers if w.rank == me.parent)
             name = f"relay worker {parent.worker_id} (rank {parent.rank})"
-            source = self.connect(parent.relay_address, name)
+            source = self.connect(parent, name)
             try:
                 source.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
             except (ChiefUnreachableError, AbortedError, DeadlineError) as exc:
@@ -341,6 +341,7 @@ class WorkerAgent:
                 pid=os.getpid(),
                 declared=declared(self.expected),
                 relay_port=self.relay.port if self.relay is not None else 0,
+                relay_cert=self.relay.cert_pem if self.relay is not None else b"",
             ),
             timeout=t.join,
         )

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from collective._proto import collective_pb2 as pb
 from collective.config import Timeouts
 from collective.model import VariableSpec
-from collective.transport.grpc import GrpcChiefLink, TlsFiles
+from collective.transport.grpc import GrpcChiefLink, TlsFiles, relay_client_tls
 from worker.agent import WorkerAgent, WorkerResult
 
 __all__ = ["join_cluster", "WorkerResult"]
@@ -47,8 +48,8 @@ def join_cluster(
     # The relay listens on every interface; the chief tells children the address it saw us at.
     relay = Relay(f"{relay_host}:0", token=token, tls=tls, stall_timeout=t.stall) if relay_host else None
 
-    def connect(address: str, name: str) -> GrpcChiefLink:
-        return GrpcChiefLink(address, token=token, tls=tls, name=name)
+    def connect(parent: pb.WorkerInfo, name: str) -> GrpcChiefLink:
+        return GrpcChiefLink(parent.relay_address, token=token, tls=relay_client_tls(tls, parent), name=name)
 
     try:
         agent = WorkerAgent(
