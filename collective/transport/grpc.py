@@ -527,7 +527,11 @@ class GrpcChiefLink(ChiefLink):
         if code == grpc.StatusCode.CANCELLED:
             return E.ChiefUnreachableError(f"{self.name} at {self.address}: {phase} was cancelled ({details})")
         cls = _CLASS_OF.get(code, E.AbortedError)
-        return cls(f"{self.name} at {self.address}: {details}" if cls is not E.AbortedError else f"round aborted by the chief at {self.address}: {details}")
+        if cls is not E.AbortedError:
+            return cls(f"{self.name} at {self.address}: {details}")
+        if self.name == "chief":
+            return cls(f"round aborted by the chief at {self.address}: {details}")
+        return cls(f"{self.name} at {self.address} ended the stream: {details}")  # a relay is not the chief
 
     def _tls_hint(self, details: str) -> str:
         low = details.lower()
@@ -667,7 +671,7 @@ class GrpcChiefLink(ChiefLink):
         except grpc.RpcError as exc:
             log.debug("could not tell the chief about the failure: %s", exc.details())
 
-    def heartbeat(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
+    def heartbeat(self, ref: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
         try:
             return self._hb_stub.Heartbeat(ref, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
