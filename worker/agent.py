@@ -47,6 +47,10 @@ from collective.variables import VariableStore, variable_over
 
 log = logging.getLogger(__name__)
 
+# While a worker receives from a relay, the chief sees its progress only in its heartbeats:
+# it beats at least this often then (seconds), so `collective status` and progress bars move.
+PROGRESS_INTERVAL = 1.0
+
 
 @dataclass
 class WorkerResult:
@@ -361,7 +365,9 @@ class WorkerAgent:
             self._last_ok = time.monotonic()
         while True:
             with self._beat:
-                self._beat.wait_for(lambda: self._stopped or self._beat_now, timeout=t.heartbeat)
+                relay_fed = self._source is not None
+                interval = min(t.heartbeat, PROGRESS_INTERVAL) if relay_fed else t.heartbeat
+                self._beat.wait_for(lambda: self._stopped or self._beat_now, timeout=interval)
                 if self._stopped:
                     return
                 self._beat_now = False
