@@ -183,7 +183,8 @@ class WorkerAgent:
     ) -> None:
         """``relay``: this worker's relay server (``worker.relay.Relay``) for tree and chain
         topologies; ``connect(parent, name)``: a ChiefLink to the relay of ``parent`` (the plan's
-        WorkerInfo of the worker this one receives from). Without them (MPI, in-memory) the chief streams to this worker itself."""
+        WorkerInfo of the worker this one receives from). Without them (MPI, in-memory) the
+        chief streams to this worker itself."""
         self.link = link
         self.use_shm = shm
         self.relay = relay
