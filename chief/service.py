@@ -82,6 +82,13 @@ class Member:
     joined_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     relay_port: int = 0
+    relay_cert: bytes = b""  # server-only TLS: the certificate its relay serves
+    bytes_reported: int = 0  # what its heartbeats say it holds, from whichever sender
+
+    def received(self) -> int:
+        """Bytes of the arena this worker holds: what the chief sent it, or what its heartbeats
+        report (a relay-fed worker gets nothing from the chief)."""
+        return max(self.bytes_sent, self.bytes_reported)
 
     def relay_address(self) -> str:
         """Where this worker relays: the address it connected from, with its relay port."""
@@ -324,7 +331,7 @@ class ChiefService:
                 raise err
             rank = req.preferred_rank if req.preferred_rank in free else free[0]
             m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
-                       relay_port=req.relay_port)
+                       relay_port=req.relay_port, relay_cert=req.relay_cert)
             self._members[m.worker_id] = m
             log.info(
                 "%s joined with devices %s (%d/%d)",
@@ -346,7 +353,8 @@ class ChiefService:
         parent_of = parents(topology, self.num_workers)
         workers = [
             pb.WorkerInfo(rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices, incarnation=m.incarnation,
-                          parent=parent_of[m.rank], relay_address=m.relay_address())
+                          parent=parent_of[m.rank], relay_address=m.relay_address(),
+                          relay_cert=m.relay_cert)
             for m in members
         ]
         self._plan = build_plan(
@@ -455,6 +463,7 @@ class ChiefService:
                 m.told = True
                 raise AbortedError(str(err))
             m.phase, m.worker_digest = "ready", req.worker_digest
+            m.bytes_reported = int(self.arena.nbytes)  # its digests prove it holds every byte
             ready = sum(1 for x in self._members.values() if x.phase == "ready")
             log.info("%s is ready with digest %s (%d/%d ready; report of %d bytes)",
                      m.name(), req.worker_digest[:12], ready, self.num_workers, req.ByteSize())
@@ -598,22 +607,34 @@ class ChiefService:
             self.fail(AbortedError(f"{m.name()} failed during {logs.printable(req.phase or 'the round')}: {logs.printable(req.message, limit=4000)}"))
             return pb.FailureReply()
 
-    def heartbeat(self, ref: pb.WorkerRef) -> pb.HeartbeatReply:
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         with self._cond:
-            m = self._members.get(ref.worker_id)
-            if m is None or m.incarnation != ref.incarnation:
+            m = self._members.get(req.worker_id)
+            if m is None or m.incarnation != req.incarnation:
                 if self._phase is not Phase.FAILED:
                     raise PreconditionError(
-                        f"chief {self.incarnation} does not know worker {ref.worker_id!r} "
-                        f"(incarnation {ref.incarnation}); was the chief restarted?"
+                        f"chief {self.incarnation} does not know worker {req.worker_id!r} "
+                        f"(incarnation {req.incarnation}); was the chief restarted?"
                     )
             else:
                 m.last_seen = time.monotonic()
                 if self._phase is Phase.FAILED:
                     m.told = True
+                self._progress(m, req.bytes_received)
             return pb.HeartbeatReply(
                 chief_incarnation=self.incarnation, phase=self._phase.value, error=str(self._error or "")
             )
+
+    def _progress(self, m: Member, nbytes: int) -> None:
+        """A worker's own count of the bytes it holds (heartbeats): the progress of a worker fed
+        by a relay, which the chief's streams cannot see."""
+        total = int(self.arena.nbytes)
+        m.bytes_reported = max(m.bytes_reported, min(int(nbytes), total))
+        if self._phase is Phase.BROADCASTING and m.bytes_reported:
+            if m.phase in ("joined", "prepared"):
+                m.phase = "receiving"
+            if m.phase == "receiving" and m.bytes_reported == total:
+                m.phase = "verifying"
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         """A worker's call ended without an answer: the process is gone or its link is cut.
@@ -663,8 +684,8 @@ class ChiefService:
                 workers=[
                     pb.WorkerStatus(
                         rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices,
-                        phase=m.phase, bytes_received=m.bytes_sent, bytes_total=total,
-                        variables_received=bisect.bisect_right(ends, m.bytes_sent),
+                        phase=m.phase, bytes_received=m.received(), bytes_total=total,
+                        variables_received=bisect.bisect_right(ends, m.received()),
                         variables_total=len(self.specs),
                         seconds_since_heartbeat=now - m.last_seen,
                     )
@@ -683,7 +704,7 @@ class ChiefService:
             return f"{missing} more worker(s) to join (free ranks {','.join(ranks)})"
         total = self.arena.nbytes / 2**20
         late = [
-            m.name() + (f" [receiving {m.bytes_sent / 2**20:.1f}/{total:.1f} MiB]" if m.phase == "receiving" else f" [{m.phase}]")
+            m.name() + (f" [receiving {m.received() / 2**20:.1f}/{total:.1f} MiB]" if m.phase == "receiving" else f" [{m.phase}]")
             for m in sorted(self._members.values(), key=lambda m: m.rank)
             if m.phase not in ("ready", "started")
         ]

@@ -343,7 +343,7 @@ def join(
     the culprit; every wait has a deadline.
     """
     from collective.config import timeouts_from_args, tls_from_args
-    from collective.transport.grpc import GrpcChiefLink
+    from collective.transport.grpc import GrpcChiefLink, relay_client_tls
     from worker.agent import WorkerAgent
     from worker.relay import Relay, host_towards
 
@@ -363,8 +363,9 @@ def join(
         relay_host = host_towards(chief)
     relay = Relay(f"{relay_host}:0", token=token, tls=tls, stall_timeout=t.stall) if relay_host else None
 
-    def connect(address: str, name: str) -> GrpcChiefLink:
-        return GrpcChiefLink(address, token=token, tls=tls, name=name)
+    def connect(parent, name: str) -> GrpcChiefLink:
+        # A parent relay is verified as the plan says (its worker id, or its own certificate).
+        return GrpcChiefLink(parent.relay_address, token=token, tls=relay_client_tls(tls, parent), name=name)
 
     try:
         agent = WorkerAgent(

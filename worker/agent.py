@@ -47,6 +47,10 @@ from collective.variables import VariableStore, variable_over
 
 log = logging.getLogger(__name__)
 
+# While a worker receives from a relay, the chief sees its progress only in its heartbeats:
+# it beats at least this often then (seconds), so `collective status` and progress bars move.
+PROGRESS_INTERVAL = 1.0
+
 
 @dataclass
 class WorkerResult:
@@ -151,7 +155,8 @@ class _Watched:
             self._agent._report_failure(exc)
             raise
         self._agent.bytes_received = self._r.bytes_received
-        self._agent._last_data = time.monotonic()
+        if self._agent._fed_by_chief:  # data from a relay says nothing of the chief's health
+            self._agent._last_data = time.monotonic()
         if self._agent.relay is not None:
             self._agent.relay.progress(self._r.bytes_received)
 
@@ -177,8 +182,9 @@ class WorkerAgent:
         connect=None,
     ) -> None:
         """``relay``: this worker's relay server (``worker.relay.Relay``) for tree and chain
-        topologies; ``connect(address, name)``: a ChiefLink to the relay of the worker this one
-        receives from. Without them (MPI, in-memory) the chief streams to this worker itself."""
+        topologies; ``connect(parent, name)``: a ChiefLink to the relay of ``parent`` (the plan's
+        WorkerInfo of the worker this one receives from). Without them (MPI, in-memory) the
+        chief streams to this worker itself."""
         self.link = link
         self.use_shm = shm
         self.relay = relay
@@ -195,27 +201,56 @@ class WorkerAgent:
         self.rank = -1
         self.bytes_received = 0
         self._last_data = 0.0
+        self._fed_by_chief = True
+        # The heartbeat thread's view of the chief, shared with the main thread under _beat:
+        # when the chief last answered, and its verdict once it has one (the chief gone or
+        # restarted, or the round failed).
+        self._beat = threading.Condition()
+        self._last_ok = 0.0
+        self._verdict: CollectiveError | None = None
+        self._beat_now = False
+        self._stopped = False
+        self._source: ChiefLink | None = None  # the relay this worker receives from, if any
 
     def run(self) -> WorkerResult:
         """Join, receive, verify, report ready and wait for start. Blocks; see the module doc."""
-        self._stop_heartbeat = threading.Event()
         self._reported = False
         self._is_prepared = False
+        outcome = "the round is over"
         try:
             return self._run()
         except CollectiveError as exc:
             # The chief must hear of our failure at once, not at its ready deadline.
             self._report_failure(exc)
+            outcome = f"worker {self.worker_id} stopped: {exc}"
             raise
         except Exception as exc:
             # A bug or an exhausted resource here (MemoryError, OSError): the chief still hears
             # it now, rather than at the end of a lease or of the ready timeout.
             self._report_failure(CollectiveError(f"internal error in the worker: {type(exc).__name__}: {exc}"))
+            outcome = f"worker {self.worker_id} stopped: internal error"
             raise
         finally:
-            self._stop_heartbeat.set()
+            self._stop_beats()
             if self.relay is not None:
-                self.relay.stop()
+                self.relay.stop(outcome)  # children hear why their stream ended
+
+    def _stop_beats(self) -> None:
+        with self._beat:
+            self._stopped = True
+            self._beat.notify_all()
+
+    def _interrupt(self, error: CollectiveError) -> None:
+        """The heartbeat's verdict: end whatever call the main thread is in, to the chief or to
+        the relay it receives from, with ``error``."""
+        with self._beat:
+            if self._verdict is None:
+                self._verdict = error
+            source = self._source
+            self._beat.notify_all()
+        self.link.interrupt(error)
+        if source is not None:
+            source.interrupt(error)
 
     def _attach_shared(self, plan: pb.Plan) -> np.ndarray | None:
         """The chief's arena mapped copy-on-write when we share its host, else None.
@@ -252,15 +287,45 @@ class WorkerAgent:
         else:
             parent = next(w for w in plan.workers if w.rank == me.parent)
             name = f"relay worker {parent.worker_id} (rank {parent.rank})"
-            source = self.connect(parent.relay_address, name)
+            source = self.connect(parent, name)
+            self._fed_by_chief = False
+            with self._beat:
+                self._source = source
+                verdict = self._verdict
+            if verdict is not None:
+                source.interrupt(verdict)
             try:
                 source.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
             except (ChiefUnreachableError, AbortedError, DeadlineError) as exc:
-                raise RelayError(f"{name}, which this worker receives from, failed during receive: {exc}") from exc
+                raise self._relay_failed(name, exc) from exc
             finally:
+                with self._beat:
+                    self._source = None
                 source.close()
         receiver.finish()
         return arena, receiver.digests
+
+    def _relay_failed(self, name: str, exc: CollectiveError) -> CollectiveError:
+        """The relay this worker receives from failed: find who is to blame.
+
+        A parent fails when the chief is gone as well (it found out first) or when the round
+        failed, and then the chief is the news, not the relay. So ask for a heartbeat now and
+        wait, within a lease, for the chief's answer after the failure or the heartbeat's
+        verdict: the verdict (chief unresponsive, restarted, round aborted naming the culprit)
+        if there is one, else the relay is to blame.
+        """
+        t = self.timeouts
+        failed_at = time.monotonic()
+        with self._beat:
+            self._beat_now = True
+            self._beat.notify_all()
+            self._beat.wait_for(
+                lambda: self._verdict is not None or self._last_ok > failed_at or self._stopped,
+                timeout=t.lease + 2 * t.heartbeat,
+            )
+            if self._verdict is not None:
+                return self._verdict
+        return RelayError(f"{name}, which this worker receives from, failed during receive: {exc}")
 
     def _prepared(self, plan: pb.Plan) -> None:
         """Once: tell the chief this worker is ready for bytes, and wait until every worker is."""
@@ -288,44 +353,63 @@ class WorkerAgent:
             log.debug("presence call ended: %s", exc)
 
     def _heartbeat_loop(self, chief_incarnation: str) -> None:
-        """Every interval: prove we are alive, and learn early if the chief is gone or failed.
+        """Every interval: prove we are alive, say how many bytes we hold, and learn early if
+        the chief is gone or failed.
 
         The chief's silence for a whole lease, a different chief incarnation or a failed round
-        interrupts the main thread's call in progress with the reason.
+        interrupts the main thread's call in progress (to the chief, or to the relay this worker
+        receives from) with the reason. Every worker judges the chief on its own heartbeats, so
+        a chain learns of a lost chief at once, not one hop at a time.
         """
         t = self.timeouts
-        last_ok = time.monotonic()
-        while not self._stop_heartbeat.wait(t.heartbeat):
+        with self._beat:
+            self._last_ok = time.monotonic()
+        while True:
+            with self._beat:
+                relay_fed = self._source is not None
+                interval = min(t.heartbeat, PROGRESS_INTERVAL) if relay_fed else t.heartbeat
+                self._beat.wait_for(lambda: self._stopped or self._beat_now, timeout=interval)
+                if self._stopped:
+                    return
+                self._beat_now = False
+            beat = pb.HeartbeatRequest(
+                worker_id=self.worker_id, incarnation=self.incarnation, bytes_received=self.bytes_received
+            )
             try:
-                reply = self.link.heartbeat(self.ref, timeout=min(t.heartbeat, t.lease / 2))
+                reply = self.link.heartbeat(beat, timeout=min(t.heartbeat, t.lease / 2))
             except (ChiefUnreachableError, DeadlineError) as exc:
-                # Data still arriving proves the chief alive, whatever became of the heartbeat.
-                silent = time.monotonic() - max(last_ok, self._last_data)
+                # Data still arriving from the chief proves it alive, whatever became of the heartbeat.
+                silent = time.monotonic() - max(self._last_ok, self._last_data)
                 if silent > t.lease:
                     # Refused connections mean the chief is gone; unanswered ones that it is frozen.
                     frozen = isinstance(exc, DeadlineError) or "did not answer" in str(exc)
                     how = "unresponsive" if frozen else "unreachable"
-                    self.link.interrupt(ChiefUnreachableError(
+                    self._interrupt(ChiefUnreachableError(
                         f"chief at {self.link.address} {how}: no heartbeat answer for {silent:.1f} s "
                         f"(lease {t.lease:g} s) during {logs.current('phase')}; last error: {exc}"
                     ))
                     return
                 continue
             except CollectiveError as exc:
-                self.link.interrupt(exc)
+                self._interrupt(exc)
                 return
-            if reply is None:
-                return  # this backend has no heartbeats
-            last_ok = time.monotonic()
+            if reply is None:  # this backend has no heartbeats
+                with self._beat:
+                    self._stopped = True
+                    self._beat.notify_all()
+                return
             if reply.chief_incarnation != chief_incarnation:
-                self.link.interrupt(AbortedError(
+                self._interrupt(AbortedError(
                     f"chief at {self.link.address} restarted (incarnation {reply.chief_incarnation}, "
                     f"we joined {chief_incarnation}); this round is over"
                 ))
                 return
             if reply.phase == "failed":
-                self.link.interrupt(AbortedError(f"round aborted by the chief at {self.link.address}: {reply.error}"))
+                self._interrupt(AbortedError(f"round aborted by the chief at {self.link.address}: {reply.error}"))
                 return
+            with self._beat:
+                self._last_ok = time.monotonic()
+                self._beat.notify_all()
 
     def _run(self) -> WorkerResult:
         t = self.timeouts
@@ -341,6 +425,7 @@ class WorkerAgent:
                 pid=os.getpid(),
                 declared=declared(self.expected),
                 relay_port=self.relay.port if self.relay is not None else 0,
+                relay_cert=self.relay.cert_pem if self.relay is not None else b"",
             ),
             timeout=t.join,
         )
@@ -382,7 +467,7 @@ class WorkerAgent:
         logs.phase("ready")
         self.link.report_ready(pb.ReadyRequest(worker=self.ref, devices=devices, worker_digest=digest), timeout=t.rpc)
         start = self.link.await_start(self.ref, timeout=t.start)
-        self._stop_heartbeat.set()
+        self._stop_beats()
         store.start()
         logs.phase("started")
         return WorkerResult(

@@ -114,10 +114,13 @@ class Relay:
     """A relay server on ``bind`` (port 0: any). ``port`` is known once constructed."""
 
     def __init__(self, bind: str, *, token: str | None, tls, stall_timeout: float) -> None:
-        from collective.transport.grpc import GrpcEndpoint
+        from collective.transport.grpc import GrpcEndpoint, relay_server_tls
 
         self.handler = RelayHandler(stall_timeout)
-        self._endpoint = GrpcEndpoint(bind, token=token, tls=tls, name="relay")
+        served = relay_server_tls(tls)  # mutual TLS: the worker's certificate; server-only: its own
+        # The certificate to hand the chief, which puts it in the plan for this relay's children.
+        self.cert_pem = (served.cert_pem or b"") if served is not None else b""
+        self._endpoint = GrpcEndpoint(bind, token=token, tls=served, name="relay")
         self._endpoint.start(self.handler)
         self.port = self._endpoint.port
         self._started = time.monotonic()

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "devices", "host", "preferred_rank", "pid", "declared", "relay_port")
+    __slots__ = ("worker_id", "incarnation", "devices", "host", "preferred_rank", "pid", "declared", "relay_port", "relay_cert")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class JoinRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     DECLARED_FIELD_NUMBER: _ClassVar[int]
     RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
+    RELAY_CERT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     devices: _containers.RepeatedScalarFieldContainer[str]
@@ -24,7 +25,8 @@ class JoinRequest(_message.Message):
     pid: int
     declared: _containers.RepeatedCompositeFieldContainer[VariableInfo]
     relay_port: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., preferred_rank: _Optional[int] = ..., pid: _Optional[int] = ..., declared: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., relay_port: _Optional[int] = ...) -> None: ...
+    relay_cert: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., preferred_rank: _Optional[int] = ..., pid: _Optional[int] = ..., declared: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., relay_port: _Optional[int] = ..., relay_cert: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("rank", "num_workers", "chief_incarnation")
@@ -37,7 +39,7 @@ class JoinReply(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., chief_incarnation: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("rank", "worker_id", "host", "devices", "incarnation", "parent", "relay_address")
+    __slots__ = ("rank", "worker_id", "host", "devices", "incarnation", "parent", "relay_address", "relay_cert")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class WorkerInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_CERT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     worker_id: str
     host: str
@@ -52,7 +55,8 @@ class WorkerInfo(_message.Message):
     incarnation: str
     parent: int
     relay_address: str
-    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ..., parent: _Optional[int] = ..., relay_address: _Optional[str] = ...) -> None: ...
+    relay_cert: bytes
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ..., parent: _Optional[int] = ..., relay_address: _Optional[str] = ..., relay_cert: _Optional[bytes] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
     __slots__ = ("group_key", "devices")
@@ -197,6 +201,16 @@ class StartReply(_message.Message):
     start: bool
     broadcast_seconds: float
     def __init__(self, start: _Optional[bool] = ..., broadcast_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "bytes_received")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    bytes_received: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("chief_incarnation", "phase", "error")

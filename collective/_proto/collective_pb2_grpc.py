@@ -71,7 +71,7 @@ class CollectiveStub:
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/collective.v1.Collective/Heartbeat',
-                request_serializer=collective__pb2.WorkerRef.SerializeToString,
+                request_serializer=collective__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=collective__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
         self.Presence = channel.unary_unary(
@@ -194,7 +194,7 @@ def add_CollectiveServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=collective__pb2.WorkerRef.FromString,
+                    request_deserializer=collective__pb2.HeartbeatRequest.FromString,
                     response_serializer=collective__pb2.HeartbeatReply.SerializeToString,
             ),
             'Presence': grpc.unary_unary_rpc_method_handler(
@@ -422,7 +422,7 @@ class Collective:
             request,
             target,
             '/collective.v1.Collective/Heartbeat',
-            collective__pb2.WorkerRef.SerializeToString,
+            collective__pb2.HeartbeatRequest.SerializeToString,
             collective__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,

@@ -52,7 +52,9 @@ class ChiefHandler(Protocol):
 
     def report_failure(self, req: pb.FailureReport) -> pb.FailureReply: ...
 
-    def heartbeat(self, ref: pb.WorkerRef) -> pb.HeartbeatReply: ...
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        """A worker is alive and holds ``req.bytes_received`` bytes of the arena."""
+        ...
 
     def await_outcome(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
         """Block until the round has started or failed (a worker's presence call)."""
@@ -111,8 +113,8 @@ class ChiefLink(abc.ABC):
     @abc.abstractmethod
     def status(self, timeout: float) -> pb.StatusReply: ...
 
-    def heartbeat(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply | None:
-        """One heartbeat. None means this backend has no heartbeats (MPI watches its ranks)."""
+    def heartbeat(self, req: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply | None:
+        """One heartbeat (with this worker's received bytes). None means this backend has no heartbeats (MPI watches its ranks)."""
         return None
 
     def presence(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply | None:

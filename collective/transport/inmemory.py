@@ -69,8 +69,8 @@ class InMemoryLink(ChiefLink):
         except Exception:  # noqa: BLE001 - best effort by contract
             pass
 
-    def heartbeat(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
-        return _wire(self._handler().heartbeat(_wire(ref, pb.WorkerRef)), pb.HeartbeatReply)
+    def heartbeat(self, ref: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
+        return _wire(self._handler().heartbeat(_wire(ref, pb.HeartbeatRequest)), pb.HeartbeatReply)
 
     def status(self, timeout: float) -> pb.StatusReply:
         return _wire(self._handler().status(), pb.StatusReply)

@@ -285,3 +285,52 @@ def test_a_worker_beyond_workers_is_refused_and_the_chief_logs_it(cluster):
     assert chief.wait(30) == 0
     [line] = [ln for ln in chief.output().splitlines() if "refused a join" in ln]
     assert "WARNING" in line and "worker 'extra' from" in line and "with all 1 worker(s); joins are closed" in line
+
+
+def test_a_frozen_chief_mid_broadcast_is_named_by_every_worker_of_a_chain_within_the_lease(cluster):
+    """Each worker watches the chief through its own heartbeats, whoever feeds it data: a
+    relay-fed worker must not wait for its parent to notice first (one lease per hop)."""
+    chief = cluster.chief("--workers", "4", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
+                          "--chunk-bytes", "65536", "--join-timeout", "60", *HB)
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", "--join-timeout", "60", *HB) for i in range(4)]
+    wait_for(workers[2], "relaying to worker w3")  # bytes are moving down the whole chain
+    chief.signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    took = {}
+    try:
+        for w in workers:
+            assert w.wait(60) != 0, w.output()
+            took[w] = time.monotonic() - t0
+    finally:
+        chief.signal(signal.SIGCONT)
+    lease = 1.5
+    for w in workers:
+        line = error_line(w.output())
+        assert f"chief at {cluster.address} unresponsive" in line, line
+        assert "round aborted by the chief" not in line, line
+        # the lease, the heartbeat that finds it out (interval + its timeout), and slack
+        assert took[w] < lease + 2 * 0.3 + 3.0, f"{line}: {took[w]:.1f} s after the chief froze"
+
+
+def test_a_frozen_relay_parent_is_named_by_its_children_not_the_chief(cluster):
+    """A relay worker frozen mid-broadcast: the chief's lease names it, and the workers below
+    it hear that at once (their stream from the frozen relay is cut), naming the parent."""
+    chief = cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
+                          "--chunk-bytes", "65536", "--join-timeout", "60", *HB)
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", "--join-timeout", "60", *HB) for i in range(3)]
+    wait_for(workers[1], "relaying to worker w2")
+    workers[0].signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    took = {}
+    try:
+        for w in workers[1:]:
+            assert w.wait(60) != 0, w.output()
+            took[w] = time.monotonic() - t0
+        assert chief.wait(30) != 0
+    finally:
+        workers[0].signal(signal.SIGCONT)
+    assert "worker w0 (rank 0, host" in error_line(chief.output()) and "no heartbeat" in error_line(chief.output())
+    for w in workers[1:]:
+        line = error_line(w.output())
+        assert "worker w0 (rank 0" in line and "unresponsive" not in line, line
+        assert took[w] < 1.5 + 2 * 0.3 + 3.0, f"{line}: {took[w]:.1f} s after w0 froze"

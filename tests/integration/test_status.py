@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,3 +67,45 @@ def test_status_watch_follows_the_round_until_start(cluster, tmp_path):
     out = out_path.read_text()
     assert watcher.returncode == 0, out
     assert "0/1 workers joined" in out and ": started for" in out
+
+
+def test_status_shows_the_bytes_of_workers_fed_by_a_relay(cluster):
+    """In a chain only rank 0 takes bytes from the chief; the others report theirs in their
+    heartbeats. Freezing rank 0 part-way holds the others' counts still while we look."""
+    import signal
+
+    from collective.transport.grpc import GrpcChiefLink
+
+    # The default 5 s between heartbeats: while relay-fed, a worker beats every second anyway.
+    hb = ["--heartbeat-interval", "5", "--heartbeat-timeout", "30"]
+    cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
+                  "--chunk-bytes", "65536", "--join-timeout", "60", *hb)
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", "--join-timeout", "60", *hb) for i in range(3)]
+    link = GrpcChiefLink(cluster.address)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # rank 0 (fed by the chief) a quarter of the way through
+            st = link.status(timeout=5)
+            head = [w for w in st.workers if w.rank == 0]
+            if head and head[0].bytes_total and head[0].bytes_received > head[0].bytes_total // 4:
+                break
+            assert time.monotonic() < deadline and all(w.proc.poll() is None for w in workers), st
+            time.sleep(0.05)
+        workers[0].signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 4  # a few progress beats, well inside the lease
+        while True:  # ranks 1 and 2 hold what rank 0 relayed before it froze, and say so
+            st = link.status(timeout=5)
+            fed = {w.rank: w for w in st.workers if w.rank > 0}
+            if all(0 < w.bytes_received < w.bytes_total for w in fed.values()):
+                break
+            assert time.monotonic() < deadline, f"relay-fed workers show no bytes: {st}"
+            time.sleep(0.1)
+        assert st.phase == "broadcasting"
+        assert {w.phase for w in fed.values()} == {"receiving"}, st
+        proc = status("--chief", cluster.address, "--json")
+        assert proc.returncode == 0, proc.stderr
+        shown = {w["rank"]: w for w in json.loads(proc.stdout)["workers"]}
+        assert all(int(shown[r]["bytes_received"]) > 0 for r in (1, 2)), shown
+    finally:
+        link.close()
+        workers[0].signal(signal.SIGCONT)

@@ -17,11 +17,10 @@ JOIN = ["--join-timeout", "4"]
 def certs(tmp_path_factory):
     good = tmp_path_factory.mktemp("certs")
     rogue = tmp_path_factory.mktemp("rogue")
-    for out, ids in ((good, ["worker-1", "worker-2"]), (rogue, ["worker-1"])):
+    for out, ids in ((good, ["worker-1", "worker-2", "worker-3"]), (rogue, ["worker-1"])):
         subprocess.run(["bash", str(ROOT / "scripts" / "make-certs.sh"), str(out), *ids], check=True,
                        capture_output=True, timeout=60)
     return good, rogue
-
 
 
 def mtls_chief(cluster, certs, workers="1"):
@@ -99,3 +98,38 @@ def test_doctor_checks_a_mutual_tls_chief_with_the_workers_certificates(cluster,
     bad = TlsFiles(ca=str(good / "ca.pem"), cert=str(rogue / "worker-1.pem"), key=str(rogue / "worker-1.key"))
     checks, ok = run_doctor(cluster.address, token=None, tls=bad)
     assert not ok and {c.name: c for c in checks}["grpc health"].ok is False
+
+
+CHAIN = ["--workers", "3", "--topology", "chain", "--no-shm", "--chunk-bytes", "65536", "--join-timeout", "60"]
+
+
+def _chain_round(cluster, chief_args, worker_args):
+    """A chain of three workers over the network: rank 0 from the chief, 1 from 0's relay, 2 from 1's."""
+    chief = cluster.chief(*CHAIN, *chief_args)
+    ids = ["worker-1", "worker-2", "worker-3"]
+    workers = [cluster.worker(w, "--rank", str(i), "--no-shm", "--join-timeout", "60", *worker_args(w))
+               for i, w in enumerate(ids)]
+    for w in workers:
+        assert w.wait(90) == 0, w.output()
+    assert chief.wait(30) == 0, chief.output()
+    assert "topology chain" in chief.output()
+    for parent, child in zip(workers[:-1], ids[1:], strict=True):  # every hop but the first went through a relay
+        assert f"relaying to worker {child}" in parent.output(), parent.output()
+    assert len({w.output().rsplit("worker digest ", 1)[1].strip() for w in workers}) == 1
+
+
+def test_server_only_tls_runs_a_chain_through_the_relays(cluster, certs):
+    """Chief --tls-cert/--tls-key, workers --tls-ca only: relays serve TLS with a certificate of
+    their own that reaches their children through the chief's plan."""
+    good, _ = certs
+    _chain_round(cluster, ["--tls-cert", str(good / "chief.pem"), "--tls-key", str(good / "chief.key")],
+                 lambda w: ["--tls-ca", str(good / "ca.pem")])
+
+
+def test_mutual_tls_runs_a_chain_through_the_relays(cluster, certs):
+    """Relays serve their worker certificate and are dialled by IP: verified against the name
+    the plan gives them (their worker id), not the address."""
+    good, _ = certs
+    _chain_round(cluster, ["--tls-cert", str(good / "chief.pem"), "--tls-key", str(good / "chief.key"),
+                           "--tls-ca", str(good / "ca.pem")],
+                 lambda w: worker_tls(good, w))
