@@ -201,6 +201,7 @@ class WorkerAgent:
         self._stop_heartbeat = threading.Event()
         self._reported = False
         self._is_prepared = False
+        self._served = None
         try:
             return self._run()
         except CollectiveError as exc:
@@ -216,38 +217,78 @@ class WorkerAgent:
             self._stop_heartbeat.set()
             if self.relay is not None:
                 self.relay.stop()
+            if self._served is not None:
+                self._served.close()
+
+    def _me(self, plan: pb.Plan) -> pb.WorkerInfo:
+        return next(w for w in plan.workers if w.rank == self.rank)
 
     def _attach_shared(self, plan: pb.Plan) -> np.ndarray | None:
-        """The chief's arena mapped copy-on-write when we share its host, else None.
+        """The arena of whom we receive from, mapped copy-on-write, when it shares our host:
+        the chief's, or a host leader's (a worker that receives from the network for its host).
+        None otherwise, or when the mapping cannot be had (then we take the network).
 
         Not verified here: every replica's digest is checked below, replica 0 being this view.
         """
         if not (self.use_shm and plan.shm_socket):
             return None
-        from collective.transport.shm import attach
+        from collective.transport.shm import attach, peer_socket
 
+        me = self._me(plan)
+        if me.parent < 0:
+            name, whose, wait = plan.shm_socket, "the chief", None
+        else:
+            parent = next(w for w in plan.workers if w.rank == me.parent)
+            if parent.host != me.host:
+                return None
+            # It answers once its arena is complete: within the round's ready deadline.
+            name, wait = peer_socket(plan.shm_socket, parent.rank), self.timeouts.ready
+            whose = f"worker {parent.worker_id} (rank {parent.rank})"
         self._prepared(plan)
 
-        arena = attach(plan.shm_socket, plan.shm_secret, self.worker_id, self.incarnation, plan.total_bytes)
+        arena = attach(name, plan.shm_secret, self.worker_id, self.incarnation, plan.total_bytes, wait=wait, whose=whose)
         if arena is not None:
             self.bytes_received = plan.total_bytes
             self._last_data = time.monotonic()
         return arena
 
-    def _receive(self, plan: pb.Plan) -> tuple[np.ndarray, list[str]]:
+    def _serve_peers(self, plan: pb.Plan):
+        """A ``ServedArena`` when workers on our host receive from us (we are its leader) and
+        shared memory is on; None otherwise."""
+        if not (self.use_shm and plan.shm_socket):
+            return None
+        me = self._me(plan)
+        peers = {w.worker_id: w.incarnation for w in plan.workers if w.parent == self.rank and w.host == me.host}
+        if not peers:
+            return None
+        from collective.transport.shm import ServedArena, peer_socket
+
+        def admit(worker_id: str, incarnation: str) -> str | None:
+            if peers.get(worker_id) != incarnation:
+                return f"worker {worker_id!r} (incarnation {incarnation}) does not receive from rank {self.rank} in this plan"
+            return None
+
+        self._served = ServedArena(plan.total_bytes, name=peer_socket(plan.shm_socket, self.rank),
+                                   secret=plan.shm_secret, admit=admit, wait=self.timeouts.ready)
+        return self._served
+
+    def _receive(self, plan: pb.Plan, served) -> tuple[np.ndarray, list[str]]:
         """The data stream into one pre-allocated arena, checked chunk by chunk; the arena and
         its verified chunk digests.
 
         From the chief, or from the relay of the worker the plan names as this one's parent.
+        A host leader receives into shared memory and hands it to its same-host peers once
+        complete (``served``, from ``_serve_peers``).
         """
-        arena = new_arena(plan.total_bytes)
+        # The relay serves from a read-only view of a served arena, which does not stop the seal.
+        arena = new_arena(plan.total_bytes) if served is None else None
         if self.relay is not None:
-            self.relay.feed(plan, arena)  # children may connect now; chunks go out as they land
-        receiver = _Watched(Receiver(plan, arena), self)
+            self.relay.feed(plan, arena if served is None else served.reader())  # chunks go out as they land
+        receiver = _Watched(Receiver(plan, arena if served is None else served.writable), self)
         self._prepared(plan)
-        me = next(w for w in plan.workers if w.rank == self.rank)
-        # A plan without a topology (a star, or an older chief) streams from the chief.
-        if plan.topology in ("", "star") or me.parent < 0 or self.connect is None:
+        me = self._me(plan)
+        # A plan without a topology (an older chief) streams from the chief.
+        if not plan.topology or me.parent < 0 or self.connect is None:
             self.link.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
         else:
             parent = next(w for w in plan.workers if w.rank == me.parent)
@@ -260,7 +301,11 @@ class WorkerAgent:
             finally:
                 source.close()
         receiver.finish()
-        return arena, receiver.digests
+        digests = receiver.digests
+        if served is None:
+            return arena, digests
+        del receiver  # the last view of the writable mapping: the seal needs it gone
+        return served.complete(), digests
 
     def _prepared(self, plan: pb.Plan) -> None:
         """Once: tell the chief this worker is ready for bytes, and wait until every worker is."""
@@ -363,10 +408,12 @@ class WorkerAgent:
             ",".join(str(g.group_key) for g in plan.groups), plan.topology or "star",
         )
         t_recv = time.monotonic()
+        # Before the prepared barrier: our same-host peers may ask for our arena right after it.
+        served = self._serve_peers(plan)
         arena, verified = self._attach_shared(plan), None
         via = "shared memory"
         if arena is None:
-            (arena, verified), via = self._receive(plan), "the network"
+            (arena, verified), via = self._receive(plan, served), "the network"
         elif self.relay is not None:
             self.relay.feed(plan, arena)
             self.relay.progress(plan.total_bytes)
