@@ -317,7 +317,7 @@ class ChiefService:
         hosts = len({m.host for m in members})
         log.info(
             "all %d workers joined; plan released (%d chunks per worker, topology %s over %d network "
-            "receiver(s); %d host(s))",
+            "receiver(s); workers on %d host(s))",
             self.num_workers, len(self._chunker), topology, lay.receivers, hosts,
         )
         self._cond.notify_all()

@@ -50,9 +50,14 @@ class SharedArena:
             self.array[:: mmap.PAGESIZE] = 0
 
     def reader(self) -> np.ndarray:
-        """A read-only shared view: it sees every write through ``array`` at once, and unlike a
-        writable one it does not keep the segment from being sealed (a relay serves from it)."""
-        mm = mmap.mmap(self.fd, max(self.size, 1), prot=mmap.PROT_READ)
+        """A read-only view that sees every write through ``array`` at once and does not keep the
+        segment from being sealed (a relay serves from it).
+
+        Private, not shared: before Linux 6.7 any shared mapping of a writable file counts as a
+        writable one and the seal fails (EBUSY). A private mapping that is never written maps the
+        file's own pages, which exist from the start (``prefault``), so it sees every write.
+        """
+        mm = mmap.mmap(self.fd, max(self.size, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
         return np.frombuffer(mm, dtype=np.uint8)[: self.size]
 
     def private(self) -> np.ndarray:
@@ -174,7 +179,7 @@ class ServedArena:
     """
 
     def __init__(self, size: int, *, name: str, secret: str, admit: Callable[[str, str], str | None], wait: float) -> None:
-        self.shared = SharedArena(size, prefault=True)
+        self.shared = SharedArena(size, prefault=True)  # prefault: every page exists for reader()
         self.writable: np.ndarray | None = self.shared.array
         self.server = ShmServer(self.shared, admit, name=name, secret=secret, wait=wait)
 
@@ -192,7 +197,7 @@ class ServedArena:
         except (BufferError, OSError) as exc:
             log.warning("cannot seal the received arena for same-host peers (%s); they take the network", exc)
             self.server.close()
-            return self.shared.array
+            return self.shared.array if self.shared.array is not None else self.shared.private()
         self.server.publish()
         return self.shared.private()
 
