@@ -44,8 +44,9 @@ CHAIN_CHUNK_BYTES = 512 << 10
 # A faster link makes per-hop latency weigh more, so it is the assumption that favours the chain
 # least; on slower links the chain only gains.
 ASSUMED_LINK_BPS = 25e9 / 8
-# Per hop (a relay's receive, check and forward, and the connection's latency), seconds:
-# fitted to the emulated runs in BENCHMARKS.md.
+# Per hop beyond its chunk (a relay's stream setup, receiving, checking and forwarding), seconds:
+# fitted to chain runs on emulated 200 Mbit/s hosts (BENCHMARKS.md): 1.3 ms on a quiet machine,
+# 12 ms with other work on its 2 cores.
 HOP_SECONDS = 0.002
 
 
