@@ -202,6 +202,7 @@ class WorkerAgent:
         self._reported = False
         self._is_prepared = False
         self._served = None
+        self._aborted: CollectiveError | None = None
         try:
             return self._run()
         except CollectiveError as exc:
@@ -246,7 +247,10 @@ class WorkerAgent:
             whose = f"worker {parent.worker_id} (rank {parent.rank})"
         self._prepared(plan)
 
-        arena = attach(name, plan.shm_secret, self.worker_id, self.incarnation, plan.total_bytes, wait=wait, whose=whose)
+        arena = attach(name, plan.shm_secret, self.worker_id, self.incarnation, plan.total_bytes, wait=wait,
+                       whose=whose, cancelled=lambda: self._aborted is not None)
+        if self._aborted is not None:
+            raise self._aborted
         if arena is not None:
             self.bytes_received = plan.total_bytes
             self._last_data = time.monotonic()
@@ -332,6 +336,12 @@ class WorkerAgent:
         except CollectiveError as exc:
             log.debug("presence call ended: %s", exc)
 
+    def _interrupt(self, error: CollectiveError) -> None:
+        """Make the main thread's call in progress raise ``error``: a call to the chief, or a wait
+        for a same-host parent's arena (``_attach_shared``)."""
+        self._aborted = error
+        self.link.interrupt(error)
+
     def _heartbeat_loop(self, chief_incarnation: str) -> None:
         """Every interval: prove we are alive, and learn early if the chief is gone or failed.
 
@@ -350,26 +360,26 @@ class WorkerAgent:
                     # Refused connections mean the chief is gone; unanswered ones that it is frozen.
                     frozen = isinstance(exc, DeadlineError) or "did not answer" in str(exc)
                     how = "unresponsive" if frozen else "unreachable"
-                    self.link.interrupt(ChiefUnreachableError(
+                    self._interrupt(ChiefUnreachableError(
                         f"chief at {self.link.address} {how}: no heartbeat answer for {silent:.1f} s "
                         f"(lease {t.lease:g} s) during {logs.current('phase')}; last error: {exc}"
                     ))
                     return
                 continue
             except CollectiveError as exc:
-                self.link.interrupt(exc)
+                self._interrupt(exc)
                 return
             if reply is None:
                 return  # this backend has no heartbeats
             last_ok = time.monotonic()
             if reply.chief_incarnation != chief_incarnation:
-                self.link.interrupt(AbortedError(
+                self._interrupt(AbortedError(
                     f"chief at {self.link.address} restarted (incarnation {reply.chief_incarnation}, "
                     f"we joined {chief_incarnation}); this round is over"
                 ))
                 return
             if reply.phase == "failed":
-                self.link.interrupt(AbortedError(f"round aborted by the chief at {self.link.address}: {reply.error}"))
+                self._interrupt(AbortedError(f"round aborted by the chief at {self.link.address}: {reply.error}"))
                 return
 
     def _run(self) -> WorkerResult:

@@ -25,6 +25,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -213,14 +214,15 @@ def _map_private(fd: int, size: int) -> np.ndarray:
 
 def attach(
     name: str, secret: str, worker_id: str, incarnation: str, size: int, timeout: float = 5.0,
-    *, wait: float | None = None, whose: str = "the chief",
+    *, wait: float | None = None, whose: str = "the chief", cancelled: Callable[[], bool] = lambda: False,
 ) -> np.ndarray | None:
     """Map ``whose`` arena copy-on-write, or None when it is not reachable from here.
 
     None means another host (no such socket in this network namespace) or a refusal; the caller
     then takes the network stream. Never raises for those cases; the caller verifies digests.
     ``wait``: how long to wait for the answer once connected (a host leader answers when its
-    arena is complete); default ``timeout``.
+    arena is complete); default ``timeout``. ``cancelled()``, asked a few times a second while
+    waiting, gives up early (the round failed meanwhile).
     """
     if not name:
         return None
@@ -228,9 +230,16 @@ def attach(
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
             s.connect("\0" + name)
-            s.settimeout(timeout if wait is None else wait)
             s.sendall(json.dumps({"secret": secret, "worker_id": worker_id, "incarnation": incarnation}).encode())
-            msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+            deadline = time.monotonic() + (timeout if wait is None else wait)
+            while True:
+                s.settimeout(min(0.25, max(0.01, deadline - time.monotonic())))
+                try:
+                    msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+                    break
+                except TimeoutError:
+                    if cancelled() or time.monotonic() >= deadline:
+                        raise
     except OSError as exc:
         log.info("shared memory of %s not reachable from here (%s); using the network", whose, exc)
         return None

@@ -51,3 +51,14 @@ def test_a_stranger_is_refused_and_a_peer_still_waiting_when_the_leader_stops_is
     leader.server.close()  # the leader failed: the peer takes the network, now, not in 30 s
     peer.join(10)
     assert not peer.is_alive() and got["view"] is None
+
+
+def test_a_waiting_peer_gives_up_as_soon_as_the_round_is_cancelled(leader):
+    cancelled = threading.Event()
+    got = {}
+    peer = threading.Thread(target=lambda: got.update(
+        view=attach(leader.server.name, "s3", "peer", "i", SIZE, wait=60, cancelled=cancelled.is_set)))
+    peer.start()
+    cancelled.set()  # the heartbeat heard the round failed: no waiting for the 60 s
+    peer.join(10)
+    assert not peer.is_alive() and got["view"] is None
