@@ -5,7 +5,9 @@ host one worker receives from the network and the others map its arena through s
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import uuid
 
 import pytest
@@ -92,3 +94,39 @@ def test_a_peer_without_shared_memory_takes_the_bytes_from_its_hosts_receiver_no
     assert "through the network" in outputs["host-b-w3"] and "through shared memory" in outputs["host-a-w2"]
     for h in hosts:
         assert size <= moved[h][0] <= 1.10 * size, (h, moved[h], size)
+
+
+def test_a_host_leader_killed_mid_stream_is_named_and_its_peers_and_the_next_host_end_too(tmp_path, namespaces):
+    spec = write_spec(tmp_path / "model.yaml", SIZE, 16)
+    result_file = tmp_path / "result.json"
+    env = {"COLLECTIVE_TOKEN": uuid.uuid4().hex}
+    with Topology(["chief", "host-a", "host-b"], tmp_path) as net:
+        net.shape("host-a", "20mbit")  # 16 MiB take about 7 s to reach host-a's leader
+        chief = net.run("chief", ["python", "-m", "chief", "--workers", "4", "--model", str(spec), "--bind",
+                                  "0.0.0.0:50051", "--result-file", str(result_file), "--ready-timeout", "120"],
+                        env=env, name="chief")
+        chief.wait_for("serving on", 60)
+        procs = {}
+        for rank, host in enumerate(["host-a", "host-b", "host-a", "host-b"]):
+            name = f"{host}-w{rank}"
+            procs[name] = net.run(host, ["python", "-m", "worker", "--chief", "chief:50051", "--worker-id", name,
+                                         "--rank", str(rank)], env=env, name=name)
+        leader = procs["host-a-w0"]
+        leader.wait_for("relaying to worker host-b-w1", 60)  # the stream runs: host-a feeds host-b
+        os.kill(leader.pid, signal.SIGKILL)
+        codes = wait_all([chief, *procs.values()], 60)
+        outputs = {n: p.output() for n, p in procs.items()}
+    result = json.loads(result_file.read_text())
+    assert codes["chief"] == 1 and result["ok"] is False
+    # The chief's verdict names the dead leader: lost (its presence call cut off), or the relay that
+    # failed its child on the next host, whichever the chief heard first.
+    assert re.search(r"worker host-a-w0 \(rank 0, host host-a\) was lost during the broadcast"
+                     r"|relay worker host-a-w0 \(rank 0\), which this worker receives from, failed", result["error"]), result
+    # Everyone below it ends (no one waits out a deadline): named by its parent that stopped
+    # serving, or by the chief's verdict if the heartbeat brought it first.
+    parent = {"host-a-w2": "host-a-w0", "host-b-w1": "host-a-w0", "host-b-w3": "host-b-w1"}
+    for name, up in parent.items():
+        assert codes[name] == 1, outputs[name]
+        named = re.search(rf"ERROR worker .*(relay worker {up} .*failed during receive|round aborted by the chief)",
+                          outputs[name])
+        assert named, outputs[name]
