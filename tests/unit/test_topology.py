@@ -44,7 +44,7 @@ def test_auto_keeps_few_hops_for_small_payloads_and_many_hosts():
     assert choose("auto", 2, 64 << 10) == "star"
     # a chain of 1,024 hops costs more in per-hop latency than a tree's extra copies
     assert choose("auto", 1024, 64 << 20) == "tree"
-    assert choose("auto", 1, 0) in ("star", "chain")
+    assert choose("auto", 1, 0) == "star"  # nothing to pipeline: the simplest
 
 
 def test_the_model_charges_a_star_one_copy_per_receiver_and_a_chain_one_chunk_per_hop():
