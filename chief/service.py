@@ -41,7 +41,6 @@ from collective.errors import (
 from collective.keys import parse_devices
 from collective.model import ModelSource, VariableSpec, check_fits, validate_model
 from collective.plan import (
-    DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     Chunker,
     build_plan,
@@ -52,7 +51,7 @@ from collective.plan import (
     overlapping,
     with_bytes,
 )
-from collective.topology import CHAIN_CHUNK_BYTES, choose, parents
+from collective.topology import Layout, arrange, choose, chunk_bytes_for
 from collective.variables import replica_name
 
 log = logging.getLogger(__name__)
@@ -154,13 +153,15 @@ class ChiefService:
         local_devices: Sequence[str] | str | None = None,
         spmd: bool = False,
         max_model_bytes: int | None = None,
+        host: str | None = None,
     ) -> None:
         """``local_devices``: the chief trains too and holds one replica per device; start waits
         until they are verified (``await_plan`` then ``report_local_ready``, from the driver).
         ``spmd``: every process has a fixed rank (``collective.sync``): a worker's preferred rank
         is its rank, and a worker whose declared variables differ, or whose rank is taken or out
         of range, fails the whole round (every rank must hear it) instead of only its own join
-        being refused."""
+        being refused. ``host``: this chief's host name as workers report theirs (default: the
+        machine's), so the plan can tell which workers share the chief's host."""
         if num_workers < 1:
             raise UsageError(f"--workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -172,6 +173,7 @@ class ChiefService:
         self.transport = transport
         choose(topology, 1, 0)  # an unknown name is a usage error before any work
         self.topology = topology
+        self.host = host or socket.gethostname()
         # Collective transports (MPI) have their own failure detection and no heartbeats.
         self.heartbeats = heartbeats
         self.source = source
@@ -346,11 +348,8 @@ class ChiefService:
 
     def _release_plan(self) -> None:
         members = sorted(self._members.values(), key=lambda m: m.rank)
-        topology = choose(self.topology, self.num_workers, int(self.arena.nbytes))
-        if topology != "star" and not all(m.relay_address() for m in members):
-            log.info("topology %s needs every worker to relay; some cannot, so: star", topology)
-            topology = "star"
-        parent_of = parents(topology, self.num_workers)
+        lay = self._layout(members)
+        topology, parent_of = lay.topology, lay.parents
         workers = [
             pb.WorkerInfo(rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices, incarnation=m.incarnation,
                           parent=parent_of[m.rank], relay_address=m.relay_address(),
@@ -363,7 +362,7 @@ class ChiefService:
             workers,
             arena=self.arena,
             # A chain fills its pipeline one chunk per hop: small chunks keep that short.
-            chunk_bytes=self.chunk_bytes or (CHAIN_CHUNK_BYTES if topology == "chain" else DEFAULT_CHUNK_BYTES),
+            chunk_bytes=self.chunk_bytes or chunk_bytes_for(topology),
             chief_incarnation=self.incarnation,
             model=self.source.description,
         )
@@ -373,11 +372,25 @@ class ChiefService:
         self._chunker = Chunker(self._plan, self.arena)
         self._phase, self._phase_at = Phase.BROADCASTING, time.monotonic()
         logs.phase("broadcast")
+        hosts = len({m.host for m in members})
         log.info(
-            "all %d workers joined; plan released (%d chunks per worker, topology %s, plan of %d bytes)",
-            self.num_workers, len(self._chunker), topology, self._plan.ByteSize(),
+            "all %d workers joined; plan released (%d chunks per worker, topology %s over %d network "
+            "receiver(s); workers on %d host(s); plan of %d bytes)",
+            self.num_workers, len(self._chunker), topology, lay.receivers, hosts, self._plan.ByteSize(),
         )
         self._cond.notify_all()
+
+    def _layout(self, members: list[Member]) -> Layout:
+        """Who receives from whom, by host (``topology.arrange``); a star when a worker that
+        would relay to another cannot (it has no relay: MPI, in-memory)."""
+        lay = arrange(self.topology, [m.host for m in members], self.host, int(self.arena.nbytes),
+                      share=self._shm is not None)
+        relaying = {p for p in lay.parents if p >= 0}
+        if any(not members[r].relay_address() for r in relaying):
+            if self.topology not in ("auto", "star"):
+                log.info("topology %s needs its workers to relay; some cannot, so: star", lay.topology)
+            return Layout("star", [-1] * len(members), len(members))
+        return lay
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
         with self._cond:

@@ -26,8 +26,10 @@ stricter for the project, never for the peers.
 ``--emulate-hosts --rate 200mbit`` runs everything on emulated hosts instead (network namespaces
 ``chief``, ``worker-1`` ... on one bridge, every host's link shaped both ways with ``tc tbf``, a
 private ``/dev/shm`` per host; see ``collective.emulate``) and reports ``link_seconds`` = S/B, the
-time one link needs to carry the model once. The chief and workers run as ``python -m chief`` /
-``python -m worker`` on their hosts; ``--transport mpi`` and the MPI peer run through MPICH's
+time one link needs to carry the model once. ``--hosts H --workers-per-host K`` (instead of
+``--workers``) puts K workers on each of H worker hosts (ranks in host order), the chief alone on
+its own host. The chief and workers run as ``python -m chief`` / ``python -m worker`` on their
+hosts; ``--transport mpi`` and the MPI peer run through MPICH's
 ``mpiexec`` with an rsh-like launcher that enters each host (UCX/libfabric forced onto TCP so no
 same-machine shortcut bypasses the shaped links). Needs root.
 
@@ -130,14 +132,14 @@ def _positive(text: str, option: str) -> int:
     return value
 
 
-def parse_workers(values: Sequence[str] | None) -> list[int]:
-    """``--workers 2 --workers 4,8`` -> [2, 4, 8] (sorted, no duplicates)."""
+def parse_workers(values: Sequence[str] | None, *, option: str = "--workers") -> list[int]:
+    """``--workers 2 --workers 4,8`` -> [2, 4, 8] (sorted, no duplicates); ``--hosts`` alike."""
     out: set[int] = set()
     for value in values or [DEFAULT_WORKERS]:
         parts = [p for p in str(value).split(",")]
         if not all(p.strip() for p in parts):
-            raise UsageError(f"--workers {value!r}: expected a number or a comma list such as 2,4,8")
-        out.update(_positive(p, "--workers") for p in parts)
+            raise UsageError(f"{option} {value!r}: expected a number or a comma list such as 2,4,8")
+        out.update(_positive(p, option) for p in parts)
     return sorted(out)
 
 
@@ -538,12 +540,15 @@ _MPI_TCP_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0", "FI_PROVIDER":
 
 
 class EmulatedRunner:
-    """Hosts ``chief``, ``worker-1``..``worker-N`` in network namespaces, every link shaped to
-    ``rate`` both ways; one topology per worker count, rebuilt when the count changes."""
+    """Hosts ``chief``, ``worker-1``..``worker-H`` in network namespaces, every link shaped to
+    ``rate`` both ways; ``per_host`` workers on each worker host (ranks in host order: ranks
+    0..K-1 on worker-1 ...), the chief alone on its host. One network per host count, rebuilt
+    when the count changes."""
 
     def __init__(self, workdir: Path, say: Callable[[str], None], rate: str, size: int,
-                 extra: Sequence[str] = (), chunk: Sequence[str] = ()) -> None:
+                 extra: Sequence[str] = (), chunk: Sequence[str] = (), per_host: int = 1) -> None:
         self.workdir, self.say, self.rate = workdir, say, rate
+        self.per_host = per_host
         self.extra = list(extra)  # more chief and worker options (--no-shm)
         self.chunk = list(chunk)  # --chunk-bytes N for the chief (gRPC) or rank 0 (MPI)
         self.bits = parse_rate(rate)
@@ -553,21 +558,27 @@ class EmulatedRunner:
         self._serial = 0
 
     def _hosts(self, workers: int) -> list[str]:
-        return ["chief", *(f"worker-{i}" for i in range(1, workers + 1))]
+        return ["chief", *dict.fromkeys(self.placement(workers))]
+
+    def placement(self, workers: int) -> list[str]:
+        """The host of every worker rank."""
+        return [f"worker-{r // self.per_host + 1}" for r in range(workers)]
 
     def _network(self, workers: int):
         from collective.emulate import Topology
 
+        hosts = self._hosts(workers)
         if self.net is not None and self.workers == workers:
             return self.net
         self.close()
-        net = Topology(self._hosts(workers), self.workdir / f"net-{workers}w")
+        net = Topology(hosts, self.workdir / f"net-{workers}w")
         net.__enter__()
         self.net, self.workers = net, workers
         for host in net.hosts:
             net.shape(host, self.rate)
         self.rsh = net.write_rsh(net.workdir / "rsh")
-        self.say(f"emulated network: chief + {workers} worker host(s), every link {self.rate} both ways")
+        self.say(f"emulated network: chief + {len(hosts) - 1} worker host(s) x {self.per_host} worker(s), "
+                 f"every link {self.rate} both ways")
         return net
 
     def close(self) -> None:
@@ -598,9 +609,9 @@ class EmulatedRunner:
         try:
             chief.wait_for("serving on", 120)
             procs += [
-                net.run(h, ["python", "-m", "worker", "--chief", f"chief:{CHIEF_PORT}", "--worker-id", h,
-                            "--rank", str(i), *self.extra], env=env, name=f"{h}-{tag}")
-                for i, h in enumerate(self._hosts(workers)[1:])
+                net.run(h, ["python", "-m", "worker", "--chief", f"chief:{CHIEF_PORT}", "--worker-id", f"{h}-{i}",
+                            "--rank", str(i), *self.extra], env=env, name=f"{h}-{i}-{tag}")
+                for i, h in enumerate(self.placement(workers))
             ]
             codes = wait_all(procs, self._timeout(size, workers))
         except HostProcessError as exc:
@@ -624,7 +635,7 @@ class EmulatedRunner:
 
         net = self._network(workers)
         self._serial += 1
-        hosts = ",".join(f"{h}:1" for h in self._hosts(workers))
+        hosts = ",".join(f"{h}:{1 if h == 'chief' else self.per_host}" for h in self._hosts(workers))
         full = [mpiexec_path() or "mpiexec", "-launcher", "rsh", "-launcher-exec", str(self.rsh),
                 "-hosts", hosts, "-n", str(workers + 1), *argv]
         p = net.run("chief", full, env=_MPI_TCP_ENV | (env or {}), name=f"{self._serial:03d}-{name}")
@@ -671,7 +682,7 @@ class EmulatedRunner:
         procs = [
             net.run(h, ["python", "-c", GLOO_SCRIPT, str(r), str(workers + 1), "chief", str(GLOO_PORT), str(size),
                         str(repeat)], env=env, name=f"{self._serial:03d}-gloo-rank{r}")
-            for r, h in enumerate(self._hosts(workers))
+            for r, h in enumerate(["chief", *self.placement(workers)])
         ]
         try:
             codes = wait_all(procs, self._timeout(size, workers) * (repeat + 1))
@@ -734,6 +745,7 @@ class Settings:
     rate: str | None
     no_shm: bool = False
     chunk_bytes: int | None = None
+    workers_per_host: int = 1  # emulated hosts only
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -741,7 +753,19 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     size = parse_size(args.size)
     variable_lengths(size, variables)  # size a multiple of 4, enough bytes for every variable
     repeat = _positive(args.repeat, "--repeat")
-    workers = parse_workers(args.workers)
+    hosts, per_host = getattr(args, "hosts", None), getattr(args, "workers_per_host", None)
+    if (hosts or per_host) and not args.emulate_hosts:
+        raise UsageError("--hosts and --workers-per-host apply to emulated hosts; add --emulate-hosts")
+    if hosts and args.workers:
+        raise UsageError("give --workers or --hosts (with --workers-per-host), not both")
+    per_host = _positive(per_host, "--workers-per-host") if per_host else 1
+    if hosts:
+        workers = [h * per_host for h in parse_workers(hosts, option="--hosts")]
+    else:
+        workers = parse_workers(args.workers)
+        odd = [n for n in workers if n % per_host]
+        if odd:
+            raise UsageError(f"--workers {odd[0]} is not a multiple of --workers-per-host {per_host}")
     transports = parse_list(args.transport, "--transport") or ["grpc"]
     for t in transports:
         if t not in ("grpc", "mpi"):
@@ -752,12 +776,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     rate = (args.rate or DEFAULT_RATE) if args.emulate_hosts else None
     if rate is not None:
         parse_rate(rate)
-        if max(workers) > MAX_EMULATED_WORKERS:
-            raise UsageError(f"--emulate-hosts builds at most {MAX_EMULATED_WORKERS} worker hosts, not {max(workers)}")
+        if max(workers) // per_host > MAX_EMULATED_WORKERS:
+            raise UsageError(f"--emulate-hosts builds at most {MAX_EMULATED_WORKERS} worker hosts, "
+                             f"not {max(workers) // per_host}")
     plot = Path(args.plot) if args.plot else None
     return Settings(workers, size, variables, repeat, transports, topologies, bool(args.peers), bool(args.json),
                     plot, bool(args.emulate_hosts), rate, bool(getattr(args, "no_shm", False)),
-                    parse_size(args.chunk_bytes, option="--chunk-bytes") if getattr(args, "chunk_bytes", None) else None)
+                    parse_size(args.chunk_bytes, option="--chunk-bytes") if getattr(args, "chunk_bytes", None) else None,
+                    per_host)
 
 
 def _check_plot_available() -> None:
@@ -807,7 +833,7 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
     runner: LocalRunner | EmulatedRunner
     if settings.emulate:
         assert settings.rate is not None
-        runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra, chunk)
+        runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra, chunk, settings.workers_per_host)
     else:
         runner = LocalRunner(workdir, say, extra, chunk)
     ok = False
@@ -924,6 +950,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "results": [{"name": r.name, "workers": r.workers, "bytes": r.bytes, "seconds": round(r.seconds, 6)}
                         for r in results],
             "link_seconds": None if link_seconds is None else round(link_seconds, 6),
+            **({"workers_per_host": settings.workers_per_host} if settings.emulate else {}),
         }), flush=True)
     return 0
 
@@ -962,4 +989,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="run on emulated hosts (network namespaces, every link shaped with tc; needs root)")
     p.add_argument("--rate", default=None, metavar="RATE",
                    help=f"link rate of every emulated host, a tc rate (default {DEFAULT_RATE})")
+    p.add_argument("--hosts", action="append", metavar="H",
+                   help="emulated worker hosts (repeatable or a comma list; instead of --workers): "
+                        "H x --workers-per-host workers, the chief on a host of its own")
+    p.add_argument("--workers-per-host", default=None, metavar="K",
+                   help="workers on each emulated worker host (default 1)")
     return p

@@ -325,8 +325,9 @@ def _explain_invalid_variables(plan: pb.Plan) -> None:
 
 
 def _validate_parents(plan: pb.Plan) -> None:
-    """With a relay topology, every worker's parents lead to the chief, through relays that exist."""
-    if plan.topology in ("", "star"):
+    """Every worker's parents lead to the chief, through relays that exist. (A plan without a
+    topology, from an older chief, is a star whatever its parents say.)"""
+    if not plan.topology:
         return
     by_rank = {w.rank: w for w in plan.workers}
     for w in plan.workers:

@@ -1,26 +1,53 @@
-"""Who receives from whom: star, binomial tree, pipelined chain.
+"""Who receives from whom: star, binomial tree, pipelined chain, laid out by host.
 
-Nodes are numbered 0 (the chief) and 1..N (worker rank r is node r+1). Each function returns,
-for every worker rank, the rank it receives from, or -1 for the chief.
+Nodes are numbered 0 (the chief) and 1..N (worker rank r is node r+1). ``parents`` returns, for
+every worker rank, the rank it receives from, or -1 for the chief.
 
 - star: every worker streams from the chief. The chief's link carries N copies: about N x S/B.
-- tree: binomial tree; node k receives from k - 2**floor(log2 k). log2(N+1) rounds of S/B.
+- tree: binomial tree; node k receives from k - 2**floor(log2 k). Each node relays every chunk as
+  soon as it has landed, but the chief's link carries one copy per child: ceil(log2(N+1)) x S/B.
 - chain: node k receives from k-1 and relays each chunk onwards as soon as it has arrived, so
   every link carries the model once and the total is about S/B plus one chunk per hop.
 
-``choose`` picks tree for small payloads (latency-bound: few hops) and chain for large ones
-(bandwidth-bound), star for one or two workers.
+``arrange`` lays these out over hosts (known from each worker's join), so that each host's
+network link carries the model once:
+
+- with sharing (the chief offers its arena through shared memory), workers on the chief's host
+  map the chief's arena; on every other host the lowest rank (the host's *leader*) receives from
+  the network and the others there receive from it, mapping its arena (``transport.shm``). Only
+  the leaders form the star, tree or chain.
+- without sharing, every worker receives from the network, the topology running over the workers
+  ordered by host (the chief's host first), so a chain enters and leaves each host once.
+
+``choose`` resolves ``auto`` with ``predict``, a model of the broadcast time fitted to runs on
+emulated hosts (BENCHMARKS.md): the topology with the least predicted time for this number of
+network receivers and this payload, on a link of ``ASSUMED_LINK_BPS``. Small payloads are
+latency-bound (few hops: tree, or star for one or two receivers); large ones bandwidth-bound
+(chain). A star never wins for two or more receivers of a large payload: it costs the chief's
+link one copy per receiver.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from collective.errors import UsageError
+from collective.plan import DEFAULT_CHUNK_BYTES
 
 TOPOLOGIES = ("auto", "star", "tree", "chain")
-CHAIN_FROM_BYTES = 16 << 20
 # Default chunk size of a chain (an explicit --chunk-bytes wins): the pipeline fills one chunk
 # per hop, so 8 workers at 200 Mbit/s took 1.73x S/B with 4 MiB chunks and 1.12x with 512 KiB.
 CHAIN_CHUNK_BYTES = 512 << 10
+# What ``auto`` assumes of the links it cannot see: a fast datacentre link (bytes per second).
+# A faster link makes per-hop latency weigh more, so it is the assumption that favours the chain
+# least; on slower links the chain only gains.
+ASSUMED_LINK_BPS = 25e9 / 8
+# Per hop beyond its chunk (a relay's stream setup, receiving, checking and forwarding), seconds:
+# fitted to chain runs on emulated 200 Mbit/s hosts (BENCHMARKS.md): 1.3 ms on a quiet machine,
+# 12 ms with other work on its 2 cores.
+HOP_SECONDS = 0.002
 
 
 def parents(topology: str, workers: int) -> list[int]:
@@ -38,11 +65,76 @@ def parents(topology: str, workers: int) -> list[int]:
     raise UsageError(f"unknown topology {topology!r}; use one of {', '.join(TOPOLOGIES)}")
 
 
-def choose(topology: str, workers: int, total_bytes: int) -> str:
-    """Resolve ``auto``: star for 1-2 workers, tree below 16 MiB, chain from there."""
+def chunk_bytes_for(topology: str) -> int:
+    """The default chunk of a topology: small for a chain, whose pipeline fills one chunk per hop."""
+    return CHAIN_CHUNK_BYTES if topology == "chain" else DEFAULT_CHUNK_BYTES
+
+
+def predict(
+    topology: str, receivers: int, total_bytes: int, *, bytes_per_second: float = ASSUMED_LINK_BPS,
+    hop_seconds: float = HOP_SECONDS, chunk_bytes: int | None = None,
+) -> float:
+    """Predicted broadcast seconds for ``receivers`` network receivers, one per host.
+
+    star: the chief's link carries one copy per receiver. tree: the chief's link carries one copy
+    per child of the root (ceil(log2(R+1))), and a chunk crosses depth hops. chain: every link
+    carries one copy, and the pipeline fills one chunk per hop. Every hop adds ``hop_seconds``.
+    """
+    if receivers <= 0:
+        return 0.0
+    parents(topology, 1)  # validates the name
+    chunk = min(chunk_bytes or chunk_bytes_for(topology), max(total_bytes, 1))
+    link = total_bytes / bytes_per_second
+    hop = chunk / bytes_per_second + hop_seconds
+    if topology == "star":
+        return receivers * link + hop
+    if topology == "chain":
+        return link + receivers * hop
+    fanout = math.ceil(math.log2(receivers + 1))
+    return fanout * link + fanout * hop
+
+
+def choose(topology: str, receivers: int, total_bytes: int) -> str:
+    """Resolve ``auto``: the topology with the least ``predict`` for ``receivers`` network
+    receivers (workers that do not map a same-host arena) and ``total_bytes``."""
     if topology != "auto":
         parents(topology, 1)  # validates the name
         return topology
-    if workers <= 2:
-        return "star"
-    return "chain" if total_bytes >= CHAIN_FROM_BYTES else "tree"
+    # min keeps the first of equals: star, the simplest, for a single receiver.
+    return min(("star", "tree", "chain"), key=lambda t: predict(t, receivers, total_bytes))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who receives from whom. ``parents[r]``: the rank worker r receives from, -1 the chief.
+    A worker whose parent is on its own host (or the chief, on the chief's host, with sharing)
+    maps that parent's arena through shared memory when it can, else streams from it."""
+
+    topology: str
+    parents: list[int]
+    receivers: int  # workers that receive over the network (the leaders, with sharing)
+
+
+def arrange(topology: str, hosts: Sequence[str], chief_host: str, total_bytes: int, *, share: bool) -> Layout:
+    """Lay ``topology`` (or ``auto``) out over workers on ``hosts`` (``hosts[r]``: worker r's host).
+
+    Pure: see the module doc for the rules. Hosts keep the order of their lowest rank, the chief's
+    host first, and ranks within a host their order.
+    """
+    order: dict[str, list[int]] = {chief_host: []}
+    for r, h in enumerate(hosts):
+        order.setdefault(h, []).append(r)
+    out = [-1] * len(hosts)
+    if share:
+        groups = [ranks for h, ranks in order.items() if h != chief_host and ranks]
+        # On the chief's host: the chief's own arena (parent -1), already set.
+        net = [ranks[0] for ranks in groups]
+        for ranks in groups:
+            for r in ranks[1:]:
+                out[r] = ranks[0]
+    else:
+        net = [r for ranks in order.values() for r in ranks]
+    resolved = choose(topology, len(net), total_bytes)
+    for i, p in enumerate(parents(resolved, len(net))):
+        out[net[i]] = -1 if p < 0 else net[p]
+    return Layout(resolved, out, len(net))

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "rank", help="preferred rank (the chief gives another if it is taken)", type=int, default=-1)
     add_option(p, "token", help="the cluster token", default=None)
     add_tls_options(p, worker=True)
-    add_option(p, "shm", help="take the arena through shared memory when on the chief's host (--no-shm: network only)",
+    add_option(p, "shm", help="map the arena of the chief or of this host's receiving worker through shared memory when on their host (--no-shm: network only)",
                type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
     add_option(p, "expect-model", help="refuse to join unless the chief's variables match this model's "
                "(preset, spec, .npz, .safetensors; only names, shapes, dtypes and modes are read)", default=None)

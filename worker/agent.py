@@ -217,6 +217,8 @@ class WorkerAgent:
         self._reported = False
         self._is_prepared = False
         outcome = "the round is over"
+        self._served = None
+        self._aborted: CollectiveError | None = None
         try:
             return self._run()
         except CollectiveError as exc:
@@ -234,6 +236,8 @@ class WorkerAgent:
             self._stop_beats()
             if self.relay is not None:
                 self.relay.stop(outcome)  # children hear why their stream ended
+            if self._served is not None:
+                self._served.close()
 
     def _stop_beats(self) -> None:
         with self._beat:
@@ -241,48 +245,90 @@ class WorkerAgent:
             self._beat.notify_all()
 
     def _interrupt(self, error: CollectiveError) -> None:
-        """The heartbeat's verdict: end whatever call the main thread is in, to the chief or to
-        the relay it receives from, with ``error``."""
+        """The heartbeat's verdict: end whatever the main thread is waiting on with ``error``: a
+        call to the chief, the relay it receives from, or a same-host parent's arena."""
         with self._beat:
             if self._verdict is None:
                 self._verdict = error
             source = self._source
             self._beat.notify_all()
+        self._aborted = error
         self.link.interrupt(error)
         if source is not None:
             source.interrupt(error)
 
+    def _me(self, plan: pb.Plan) -> pb.WorkerInfo:
+        return next(w for w in plan.workers if w.rank == self.rank)
+
     def _attach_shared(self, plan: pb.Plan) -> np.ndarray | None:
-        """The chief's arena mapped copy-on-write when we share its host, else None.
+        """The arena of whom we receive from, mapped copy-on-write, when it shares our host:
+        the chief's, or a host leader's (a worker that receives from the network for its host).
+        None otherwise, or when the mapping cannot be had (then we take the network).
 
         Not verified here: every replica's digest is checked below, replica 0 being this view.
         """
         if not (self.use_shm and plan.shm_socket):
             return None
-        from collective.transport.shm import attach
+        from collective.transport.shm import attach, peer_socket
 
+        me = self._me(plan)
+        if me.parent < 0:
+            name, whose, wait = plan.shm_socket, "the chief", None
+        else:
+            parent = next(w for w in plan.workers if w.rank == me.parent)
+            if parent.host != me.host:
+                return None
+            # It answers once its arena is complete: within the round's ready deadline.
+            name, wait = peer_socket(plan.shm_socket, parent.rank), self.timeouts.ready
+            whose = f"worker {parent.worker_id} (rank {parent.rank})"
         self._prepared(plan)
 
-        arena = attach(plan.shm_socket, plan.shm_secret, self.worker_id, self.incarnation, plan.total_bytes)
+        arena = attach(name, plan.shm_secret, self.worker_id, self.incarnation, plan.total_bytes, wait=wait,
+                       whose=whose, cancelled=lambda: self._aborted is not None)
+        if self._aborted is not None:
+            raise self._aborted
         if arena is not None:
             self.bytes_received = plan.total_bytes
             self._last_data = time.monotonic()
         return arena
 
-    def _receive(self, plan: pb.Plan) -> tuple[np.ndarray, list[str]]:
+    def _serve_peers(self, plan: pb.Plan):
+        """A ``ServedArena`` when workers on our host receive from us (we are its leader) and
+        shared memory is on; None otherwise."""
+        if not (self.use_shm and plan.shm_socket):
+            return None
+        me = self._me(plan)
+        peers = {w.worker_id: w.incarnation for w in plan.workers if w.parent == self.rank and w.host == me.host}
+        if not peers:
+            return None
+        from collective.transport.shm import ServedArena, peer_socket
+
+        def admit(worker_id: str, incarnation: str) -> str | None:
+            if peers.get(worker_id) != incarnation:
+                return f"worker {worker_id!r} (incarnation {incarnation}) does not receive from rank {self.rank} in this plan"
+            return None
+
+        self._served = ServedArena(plan.total_bytes, name=peer_socket(plan.shm_socket, self.rank),
+                                   secret=plan.shm_secret, admit=admit, wait=self.timeouts.ready)
+        return self._served
+
+    def _receive(self, plan: pb.Plan, served) -> tuple[np.ndarray, list[str]]:
         """The data stream into one pre-allocated arena, checked chunk by chunk; the arena and
         its verified chunk digests.
 
         From the chief, or from the relay of the worker the plan names as this one's parent.
+        A host leader receives into shared memory and hands it to its same-host peers once
+        complete (``served``, from ``_serve_peers``).
         """
-        arena = new_arena(plan.total_bytes)
+        # The relay serves from a read-only view of a served arena, which does not stop the seal.
+        arena = new_arena(plan.total_bytes) if served is None else None
         if self.relay is not None:
-            self.relay.feed(plan, arena)  # children may connect now; chunks go out as they land
-        receiver = _Watched(Receiver(plan, arena), self)
+            self.relay.feed(plan, arena if served is None else served.reader())  # chunks go out as they land
+        receiver = _Watched(Receiver(plan, arena if served is None else served.writable), self)
         self._prepared(plan)
-        me = next(w for w in plan.workers if w.rank == self.rank)
-        # A plan without a topology (a star, or an older chief) streams from the chief.
-        if plan.topology in ("", "star") or me.parent < 0 or self.connect is None:
+        me = self._me(plan)
+        # A plan without a topology (an older chief) streams from the chief.
+        if not plan.topology or me.parent < 0 or self.connect is None:
             self.link.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
         else:
             parent = next(w for w in plan.workers if w.rank == me.parent)
@@ -303,7 +349,11 @@ class WorkerAgent:
                     self._source = None
                 source.close()
         receiver.finish()
-        return arena, receiver.digests
+        digests = receiver.digests
+        if served is None:
+            return arena, digests
+        del receiver  # the last view of the writable mapping: the seal needs it gone
+        return served.complete(), digests
 
     def _relay_failed(self, name: str, exc: CollectiveError) -> CollectiveError:
         """The relay this worker receives from failed: find who is to blame.
@@ -448,10 +498,12 @@ class WorkerAgent:
             ",".join(str(g.group_key) for g in plan.groups), plan.topology or "star",
         )
         t_recv = time.monotonic()
+        # Before the prepared barrier: our same-host peers may ask for our arena right after it.
+        served = self._serve_peers(plan)
         arena, verified = self._attach_shared(plan), None
         via = "shared memory"
         if arena is None:
-            (arena, verified), via = self._receive(plan), "the network"
+            (arena, verified), via = self._receive(plan, served), "the network"
         elif self.relay is not None:
             self.relay.feed(plan, arena)
             self.relay.progress(plan.total_bytes)

@@ -25,6 +25,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -37,24 +38,55 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_
 
 
 class SharedArena:
-    """The chief's arena in a memfd. ``array`` is writable until ``seal()``."""
+    """An arena in a memfd: the chief's, or a host leader's (a worker that receives from the
+    network and serves its same-host peers). ``array`` is writable until ``seal()``."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, prefault: bool = False) -> None:
+        """``prefault``: fault every page in now (as ``plan.new_arena`` does for a receive arena),
+        not between two chunks of the stream."""
         self.size = size
         self.fd = os.memfd_create("collective-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, max(size, 1))
         self._map = mmap.mmap(self.fd, max(size, 1))
         self.array = np.frombuffer(self._map, dtype=np.uint8)[:size]
+        if prefault:
+            self.array[:: mmap.PAGESIZE] = 0
+
+    def reader(self) -> np.ndarray:
+        """A read-only view that sees every write through ``array`` at once and does not keep the
+        segment from being sealed (a relay serves from it).
+
+        Private, not shared: before Linux 6.7 any shared mapping of a writable file counts as a
+        writable one and the seal fails (EBUSY). A private mapping that is never written maps the
+        file's own pages, which exist from the start (``prefault``), so it sees every write.
+        """
+        mm = mmap.mmap(self.fd, max(self.size, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+        return np.frombuffer(mm, dtype=np.uint8)[: self.size]
+
+    def private(self) -> np.ndarray:
+        """A copy-on-write mapping, as a peer maps it: writes to it stay in this process."""
+        return _map_private(self.fd, self.size)
 
     def seal(self) -> None:
         """Make the segment read-only for everyone, this process included (F_SEAL_WRITE).
 
-        Writable shared mappings forbid the seal, so ours is replaced by a read-only one.
+        Writable shared mappings forbid the seal, so ours is replaced by a read-only one. Raises
+        BufferError while a view of ``array`` is still held elsewhere.
         """
         data = self.array
         del data
         self.array = None  # type: ignore[assignment]
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            import gc
+
+            gc.collect()  # a view kept alive only by a reference cycle
+            try:
+                self._map.close()
+            except BufferError:
+                self.array = np.frombuffer(self._map, dtype=np.uint8)[: self.size]
+                raise
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
         self._map = mmap.mmap(self.fd, max(self.size, 1), prot=mmap.PROT_READ)
         self.array = np.frombuffer(self._map, dtype=np.uint8)[: self.size]
@@ -76,17 +108,32 @@ def parse_hello(raw: bytes) -> dict[str, str] | str:
     if not isinstance(req, dict) or not all(isinstance(req.get(k), str) for k in _HELLO_FIELDS):
         return f"malformed hello: expected an object with string fields {', '.join(_HELLO_FIELDS)}"
     return {k: req[k] for k in _HELLO_FIELDS}
+def peer_socket(chief_socket: str, rank: int) -> str:
+    """The socket name on which worker ``rank`` serves its arena to its same-host peers: derived
+    from the chief's (which is new every round), so it needs no field of its own in the plan."""
+    return f"{chief_socket}-rank{rank}"
 
 
 class ShmServer:
     """Hands the arena's descriptor to authenticated members on an abstract unix socket."""
 
-    def __init__(self, arena: SharedArena, admit: Callable[[str, str], str | None]) -> None:
-        """``admit(worker_id, incarnation)`` returns None to admit, or the reason to refuse."""
+    def __init__(
+        self, arena: SharedArena, admit: Callable[[str, str], str | None], *,
+        name: str | None = None, secret: str | None = None, wait: float | None = None,
+    ) -> None:
+        """``admit(worker_id, incarnation)`` returns None to admit, or the reason to refuse.
+
+        ``wait``: hand the descriptor out only once ``publish()`` was called (the arena is
+        complete and sealed), keeping a member's request open up to ``wait`` seconds; None: the
+        arena is complete already. ``name`` and ``secret`` default to new random ones."""
         self.arena = arena
         self.admit = admit
-        self.secret = secrets.token_hex(16)
-        self.name = f"collective-shm-{secrets.token_hex(8)}"
+        self.secret = secret or secrets.token_hex(16)
+        self.name = name or f"collective-shm-{secrets.token_hex(8)}"
+        self._published = threading.Event()
+        self._wait = wait
+        if wait is None:
+            self._published.set()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + self.name)
         self._sock.listen(64)
@@ -140,10 +187,21 @@ class ShmServer:
         if why is not None:
             self._reply(conn, f"no: {why}".encode())
             return
+        if not self._published.wait(self._wait):
+            conn.sendall(f"no: the arena was not complete within {self._wait:g} s".encode())
+            return
+        if self._closed.is_set():
+            conn.sendall(b"no: the arena is not served any more")
+            return
         socket.send_fds(conn, [b"ok"], [self.arena.fd])
+
+    def publish(self) -> None:
+        """The arena is complete and sealed: answer waiting and later members."""
+        self._published.set()
 
     def close(self) -> None:
         self._closed.set()
+        self._published.set()  # a member still waiting hears "no" now, not at its deadline
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -152,11 +210,58 @@ class ShmServer:
         self._thread.join(2)
 
 
-def attach(name: str, secret: str, worker_id: str, incarnation: str, size: int, timeout: float = 5.0) -> np.ndarray | None:
-    """Map the chief's arena copy-on-write, or None when it is not reachable from here.
+class ServedArena:
+    """A host leader's receive arena: a memfd it fills from the network and, once complete and
+    sealed, hands to the peers on its host (``ShmServer`` on ``name``), which map it as the chief's.
+
+    ``writable`` is where the bytes land (drop every view of it before ``complete``); ``reader()``
+    is what a relay serves from meanwhile.
+    """
+
+    def __init__(self, size: int, *, name: str, secret: str, admit: Callable[[str, str], str | None], wait: float) -> None:
+        self.shared = SharedArena(size, prefault=True)  # prefault: every page exists for reader()
+        self.writable: np.ndarray | None = self.shared.array
+        self.server = ShmServer(self.shared, admit, name=name, secret=secret, wait=wait)
+
+    def reader(self) -> np.ndarray:
+        return self.shared.reader()
+
+    def complete(self) -> np.ndarray:
+        """Seal the segment, answer the peers, and return this process's own copy-on-write
+        mapping (its writes stay its own, as a peer's do). If the seal fails, the peers are
+        refused (they take the network from this worker's relay) and the arena is returned."""
+        arena, self.writable = self.writable, None
+        try:
+            del arena  # the seal needs every writable view gone
+            self.shared.seal()
+        except (BufferError, OSError) as exc:
+            log.warning("cannot seal the received arena for same-host peers (%s); they take the network", exc)
+            self.server.close()
+            return self.shared.array if self.shared.array is not None else self.shared.private()
+        self.server.publish()
+        return self.shared.private()
+
+    def close(self) -> None:
+        self.server.close()
+        self.shared.close()
+
+
+def _map_private(fd: int, size: int) -> np.ndarray:
+    mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return np.frombuffer(mm, dtype=np.uint8)[:size]
+
+
+def attach(
+    name: str, secret: str, worker_id: str, incarnation: str, size: int, timeout: float = 5.0,
+    *, wait: float | None = None, whose: str = "the chief", cancelled: Callable[[], bool] = lambda: False,
+) -> np.ndarray | None:
+    """Map ``whose`` arena copy-on-write, or None when it is not reachable from here.
 
     None means another host (no such socket in this network namespace) or a refusal; the caller
     then takes the network stream. Never raises for those cases; the caller verifies digests.
+    ``wait``: how long to wait for the answer once connected (a host leader answers when its
+    arena is complete); default ``timeout``. ``cancelled()``, asked a few times a second while
+    waiting, gives up early (the round failed meanwhile).
     """
     if not name:
         return None
@@ -165,21 +270,28 @@ def attach(name: str, secret: str, worker_id: str, incarnation: str, size: int, 
             s.settimeout(timeout)
             s.connect("\0" + name)
             s.sendall(json.dumps({"secret": secret, "worker_id": worker_id, "incarnation": incarnation}).encode())
-            msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+            deadline = time.monotonic() + (timeout if wait is None else wait)
+            while True:
+                s.settimeout(min(0.25, max(0.01, deadline - time.monotonic())))
+                try:
+                    msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+                    break
+                except TimeoutError:
+                    if cancelled() or time.monotonic() >= deadline:
+                        raise
     except OSError as exc:
-        log.info("shared memory of the chief not reachable from here (%s); using the network", exc)
+        log.info("shared memory of %s not reachable from here (%s); using the network", whose, exc)
         return None
     if msg != b"ok" or not fds:
         for fd in fds:
             os.close(fd)
-        log.warning("chief refused shared memory (%s); using the network", msg.decode(errors="replace"))
+        log.warning("%s refused shared memory (%s); using the network", whose, msg.decode(errors="replace") or "no answer")
         return None
     fd = fds[0]
     try:
         if os.fstat(fd).st_size < size:
             log.warning("shared segment is smaller than the plan's arena; using the network")
             return None
-        mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return _map_private(fd, size)
     finally:
         os.close(fd)
-    return np.frombuffer(mm, dtype=np.uint8)[:size]

@@ -3,7 +3,7 @@
 import pytest
 
 from collective.errors import UsageError
-from collective.topology import choose, parents
+from collective.topology import arrange, choose, parents, predict
 
 
 def test_star_has_every_worker_receive_from_the_chief():
@@ -31,11 +31,81 @@ def test_every_topology_reaches_every_worker_from_the_chief_without_cycles(n):
                 node = ps[node]
 
 
-def test_auto_picks_star_for_two_workers_tree_for_small_and_chain_for_large_payloads():
-    assert choose("auto", 2, 1 << 30) == "star"
-    assert choose("auto", 8, 1 << 20) == "tree"
-    assert choose("auto", 8, 64 << 20) == "chain"
+def test_auto_never_picks_a_star_for_two_or_more_network_receivers_of_a_large_payload():
+    # issue 11 item 18: two workers on two hosts took 2.09x S/B in a star, 1.06x in a chain
+    for receivers in (2, 3, 4, 8, 16):
+        assert choose("auto", receivers, 64 << 20) == "chain", receivers
+    assert choose("auto", 2, 1 << 30) == "chain"
     assert choose("chain", 2, 10) == "chain"
+
+
+def test_auto_keeps_few_hops_for_small_payloads_and_many_hosts():
+    # latency-bound: a 64 KiB model goes straight from the chief to a few receivers
+    assert choose("auto", 2, 64 << 10) == "star"
+    # a chain of 1,024 hops costs more in per-hop latency than a tree's extra copies
+    assert choose("auto", 1024, 64 << 20) == "tree"
+    assert choose("auto", 1, 0) == "star"  # nothing to pipeline: the simplest
+
+
+def test_the_model_charges_a_star_one_copy_per_receiver_and_a_chain_one_chunk_per_hop():
+    mib_per_s = float(1 << 20)
+    star = predict("star", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
+    chain = predict("chain", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
+    tree = predict("tree", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
+    assert star == pytest.approx(4 * 8 + 1)
+    assert chain == pytest.approx(8 + 4 * 1)
+    assert tree == pytest.approx(3 * 8 + 3 * 1)  # the root has 3 children of 5 nodes
+
+
+def test_with_sharing_each_other_host_has_one_network_receiver_and_its_peers_receive_from_it():
+    hosts = ["b", "a", "b", "chief", "a", "c"]
+    lay = arrange("auto", hosts, "chief", 64 << 20, share=True)
+    # the leaders of b (rank 0), a (rank 1) and c (rank 5) form the chain, in the hosts' order;
+    # rank 3 maps the chief's arena; 2 and 4 receive from their host's leader
+    assert lay.topology == "chain" and lay.receivers == 3
+    assert lay.parents == [-1, 0, 0, -1, 1, 1]
+
+
+def test_two_workers_on_two_hosts_form_a_chain_and_two_on_one_other_host_share_one_copy():
+    assert arrange("auto", ["h1", "h2"], "chief", 64 << 20, share=True).parents == [-1, 0]
+    one_host = arrange("auto", ["h1", "h1"], "chief", 64 << 20, share=True)
+    assert one_host.receivers == 1 and one_host.parents == [-1, 0]
+
+
+def test_without_sharing_the_chain_runs_through_the_workers_ordered_by_host_chief_host_first():
+    hosts = ["b", "a", "b", "chief", "a"]
+    lay = arrange("chain", hosts, "chief", 64 << 20, share=False)
+    # order: chief's host (3), b (0, 2), a (1, 4): each host's link is entered and left once
+    assert lay.receivers == 5
+    assert lay.parents == [3, 2, 0, -1, 1]
+
+
+def test_on_the_chiefs_host_alone_the_layout_is_the_rank_order_of_before():
+    for topo in ("star", "tree", "chain"):
+        assert arrange(topo, ["vm"] * 5, "vm", 1 << 20, share=False).parents == parents(topo, 5)
+        assert arrange(topo, ["vm"] * 5, "vm", 1 << 20, share=True).parents == [-1] * 5
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_every_layout_reaches_every_worker_from_the_chief_without_cycles(share):
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(1, 40)
+        hosts = [f"h{rng.randint(0, 6)}" for _ in range(n)]
+        lay = arrange(rng.choice(["auto", "star", "tree", "chain"]), hosts, "h0", rng.choice([1 << 10, 1 << 28]),
+                      share=share)
+        for r in range(n):
+            seen, node = set(), r
+            while node != -1:
+                assert node not in seen and 0 <= node < n
+                seen.add(node)
+                node = lay.parents[node]
+        if share:  # exactly one network receiver per host other than the chief's
+            net = [r for r in range(n) if lay.parents[r] == -1 or hosts[lay.parents[r]] != hosts[r]]
+            net = [r for r in net if hosts[r] != "h0"]
+            assert sorted(hosts[r] for r in net) == sorted(set(hosts) - {"h0"})
 
 
 def test_an_unknown_topology_is_a_usage_error():
