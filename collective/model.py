@@ -14,6 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
+from collective import dtypes
+
 
 class _ParsedEnum(enum.Enum):
     @classmethod
@@ -52,7 +54,8 @@ class Aggregation(_ParsedEnum):
 class VariableSpec:
     """Everything about a variable except its value.
 
-    ``dtype`` is numpy's ``dtype.str`` (for example ``"<f4"``), so byte order is explicit.
+    ``dtype`` is numpy's ``dtype.str`` (for example ``"<f4"``), so byte order is explicit, or
+    the name of an ``ml_dtypes`` type (``"bfloat16"``, ``"float8_e4m3fn"``; see collective.dtypes).
     ``trainable=None`` means the default: True unless the variable is sync-on-read.
     """
 
@@ -65,7 +68,7 @@ class VariableSpec:
 
     @property
     def np_dtype(self) -> np.dtype:
-        return np.dtype(self.dtype)
+        return dtypes.from_wire(self.dtype)
 
     @property
     def size(self) -> int:
