@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from collective import logs
@@ -67,10 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from chief.service import ChiefService
-    from collective.errors import AbortedError, UsageError
+    from collective._api import run_chief
+    from collective.errors import UsageError
     from collective.sources import load_source
-    from collective.transport.grpc import GrpcEndpoint
 
     if args.workers is None:
         raise UsageError("the number of workers is required: pass --workers N or set COLLECTIVE_WORKERS")
@@ -79,32 +75,20 @@ def _run(args: argparse.Namespace) -> int:
     if tls.enabled:
         tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
     source = load_source(args.model, seed=args.seed)
-    service = ChiefService(
-        source, args.workers, timeouts=timeouts_from_args(args), chunk_bytes=args.chunk_bytes, shm=args.shm,
-        topology=args.topology,
-    )
-    endpoint = GrpcEndpoint(args.bind, token=args.token, max_workers=4 * args.workers + 8, tls=tls)
-    address = endpoint.start(service)
-    log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address, args.workers)
-    if args.port_file:
-        tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(str(endpoint.port))
-        os.replace(tmp, args.port_file)
-    def on_sigterm(signum, frame) -> None:
-        # Outside the handler: fail() takes the service lock, which the main thread may hold.
-        reason = AbortedError(f"chief shutting down ({signal.Signals(signum).name})")
-        threading.Thread(target=service.fail, args=(reason,), daemon=True).start()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        service.supervise()
-        log.info("training started: %d workers hold identical variables", args.workers)
-        return 0
-    finally:
-        if args.result_file:
-            Path(args.result_file).write_text(json.dumps(service.result()))
-        endpoint.stop(grace=1.0)
-        service.close()
+    def on_listening(address: str, port: int) -> None:
+        if args.port_file:
+            tmp = Path(args.port_file + ".tmp")
+            tmp.write_text(str(port))
+            os.replace(tmp, args.port_file)
+
+    run_chief(
+        source, args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
+        shm=args.shm, topology=args.topology, chunk_bytes=args.chunk_bytes, on_listening=on_listening,
+        result_file=args.result_file,
+    )
+    log.info("training started: %d workers hold identical variables", args.workers)
+    return 0
 
 
 if __name__ == "__main__":

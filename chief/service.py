@@ -11,10 +11,12 @@ from __future__ import annotations
 import bisect
 import enum
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,6 +96,14 @@ class Member:
         return [replica_name(variable, i) for i in range(len(self.devices))]
 
 
+class _ChiefReplicas(Member):
+    """The chief's own replicas when the chief trains too: checked as a worker's are, but never
+    a member of the plan (no rank among the workers, no stream, no heartbeat)."""
+
+    def name(self) -> str:
+        return f"the chief's own replicas (training rank 0, host {self.host})"
+
+
 def materialize(
     source: ModelSource, allocate=lambda n: np.zeros(n, dtype=np.uint8)
 ) -> tuple[list[VariableSpec], np.ndarray, list[str]]:
@@ -128,7 +138,13 @@ class ChiefService:
         heartbeats: bool = True,
         shm: bool = False,
         topology: str = "auto",
+        local_devices: Sequence[str] | str | None = None,
+        strict_declarations: bool = False,
     ) -> None:
+        """``local_devices``: the chief trains too and holds one replica per device; start waits
+        until they are verified (``await_plan`` then ``report_local_ready``, from the driver).
+        ``strict_declarations``: a worker whose declared variables differ fails the whole round
+        (SPMD: every rank must hear it), instead of only its own join being refused."""
         if num_workers < 1:
             raise UsageError(f"--workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -143,6 +159,12 @@ class ChiefService:
         # Collective transports (MPI) have their own failure detection and no heartbeats.
         self.heartbeats = heartbeats
         self.source = source
+        self.strict_declarations = strict_declarations
+        self._local = (
+            _ChiefReplicas(-1, "chief", self.incarnation, socket.gethostname(), parse_devices(local_devices), "local",
+                           os.getpid())
+            if local_devices else None
+        )
         t0 = time.monotonic()
         self._shared = self._shm = None
         if shm:
@@ -260,10 +282,13 @@ class ChiefService:
                 if diffs:
                     shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
                     log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
-                    raise PreconditionError(
+                    err = PreconditionError(
                         f"worker {req.worker_id!r} declares variables that differ from the chief's model "
                         f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
                     )
+                    if self.strict_declarations:
+                        self.fail(err)
+                    raise err
             if len(self._members) >= self.num_workers:
                 raise ResourceExhaustedError(
                     f"worker {req.worker_id!r} cannot join: all {self.num_workers} worker slots are taken"
@@ -402,16 +427,56 @@ class ChiefService:
             m.phase, m.worker_digest = "ready", req.worker_digest
             ready = sum(1 for x in self._members.values() if x.phase == "ready")
             log.info("%s is ready with digest %s (%d/%d ready)", m.name(), req.worker_digest[:12], ready, self.num_workers)
-            if ready == self.num_workers and self._phase is Phase.BROADCASTING:
-                self._ready_at = time.monotonic()
-                self._phase, self._phase_at = Phase.STARTED, time.monotonic()
-                logs.phase("start")
-                log.info(
-                    "every worker is ready and every digest agrees; start released "
-                    "(broadcast %.3f s)", self.broadcast_seconds(),
-                )
-                self._cond.notify_all()
+            self._maybe_start()
             return pb.ReadyReply(ready=ready)
+
+    def _maybe_start(self) -> None:
+        """Release start once every worker, and the chief's own replicas if it trains, is ready."""
+        ready = sum(1 for x in self._members.values() if x.phase == "ready")
+        local_ready = self._local is None or self._local.phase == "ready"
+        if ready == self.num_workers and local_ready and self._phase is Phase.BROADCASTING:
+            self._ready_at = time.monotonic()
+            self._phase, self._phase_at = Phase.STARTED, time.monotonic()
+            logs.phase("start")
+            log.info(
+                "every worker is ready and every digest agrees; start released "
+                "(broadcast %.3f s)", self.broadcast_seconds(),
+            )
+            self._cond.notify_all()
+
+    @property
+    def local_devices(self) -> list[str]:
+        """The chief's own devices when it trains too, else []."""
+        return list(self._local.devices) if self._local is not None else []
+
+    def await_plan(self, timeout: float) -> pb.Plan:
+        """For the chief's own replicas: block until the plan is released; raise the round's
+        error if it failed, DeadlineError naming who is missing after ``timeout`` seconds."""
+        with self._cond:
+            self._wait(lambda: self._phase is not Phase.JOINING, timeout)
+            if self._phase is Phase.FAILED:
+                raise AbortedError(str(self._error))
+            if self._plan is None:
+                raise DeadlineError(f"plan not released within {timeout:g} s: {self._joined_summary()}")
+            return self._plan
+
+    def report_local_ready(self, req: pb.ReadyRequest) -> None:
+        """The chief's own replicas, hashed like a worker's: checked against the plan by the same
+        rule; a difference fails the round naming the replica."""
+        with self._cond:
+            m = self._local
+            if m is None:
+                raise PreconditionError("this chief does not train: it holds no replicas of its own")
+            if self._phase is Phase.FAILED:
+                raise AbortedError(str(self._error))
+            problem = self._check_digests(m, req)
+            if problem is not None:
+                err = IntegrityError(f"{m.name()}: {problem}")
+                self.fail(err)
+                raise err
+            m.phase, m.worker_digest = "ready", req.worker_digest
+            log.info("%s verified with digest %s", m.name(), req.worker_digest[:12])
+            self._maybe_start()
 
     def _check_digests(self, m: Member, req: pb.ReadyRequest) -> str | None:
         """The first difference between the worker's replicas and the chief's, or None.
@@ -591,6 +656,8 @@ class ChiefService:
             for m in sorted(self._members.values(), key=lambda m: m.rank)
             if m.phase not in ("ready", "started")
         ]
+        if self._local is not None and self._local.phase != "ready":
+            late.append(self._local.name())
         return ", ".join(late) or "nobody"
 
     def _joined_summary(self) -> str:

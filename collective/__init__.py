@@ -1,0 +1,111 @@
+"""collective: broadcast a model's initial variables from a chief to every worker, verified bit
+for bit, before data-parallel training starts.
+
+The Python API (every call reads the same environment as the command line: ``COLLECTIVE_*``,
+``TF_CONFIG``, torchrun's variables; an explicit argument wins)::
+
+    import collective
+    result = collective.sync(model_arrays)       # every rank calls it; rank 0's values win
+    weights = result.arrays(0)                   # name -> rank 0's array, on this process's device 0
+
+* ``sync``  - SPMD: every training process calls it; rank 0 serves its values and trains too.
+* ``serve`` - be the chief in this process (as ``python -m chief``).
+* ``join``  - be a worker in this process (as ``python -m worker``).
+* ``create_variable`` / ``Synchronization`` / ``Aggregation`` / ``VariableSpec`` - variables
+  with TensorFlow's semantics.
+* ``load_model`` - a preset, spec, ``.npz`` or ``.safetensors`` file as a model source.
+* ``Timeouts``, ``TlsFiles`` - settings; ``CollectiveError`` and its subclasses - the errors.
+
+``import collective`` is cheap: the transports (gRPC, MPI) load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from collective.config import Timeouts
+from collective.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    AuthError,
+    ChiefUnreachableError,
+    CollectiveError,
+    DeadlineError,
+    FrozenError,
+    IntegrityError,
+    InvalidVariableError,
+    JoinTimeoutError,
+    ModelError,
+    PermissionDeniedError,
+    PreconditionError,
+    ProtocolError,
+    RelayError,
+    ResourceExhaustedError,
+    TransportError,
+    UsageError,
+)
+from collective.model import Aggregation, Synchronization, VariableSpec
+from collective.variables import create_variable
+
+if TYPE_CHECKING:
+    from collective._api import SyncResult, join, serve, sync
+    from collective.sources import load_source as load_model
+    from collective.transport.grpc import TlsFiles
+
+__all__ = [
+    "sync",
+    "serve",
+    "join",
+    "SyncResult",
+    "load_model",
+    "create_variable",
+    "Synchronization",
+    "Aggregation",
+    "VariableSpec",
+    "Timeouts",
+    "TlsFiles",
+    "CollectiveError",
+    "UsageError",
+    "ModelError",
+    "InvalidVariableError",
+    "FrozenError",
+    "TransportError",
+    "ChiefUnreachableError",
+    "RelayError",
+    "AuthError",
+    "PermissionDeniedError",
+    "ProtocolError",
+    "IntegrityError",
+    "JoinTimeoutError",
+    "DeadlineError",
+    "AbortedError",
+    "AlreadyExistsError",
+    "PreconditionError",
+    "ResourceExhaustedError",
+]
+
+# Loaded on first use: each pulls in numpy-heavy or transport modules (grpc) that a plain
+# ``import collective`` should not pay for.
+_LAZY = {
+    "sync": ("collective._api", "sync"),
+    "serve": ("collective._api", "serve"),
+    "join": ("collective._api", "join"),
+    "SyncResult": ("collective._api", "SyncResult"),
+    "load_model": ("collective.sources", "load_source"),
+    "TlsFiles": ("collective.transport.grpc", "TlsFiles"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'collective' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -13,16 +13,18 @@ imply, which beats the default.
 
 The chief is ``cluster.chief[0]``; the number of workers is ``len(cluster.worker)``; a worker's
 index is its preferred rank. The workers' own addresses are not used (workers connect to the
-chief; they do not listen).
+chief; they do not listen). A cluster with only ``worker`` entries is TensorFlow's other
+convention: worker 0 is the chief (at ``cluster.worker[0]``) and trains too, worker ``i > 0``
+is collective's worker ``i - 1``; so the chief serves ``len(cluster.worker) - 1`` workers.
 
-torchrun (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``): ``RANK`` 0 is the chief,
-ranks 1..WORLD_SIZE-1 are workers (worker index ``RANK - 1``), so ``WORLD_SIZE`` is the number of
-workers plus one; the chief is at ``MASTER_ADDR:MASTER_PORT``. They count as present when
-``MASTER_ADDR`` or ``MASTER_PORT`` is set (``RANK`` and ``WORLD_SIZE`` alone are too generic a
-pair of names to mean torchrun); then all four must be valid. Caution: under torchrun itself the
-launcher's rendezvous store usually listens on ``MASTER_PORT`` on the first node, so the chief
-cannot bind it there; set ``COLLECTIVE_CHIEF`` (every rank) and ``COLLECTIVE_BIND`` (rank 0) to
-another port, which win over what is derived here.
+torchrun (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``): ``RANK`` 0 is the chief
+and trains too, ranks 1..WORLD_SIZE-1 are workers (worker index ``RANK - 1``), so ``WORLD_SIZE``
+is the number of workers plus one. The chief listens at ``MASTER_ADDR:MASTER_PORT+1``: torchrun's
+own rendezvous store already listens on ``MASTER_PORT`` on the first node, so the next port is
+the chief's (``COLLECTIVE_CHIEF`` on every rank and ``COLLECTIVE_BIND`` on rank 0 override it).
+They count as present when ``MASTER_ADDR`` or ``MASTER_PORT`` is set (``RANK`` and
+``WORLD_SIZE`` alone are too generic a pair of names to mean torchrun); then all four must be
+valid.
 
 When both are present, ``TF_CONFIG`` wins. Empty variables count as unset, as everywhere.
 A malformed ``TF_CONFIG`` or torchrun variable raises ``UsageError`` naming it.
@@ -51,11 +53,23 @@ class ClusterEnv:
     num_workers: int          # workers in the cluster (the chief not counted)
     worker_index: int | None  # this worker's index (preferred rank); None for the chief
     source: str               # "TF_CONFIG", "torchrun" or "COLLECTIVE_*"
+    chief_trains: bool = False  # the chief is a training process too (torchrun, worker-only TF_CONFIG)
+
+    @property
+    def rank(self) -> int:
+        """This process's training rank: 0 for the chief, worker index + 1 for a worker."""
+        return 0 if self.role == "chief" else (self.worker_index or 0) + 1
+
+    @property
+    def world_size(self) -> int:
+        """Training processes: the workers and the chief."""
+        return self.num_workers + 1
 
     def describe(self) -> str:
         """One line for logs, e.g. ``TF_CONFIG: worker 1 of 3, chief at h:2222``."""
         if self.role == "chief":
-            return f"{self.source}: the chief, at {self.chief_address}, of {self.num_workers} worker(s)"
+            trains = " (it trains too)" if self.chief_trains else ""
+            return f"{self.source}: the chief{trains}, at {self.chief_address}, of {self.num_workers} worker(s)"
         return f"{self.source}: worker {self.worker_index} of {self.num_workers}, chief at {self.chief_address}"
 
 
@@ -87,11 +101,10 @@ def _from_tf_config(text: str) -> ClusterEnv:
     if not isinstance(cluster, dict):
         raise _tf_error("has no 'cluster' object")
     chiefs = cluster.get("chief")
+    if not chiefs and "chief" not in cluster:
+        return _from_tf_workers_only(config, cluster)
     if not chiefs:
-        raise _tf_error(
-            "cluster has no 'chief' task; collective needs one (a cluster where worker 0 acts as "
-            "chief is not supported): add \"chief\": [\"host:port\"]"
-        )
+        raise _tf_error("cluster.chief is empty; list the chief's \"host:port\", or leave 'chief' out (worker 0 is the chief)")
     if not isinstance(chiefs, list) or not all(isinstance(a, str) for a in chiefs):
         raise _tf_error("cluster.chief must be a list of \"host:port\" strings")
     if len(chiefs) != 1:
@@ -105,17 +118,7 @@ def _from_tf_config(text: str) -> ClusterEnv:
     if port == 0:
         raise _tf_error(f"cluster.chief[0] {chiefs[0]!r} has port 0; give the port the chief listens on")
 
-    task = config.get("task")
-    if not isinstance(task, dict):
-        raise _tf_error("has no 'task' object ({\"type\": \"chief\" or \"worker\", \"index\": i})")
-    kind = task.get("type")
-    if kind not in ROLES:
-        raise _tf_error(f"task type {kind!r} is not chief or worker (collective has no ps or evaluator tasks)")
-    index = task.get("index", 0 if kind == "chief" else None)
-    if isinstance(index, str) and index.strip().isdigit():
-        index = int(index)
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise _tf_error(f"task index {index!r} is not a whole number")
+    kind, index = _task_index(config, ROLES, "chief")
     tasks = chiefs if kind == "chief" else workers
     if not 0 <= index < len(tasks):
         raise _tf_error(f"task index {index} is out of range: cluster.{kind} lists {len(tasks)} task(s)")
@@ -125,6 +128,50 @@ def _from_tf_config(text: str) -> ClusterEnv:
         num_workers=len(workers),
         worker_index=index if kind == "worker" else None,
         source="TF_CONFIG",
+    )
+
+
+def _task_index(config: dict, kinds: tuple[str, ...], default_zero: str | None) -> tuple[str, int]:
+    task = config.get("task")
+    if not isinstance(task, dict):
+        raise _tf_error(f"has no 'task' object ({{\"type\": {' or '.join(repr(k) for k in kinds)}, \"index\": i}})")
+    kind = task.get("type")
+    if kind not in kinds:
+        raise _tf_error(
+            f"task type {kind!r} is not {' or '.join(kinds)} (collective has no ps or evaluator tasks"
+            + ("; a cluster without 'chief' has only workers)" if kinds == ("worker",) else ")")
+        )
+    index = task.get("index", 0 if kind == default_zero else None)
+    if isinstance(index, str) and index.strip().isdigit():
+        index = int(index)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise _tf_error(f"task index {index!r} is not a whole number")
+    return kind, index
+
+
+def _from_tf_workers_only(config: dict, cluster: dict) -> ClusterEnv:
+    """TensorFlow's chief-less cluster: worker 0 is the chief and trains too."""
+    workers = cluster.get("worker")
+    if not isinstance(workers, list) or not all(isinstance(a, str) for a in workers):
+        raise _tf_error("cluster has no 'chief' and cluster.worker is not a list of \"host:port\" strings")
+    if len(workers) < 2:
+        raise _tf_error(
+            f"cluster has no 'chief' and {len(workers)} worker(s); worker 0 is the chief, so at least "
+            "two workers are needed (or add \"chief\": [\"host:port\"])"
+        )
+    host, port = parse_address(workers[0], what="TF_CONFIG cluster.worker[0] (the chief)")
+    if port == 0:
+        raise _tf_error(f"cluster.worker[0] {workers[0]!r} has port 0; give the port worker 0 (the chief) listens on")
+    _, index = _task_index(config, ("worker",), None)
+    if not 0 <= index < len(workers):
+        raise _tf_error(f"task index {index} is out of range: cluster.worker lists {len(workers)} task(s)")
+    return ClusterEnv(
+        role="chief" if index == 0 else "worker",
+        chief_address=_join(host, port),
+        num_workers=len(workers) - 1,
+        worker_index=None if index == 0 else index - 1,
+        source="TF_CONFIG",
+        chief_trains=True,
     )
 
 
@@ -154,15 +201,16 @@ def _from_torchrun(environ: Mapping[str, str]) -> ClusterEnv:
     addr = _require(environ, "MASTER_ADDR")
     if any(c.isspace() for c in addr) or addr.startswith(":") or addr.endswith(":"):
         raise UsageError(f"torchrun variable MASTER_ADDR={addr!r} is not a host name or address")
-    port = _torch_int(environ, "MASTER_PORT", low=1, high=65535)
+    port = _torch_int(environ, "MASTER_PORT", low=1, high=65534, what=" (the chief listens on MASTER_PORT+1)")
     world = _torch_int(environ, "WORLD_SIZE", low=2, what=" (the chief and at least one worker)")
     rank = _torch_int(environ, "RANK", low=0, high=world - 1, what=f" for WORLD_SIZE={world}")
     return ClusterEnv(
         role="chief" if rank == 0 else "worker",
-        chief_address=_join(addr.strip("[]"), port),
+        chief_address=_join(addr.strip("[]"), port + 1),  # MASTER_PORT is torchrun's own store
         num_workers=world - 1,
         worker_index=None if rank == 0 else rank - 1,
         source="torchrun",
+        chief_trains=True,
     )
 
 
@@ -194,7 +242,8 @@ def role_mismatch(env: ClusterEnv, role: str) -> str | None:
     """A warning when ``env`` gives this process another role than the one it was started as."""
     if env.role == role:
         return None
-    what = "TF_CONFIG's task type" if env.source == "TF_CONFIG" else "RANK" if env.source == "torchrun" else env.source
+    what = "TF_CONFIG's task type" + (" (without 'chief', worker 0 is the chief)" if env.chief_trains else "") \
+        if env.source == "TF_CONFIG" else "RANK" if env.source == "torchrun" else env.source
     return (
         f"{env.source} makes this process the {env.role}, but it was started as a {role}; "
         f"check {what} (the {env.role} is `python -m {env.role}`)"

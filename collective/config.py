@@ -8,14 +8,37 @@ from ``Timeouts``; tests shrink them.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from collective.errors import UsageError
 
 ENV_PREFIX = "COLLECTIVE_"
+
+# The environment options are read from: os.environ, unless the Python API (collective._api)
+# reads the CLI's options from an overlay (os.environ plus what TF_CONFIG/torchrun imply)
+# without changing the process's environment.
+_ENVIRON: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("collective_environ", default=None)
+
+
+def environ() -> Mapping[str, str]:
+    """The environment settings are read from (``os.environ`` unless inside ``reading``)."""
+    overlay = _ENVIRON.get()
+    return os.environ if overlay is None else overlay
+
+
+@contextlib.contextmanager
+def reading(env: Mapping[str, str]) -> Iterator[None]:
+    """Read ``COLLECTIVE_*`` settings from ``env`` instead of ``os.environ`` in this context."""
+    token = _ENVIRON.set(env)
+    try:
+        yield
+    finally:
+        _ENVIRON.reset(token)
 
 
 @dataclass(frozen=True)
@@ -40,7 +63,7 @@ def env_name(option: str) -> str:
 
 def env_default(option: str, default: Any = None) -> Any:
     """The ``COLLECTIVE_<OPTION>`` environment value if set and non-empty, else ``default``."""
-    value = os.environ.get(env_name(option))
+    value = environ().get(env_name(option))
     return value if value not in (None, "") else default
 
 
@@ -90,7 +113,7 @@ def add_option(
     environment is reported like a bad option, naming the variable.
     """
     env = env_name(name)
-    raw = os.environ.get(env)
+    raw = environ().get(env)
     if raw not in (None, ""):
         try:
             default = type(raw)

@@ -2,7 +2,9 @@
 
 Rank 0 loads the model, runs ``ChiefService`` behind the MPI driver and prints the summary
 table (and, with ``--json``, the JSON line of ``collective launch``). Ranks 1..N run
-``WorkerAgent`` with an MPI link. Any failure ends every rank with a non-zero exit: a failure all
+``WorkerAgent`` with an MPI link. With ``--chief-trains`` (always under ``collective.sync``)
+rank 0 also holds verified replicas of its own, one per ``--devices-per-worker`` device, and
+start waits for them. Any failure ends every rank with a non-zero exit: a failure all
 ranks learn together exits normally; a failure of one rank aborts the job (MPI_Abort) after one
 log line naming the rank, its host and the cause. A watchdog bounds every phase.
 """
@@ -16,7 +18,13 @@ import socket
 import sys
 
 from collective import logs
-from collective.config import add_option, add_timeout_options, positive_int, timeouts_from_args
+from collective.config import (
+    add_option,
+    add_timeout_options,
+    parse_bool,
+    positive_int,
+    timeouts_from_args,
+)
 from collective.errors import CollectiveError, UsageError
 
 log = logging.getLogger("collective.mpi")
@@ -27,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
     add_option(p, "seed", help="seed for initializer specs", type=int, default=None)
     add_option(p, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
+    add_option(p, "chief-trains", help="rank 0 trains too: it holds verified replicas of its own (--no-chief-trains: "
+               "it only serves)", type=parse_bool, default=False, action=argparse.BooleanOptionalAction)
     add_option(p, "chunk-bytes", help="bytes per chunk: the unit of keys, trailers and checks", type=positive_int,
                default=None)
     add_option(p, "split-bytes", help="largest Bcast call, whole chunks (default 256 MiB; must stay below 2 GiB)",
@@ -68,23 +78,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _chief(comm, args, watchdog) -> int:
-    from chief.service import ChiefService
     from collective.launch import summary_table
-    from collective.plan import DEFAULT_CHUNK_BYTES
     from collective.sources import load_source
-    from collective.transport.mpi import MpiChiefDriver
 
     timeouts = timeouts_from_args(args)
     watchdog.phase("load model", timeouts.join)
     source = load_source(args.model, seed=args.seed)
-    service = ChiefService(
-        source, comm.size - 1, timeouts=timeouts, chunk_bytes=args.chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi",
-        heartbeats=False,
-    )
-    log.info("chief %s on rank 0; %d worker rank(s)", service.incarnation, comm.size - 1)
-    if args.split_bytes and args.split_bytes >= 2**31:
-        raise UsageError(f"--split-bytes {args.split_bytes} must stay below 2 GiB, MPI's count limit")
-    MpiChiefDriver(comm, service, watchdog, timeouts, split_bytes=args.split_bytes).serve()
+    devices = [f"cpu:{i}" for i in range(args.devices_per_worker)] if args.chief_trains else None
+    service, _held = run_chief_rank(comm, source, watchdog, timeouts, chunk_bytes=args.chunk_bytes,
+                                    split_bytes=args.split_bytes, devices=devices)
     result = service.result()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
@@ -96,30 +98,114 @@ def _chief(comm, args, watchdog) -> int:
     return 0
 
 
-def _worker(comm, args, watchdog) -> int:
+def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_bytes=None, devices=None,
+                   strict_declarations=False):
+    """Rank 0's round: ``ChiefService`` behind the MPI driver; with ``devices``, the chief's own
+    replicas too. Returns (service, (store, digest) or None); the outcome is ``service.result()``."""
+    from chief.service import ChiefService
+    from collective._api import hold_chief_replicas
+    from collective.plan import DEFAULT_CHUNK_BYTES
+    from collective.transport.mpi import MpiChiefDriver
+
+    service = ChiefService(
+        source, comm.size - 1, timeouts=timeouts, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi",
+        heartbeats=False, local_devices=devices, strict_declarations=strict_declarations,
+    )
+    log.info("chief %s on rank 0; %d worker rank(s)%s", service.incarnation, comm.size - 1,
+             "; rank 0 trains too" if devices else "")
+    if split_bytes and split_bytes >= 2**31:
+        raise UsageError(f"--split-bytes {split_bytes} must stay below 2 GiB, MPI's count limit")
+    held: list = []
+
+    def local() -> None:
+        held.append(hold_chief_replicas(service, devices, 0.0))
+
+    MpiChiefDriver(comm, service, watchdog, timeouts, split_bytes=split_bytes, local=local if devices else None).serve()
+    return service, (held[0] if held else None)
+
+
+def run_worker_rank(comm, watchdog, timeouts, devices, *, split_bytes=None, expected=None):
+    """Ranks 1..N: ``WorkerAgent`` over an MPI link. A failure every rank heard at the same step
+    is raised as is; any other leaves the ranks out of step and is raised with ``.unannounced``
+    set, for the caller to abort the job."""
     from collective.transport.mpi import MpiChiefLink
     from worker.agent import WorkerAgent
 
-    timeouts = timeouts_from_args(args)
     watchdog.phase("join", timeouts.join)
-    devices = [f"cpu:{i}" for i in range(args.devices_per_worker)]
-    link = MpiChiefLink(comm, watchdog, timeouts, split_bytes=args.split_bytes)
+    link = MpiChiefLink(comm, watchdog, timeouts, split_bytes=split_bytes)
     agent = WorkerAgent(
         link,
         worker_id=f"mpi-rank-{comm.rank}",
         devices=devices,
         preferred_rank=comm.rank - 1,
         timeouts=timeouts,
+        expected=expected,
     )
     try:
-        result = agent.run()
+        return agent.run()
     except CollectiveError as exc:
-        if exc is link.announced:  # every rank got it at the same step: no need to abort them
+        exc.unannounced = exc is not link.announced
+        raise
+
+
+def _worker(comm, args, watchdog) -> int:
+    timeouts = timeouts_from_args(args)
+    devices = [f"cpu:{i}" for i in range(args.devices_per_worker)]
+    try:
+        result = run_worker_rank(comm, watchdog, timeouts, devices, split_bytes=args.split_bytes)
+    except CollectiveError as exc:
+        if not exc.unannounced:  # every rank got it at the same step: no need to abort them
             log.error("rank %d (worker on %s): %s", comm.rank, socket.gethostname(), exc)
             return exc.exit_code
         raise
     result.log_started()
     return 0
+
+
+def sync_over_mpi(source, devices, roles, timeouts=None):
+    """``collective.sync`` under mpiexec: rank 0 serves ``source`` and trains too, every other
+    rank receives (declaring ``source``'s variables if given). A failure every rank heard
+    together is raised on every rank; a failure of one rank alone aborts the job (MPI_Abort),
+    as the command does, since the others cannot leave their collectives otherwise."""
+    from mpi4py import MPI
+
+    from collective._api import SyncResult
+    from collective.config import Timeouts
+    from collective.errors import AbortedError
+    from collective.transport.mpi import PhaseWatchdog, abort
+
+    comm = MPI.COMM_WORLD
+    if (comm.rank, comm.size) != (roles.rank, roles.world_size):
+        raise UsageError(
+            f"MPI says rank {comm.rank} of {comm.size}, but {roles.source} says rank {roles.rank} of "
+            f"{roles.world_size}; under mpiexec leave rank and world size to MPI"
+        )
+    timeouts = timeouts or Timeouts()
+    watchdog = PhaseWatchdog(comm)
+    try:
+        if comm.rank == 0:
+            try:
+                service, held = run_chief_rank(comm, source, watchdog, timeouts, devices=devices,
+                                               strict_declarations=True)
+            except CollectiveError as exc:
+                exc.unannounced = True  # the driver did not carry it: the workers wait in a collective
+                raise
+            result = service.result()
+            if not result["ok"]:  # every rank heard it at the same step
+                raise service.error or AbortedError(f"round failed: {result['error']}")
+            store, digest = held
+            store.start()
+            return SyncResult(0, comm.size, list(devices), store, digest, result)
+        worker = run_worker_rank(comm, watchdog, timeouts, devices,
+                                 expected=source.specs() if source is not None else None)
+        return SyncResult(comm.rank, comm.size, list(worker.devices), worker.variables, worker.worker_digest)
+    except Exception as exc:
+        if not isinstance(exc, CollectiveError) or getattr(exc, "unannounced", False):
+            log.error("rank %d on %s failed alone: %s; aborting the job", comm.rank, socket.gethostname(), exc)
+            abort(comm, getattr(exc, "exit_code", 1))
+        raise
+    finally:
+        watchdog.stop()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""The worker's Python API, for a training script that joins the cluster in-process.
+"""The worker's Python API: ``join_cluster``, kept as a thin alias of ``collective.join``.
 
-    from worker.api import join_cluster
-    result = join_cluster("chief:50051", devices="cpu:0,cpu:1", token=os.environ["COLLECTIVE_TOKEN"])
+    import collective
+    result = collective.join("chief:50051", devices="cpu:0,cpu:1")
     for var in result.variables.trainable_variables:
         ...  # var.replicas[i] is the copy on result.devices[i]
 
-``join_cluster`` blocks until the chief releases start, and returns the verified variables
-(their set is frozen: creating another raises FrozenError). It raises a ``CollectiveError``
-naming the phase and culprit if the round fails; every wait in it has a deadline.
+``join_cluster(chief, ...)`` is ``collective.join(chief, ...)``: it reads the same environment
+as ``python -m worker`` for every argument not given, blocks until the chief releases start and
+returns the verified variables (their set is frozen: creating another raises FrozenError). It
+raises a ``CollectiveError`` naming the phase and culprit if the round fails; every wait in it
+has a deadline.
 """
 
 from __future__ import annotations
@@ -16,49 +18,26 @@ from collections.abc import Sequence
 
 from collective.config import Timeouts
 from collective.model import VariableSpec
-from collective.transport.grpc import GrpcChiefLink, TlsFiles
-from worker.agent import WorkerAgent, WorkerResult
+from worker.agent import WorkerResult
 
 __all__ = ["join_cluster", "WorkerResult"]
 
 
 def join_cluster(
-    chief: str,
+    chief: str | None = None,
     *,
-    devices: str | Sequence[str] = "cpu:0",
+    devices: str | Sequence[str] | None = None,
     worker_id: str | None = None,
-    rank: int = -1,
+    rank: int | None = None,
     token: str | None = None,
     timeouts: Timeouts | None = None,
     expected: Sequence[VariableSpec] | None = None,
-    tls: TlsFiles | None = None,
-    shm: bool = True,
+    tls=None,
+    shm: bool | None = None,
     relay_host: str | None = "0.0.0.0",
 ) -> WorkerResult:
-    """Join the chief at ``chief`` and return once start is released (see the module doc).
+    """``collective.join``: see the module doc."""
+    from collective._api import join
 
-    ``expected``: the variables this process builds itself (SPMD style); the chief refuses the
-    join before any byte moves if its model differs, listing every difference.
-    """
-    from worker.relay import Relay
-
-    t = timeouts or Timeouts()
-    link = GrpcChiefLink(chief, token=token, tls=tls)
-    # The relay listens on every interface; the chief tells children the address it saw us at.
-    relay = Relay(f"{relay_host}:0", token=token, tls=tls, stall_timeout=t.stall) if relay_host else None
-
-    def connect(address: str, name: str) -> GrpcChiefLink:
-        return GrpcChiefLink(address, token=token, tls=tls, name=name)
-
-    try:
-        agent = WorkerAgent(
-            link, worker_id=worker_id, devices=devices, preferred_rank=rank, timeouts=timeouts, expected=expected,
-            shm=shm,
-            relay=relay,
-            connect=connect,
-        )
-        return agent.run()
-    finally:
-        link.close()
-        if relay is not None:
-            relay.stop()
+    return join(chief, devices=devices, worker_id=worker_id, rank=rank, token=token, timeouts=timeouts,
+                expected=expected, tls=tls, shm=shm, relay_host=relay_host)

@@ -185,8 +185,12 @@ class MpiChiefDriver:
     """Rank 0: answers the workers' calls with ``handler``, one collective step at a time."""
 
     def __init__(self, comm: MPI.Comm, handler: ChiefHandler, watchdog: PhaseWatchdog, timeouts,
-                 split_bytes: int = None) -> None:
+                 split_bytes: int = None, local: Callable[[], object] | None = None) -> None:
+        """``local``: when the chief trains too, makes and reports its own replicas; called once
+        the data is out and before the workers' ready reports are answered (a failure there
+        fails the round, and every rank hears it at the ready step)."""
         self.comm, self.h, self.watchdog, self.t = comm, handler, watchdog, timeouts
+        self.local = local
         self.split_bytes = split_bytes or SPAN_BYTES
         self.refs: list[pb.WorkerRef] = []
 
@@ -226,6 +230,11 @@ class MpiChiefDriver:
         self.watchdog.phase("broadcast", t.ready)
         if not self._stream():
             return
+        if self.local is not None:
+            try:
+                self.local()
+            except E.CollectiveError:
+                pass  # the round failed with it: the ready answers below carry it to every rank
         readies = gather_bytes(self.comm, b"")
         if not self._answer_each(readies, lambda r, d: self.h.report_ready(pb.ReadyRequest.FromString(d))):
             return

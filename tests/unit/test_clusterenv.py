@@ -60,7 +60,10 @@ def test_tf_config_index_may_be_a_string_of_digits():
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be a JSON object"),
         (json.dumps({"task": {"type": "worker", "index": 0}}), "no 'cluster'"),
-        (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}}), "no 'chief' task"),
+        (json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}}), "no 'chief' and 1 worker(s)"),
+        (json.dumps({"cluster": {"chief": [], "worker": ["w:1"]}, "task": {"type": "chief"}}), "cluster.chief is empty"),
+        (json.dumps({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "chief"}}), "only workers"),
+        (json.dumps({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 2}}), "out of range"),
         (json.dumps({"cluster": {"chief": ["a:1", "b:1"], "worker": ["w:1"]}, "task": {"type": "chief"}}), "exactly one"),
         (json.dumps({"cluster": {"chief": "a:1", "worker": ["w:1"]}, "task": {"type": "chief"}}), "cluster.chief must be a list"),
         (json.dumps({"cluster": {"chief": ["a:1"]}, "task": {"type": "chief"}}), "cluster.worker must be a list"),
@@ -84,25 +87,39 @@ def test_malformed_tf_config_is_a_usage_error_naming_tf_config_and_the_problem(v
     assert exc.value.exit_code == 2
 
 
+def test_tf_config_without_chief_makes_worker_0_the_chief_and_it_trains():
+    cluster = {"worker": ["w0:2222", "w1:2222", "w2:2222"]}
+    env = from_environment(tf({"type": "worker", "index": 0}, cluster))
+    assert env == ClusterEnv("chief", "w0:2222", 2, None, "TF_CONFIG", chief_trains=True)
+    assert (env.rank, env.world_size) == (0, 3)
+    assert apply_defaults(env, "chief") == {"COLLECTIVE_WORKERS": "2", "COLLECTIVE_BIND": "0.0.0.0:2222"}
+    env = from_environment(tf({"type": "worker", "index": 2}, cluster))
+    assert env == ClusterEnv("worker", "w0:2222", 2, 1, "TF_CONFIG", chief_trains=True)
+    assert (env.rank, env.world_size) == (2, 3)
+    assert "worker 0 is the chief" in role_mismatch(from_environment(tf({"type": "worker", "index": 0}, cluster)), "worker")
+
+
 # --- torchrun ----------------------------------------------------------------------------
 
 
 def test_torchrun_rank_0_is_the_chief():
     env = from_environment(torch(0))
-    assert env == ClusterEnv("chief", "10.0.0.1:29500", 3, None, "torchrun")
-    assert apply_defaults(env, "chief") == {"COLLECTIVE_WORKERS": "3", "COLLECTIVE_BIND": "0.0.0.0:29500"}
+    assert env == ClusterEnv("chief", "10.0.0.1:29501", 3, None, "torchrun", chief_trains=True)
+    assert (env.rank, env.world_size) == (0, 4)
+    assert apply_defaults(env, "chief") == {"COLLECTIVE_WORKERS": "3", "COLLECTIVE_BIND": "0.0.0.0:29501"}
 
 
 def test_torchrun_rank_r_is_worker_r_minus_1():
     env = from_environment(torch(3))
-    assert env == ClusterEnv("worker", "10.0.0.1:29500", 3, 2, "torchrun")
-    assert apply_defaults(env, "worker") == {"COLLECTIVE_CHIEF": "10.0.0.1:29500", "COLLECTIVE_RANK": "2"}
+    assert env == ClusterEnv("worker", "10.0.0.1:29501", 3, 2, "torchrun", chief_trains=True)
+    assert (env.rank, env.world_size) == (3, 4)
+    assert apply_defaults(env, "worker") == {"COLLECTIVE_CHIEF": "10.0.0.1:29501", "COLLECTIVE_RANK": "2"}
 
 
 def test_torchrun_ipv6_master_addr_is_bracketed():
     env = from_environment(torch(0, addr="fd00::2"))
-    assert env.chief_address == "[fd00::2]:29500"
-    assert apply_defaults(env, "chief")["COLLECTIVE_BIND"] == "[::]:29500"
+    assert env.chief_address == "[fd00::2]:29501"
+    assert apply_defaults(env, "chief")["COLLECTIVE_BIND"] == "[::]:29501"
 
 
 @pytest.mark.parametrize(
@@ -111,6 +128,7 @@ def test_torchrun_ipv6_master_addr_is_bracketed():
         (torch(0, port="http"), "MASTER_PORT", "not a whole number"),
         (torch(0, port=0), "MASTER_PORT", "out of range"),
         (torch(0, port=70000), "MASTER_PORT", "out of range"),
+        (torch(0, port=65535), "MASTER_PORT", "the chief listens on MASTER_PORT+1"),
         (torch("zero"), "RANK", "not a whole number"),
         (torch(-1), "RANK", "out of range"),
         (torch(4, world=4), "RANK", "out of range: must be 0..3 for WORLD_SIZE=4"),
@@ -162,7 +180,7 @@ def test_a_malformed_tf_config_does_not_fall_back_to_torchrun():
 
 def test_the_cluster_wide_values_hold_for_a_process_started_in_the_other_role():
     chief_env = from_environment(torch(0))
-    assert apply_defaults(chief_env, "worker") == {"COLLECTIVE_CHIEF": "10.0.0.1:29500"}  # no rank to prefer
+    assert apply_defaults(chief_env, "worker") == {"COLLECTIVE_CHIEF": "10.0.0.1:29501"}  # no rank to prefer
     assert role_mismatch(chief_env, "chief") is None
     warning = role_mismatch(chief_env, "worker")
     assert "torchrun makes this process the chief" in warning and "RANK" in warning

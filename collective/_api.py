@@ -1,0 +1,480 @@
+"""The implementation of the public API in ``collective/__init__.py``: ``serve``, ``join``, ``sync``.
+
+Each call reads the same settings as the command line: the CLI's own parsers are built against
+the process environment plus what ``TF_CONFIG`` / torchrun imply (``collective.clusterenv``),
+without changing ``os.environ``; an explicit argument beats all of them.
+
+The chief trains too when asked (``sync`` always asks): after the plan is released it copies
+its arena once per local device (no network), hashes every replica as a worker does and
+reports them to its own ``ChiefService``, which releases start only when they agree as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from collective import config
+from collective.config import Timeouts, parse_address
+from collective.errors import CollectiveError, ModelError, UsageError
+from collective.model import ModelSource, VariableSpec
+from collective.variables import VariableStore
+
+log = logging.getLogger("collective")
+
+Values = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | ModelSource | str | os.PathLike
+
+
+@dataclass
+class SyncResult:
+    """What a process holds once training may start.
+
+    ``variables``: the mirrored variables; ``var.replicas[i]`` lives on ``devices[i]``.
+    ``rank``/``world_size``: this process's training rank (the chief is rank 0) and the number
+    of training processes. ``digest``: the digest of this process's replicas (every rank's
+    covers the same bytes). ``summary``: on the chief, the round's summary (``collective launch
+    --json``'s object); None elsewhere.
+    """
+
+    rank: int
+    world_size: int
+    devices: list[str]
+    variables: VariableStore = field(repr=False)
+    digest: str = ""
+    summary: dict | None = field(default=None, repr=False)
+
+    def arrays(self, device: int = 0) -> dict[str, np.ndarray]:
+        """Variable name -> the replica on ``devices[device]`` (the array itself, no copy), in
+        model order. Raises IndexError for a device this process does not hold."""
+        if not 0 <= device < len(self.devices):
+            raise IndexError(f"device index {device} is out of range: this process holds {len(self.devices)} device(s)")
+        return {v.name: v.replicas[device] for v in self.variables}
+
+
+# --- values -> a model source ------------------------------------------------------------------
+
+
+class ArraysSource:
+    """A mapping of names to arrays as a ``ModelSource``: specs from each array's shape and
+    dtype, values copied bit for bit (C order, byte order kept)."""
+
+    def __init__(self, values: Mapping[str, Any], *, label: str = "arrays") -> None:
+        from collective.sources import _dtype_problem
+
+        self.description = f"{label} ({len(values)} variables)"
+        self._arrays: dict[str, np.ndarray] = {}
+        for name, value in values.items():
+            if not isinstance(name, str) or not name:
+                raise ModelError(f"{label}: variable name {name!r} is not a non-empty string")
+            a = np.asarray(value)
+            problem = _dtype_problem(a.dtype)
+            if problem:
+                raise ModelError(f"{label}: variable {name!r}: {problem}")
+            self._arrays[name] = a
+
+    def specs(self) -> list[VariableSpec]:
+        return [VariableSpec(n, tuple(a.shape), a.dtype.str) for n, a in self._arrays.items()]
+
+    def fill(self, spec: VariableSpec, out: np.ndarray) -> None:
+        out[...] = self._arrays[spec.name]
+
+
+def as_source(values: Values, *, seed: int | None = None) -> ModelSource:
+    """A model source for ``values``: a mapping of arrays, a callable returning one, a
+    ``ModelSource``, or a preset name / spec / .npz / .safetensors path."""
+    from collective.sources import load_source
+
+    if callable(values) and not hasattr(values, "specs"):
+        values = values()
+    if isinstance(values, str | os.PathLike):
+        return load_source(values, seed=seed)
+    if isinstance(values, Mapping):
+        return ArraysSource(values)
+    if hasattr(values, "specs") and hasattr(values, "fill"):
+        return values  # type: ignore[return-value]
+    raise UsageError(
+        f"values of type {type(values).__name__} are not a mapping of arrays, a model source or a model path"
+    )
+
+
+# --- settings: the CLI's options, read from the environment ------------------------------------
+
+
+def _environ(role: str) -> dict[str, str]:
+    """os.environ plus the COLLECTIVE_* defaults TF_CONFIG / torchrun imply for ``role``."""
+    from collective.clusterenv import apply_to_environ
+
+    env = dict(os.environ)
+    apply_to_environ(role, env)
+    return env
+
+
+def _cli_settings(role: str, env: Mapping[str, str]):
+    """The parsed defaults of ``python -m <role>`` under ``env``; a bad value is a UsageError
+    naming the variable, as on the command line."""
+    if role == "chief":
+        from chief.__main__ import build_parser
+    else:
+        from worker.__main__ import build_parser
+    with config.reading(env):
+        return build_parser().parse_args([])
+
+
+# --- the chief -----------------------------------------------------------------------------------
+
+
+def hold_chief_replicas(service, devices: Sequence[str], timeout: float) -> tuple[VariableStore, str]:
+    """The chief's own replicas: once the plan is out, one copy of the arena per device, each
+    hashed as a worker's and reported to ``service`` (start waits for them). Any failure fails
+    the round and is raised."""
+    from collective._proto import collective_pb2 as pb
+    from collective.digest import worker_digest
+    from worker.agent import make_replicas, verify_replicas
+
+    try:
+        plan = service.await_plan(timeout)
+        # A copy even for device 0: the chief's arena keeps serving (and may be a sealed mapping).
+        store, arenas = make_replicas(plan, np.array(service.arena, dtype=np.uint8, copy=True), devices)
+        digests = verify_replicas(plan, arenas, devices)
+        digest = worker_digest(plan.manifest_digest, [d.chunk_digests for d in digests])
+        service.report_local_ready(pb.ReadyRequest(devices=digests, worker_digest=digest))
+    except CollectiveError as exc:
+        service.fail(exc)
+        raise
+    except Exception as exc:  # MemoryError, a bug: the round must not wait for us
+        err = CollectiveError(f"the chief's own replicas failed: {type(exc).__name__}: {exc}")
+        service.fail(err)
+        raise err from exc
+    return store, digest
+
+
+def run_chief(
+    source: ModelSource,
+    num_workers: int,
+    *,
+    bind: str,
+    token: str | None,
+    tls,
+    timeouts: Timeouts,
+    shm: bool = True,
+    topology: str = "auto",
+    chunk_bytes: int | None = None,
+    devices: Sequence[str] | None = None,
+    strict_declarations: bool = False,
+    on_listening: Callable[[str, int], None] | None = None,
+    result_file: str | None = None,
+) -> tuple[Any, tuple[VariableStore, str] | None]:
+    """One round as ``python -m chief`` runs it: serve over gRPC with a thread pool sized from
+    the worker count, supervise the join and ready deadlines, stop. ``devices``: the chief
+    trains too and holds replicas there. SIGTERM/SIGINT fail the round (handlers installed only
+    on the main thread, restored after). Returns (service, (store, digest) or None); raises the
+    round's error."""
+    import json
+    from pathlib import Path
+
+    from chief.service import ChiefService
+    from collective.errors import AbortedError
+    from collective.transport.grpc import GrpcEndpoint
+
+    parse_address(bind, what="bind address")
+    if tls is not None and tls.enabled:
+        tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
+    service = ChiefService(
+        source, num_workers, timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology,
+        local_devices=devices or None, strict_declarations=strict_declarations,
+    )
+    endpoint = GrpcEndpoint(bind, token=token, max_workers=4 * num_workers + 8, tls=tls)
+    held: list = []
+    previous: dict[int, Any] = {}
+    try:
+        address = endpoint.start(service)
+        log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address, num_workers)
+        if on_listening is not None:
+            on_listening(address, endpoint.port)
+        if threading.current_thread() is threading.main_thread():
+            def on_signal(signum, frame) -> None:
+                # Outside the handler: fail() takes the service lock, which this thread may hold.
+                reason = AbortedError(f"chief shutting down ({signal.Signals(signum).name})")
+                threading.Thread(target=service.fail, args=(reason,), daemon=True).start()
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, on_signal)
+        local = None
+        if devices:
+            def hold() -> None:
+                try:
+                    held.append(hold_chief_replicas(service, devices, timeouts.join + timeouts.rpc))
+                except CollectiveError:
+                    pass  # the round failed with it; supervise() raises it
+
+            local = threading.Thread(target=hold, name="chief-replicas", daemon=True)
+            local.start()
+        service.supervise()
+        if local is not None:
+            local.join(timeouts.rpc)  # start was released, so its report is in
+        return service, (held[0] if held else None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if result_file:
+            Path(result_file).write_text(json.dumps(service.result()))
+        endpoint.stop(grace=1.0)
+        service.close()
+
+
+def serve(
+    values: Values | None = None,
+    *,
+    workers: int | None = None,
+    bind: str | None = None,
+    devices: str | Sequence[str] | None = None,
+    trains: bool | None = None,
+    token: str | None = None,
+    tls=None,
+    timeouts: Timeouts | None = None,
+    shm: bool | None = None,
+    topology: str | None = None,
+    chunk_bytes: int | None = None,
+    strict_declarations: bool = False,
+    on_listening: Callable[[str, int], None] | None = None,
+) -> SyncResult:
+    """Be the chief of one round in this process; see ``collective.serve``."""
+    from collective.clusterenv import from_environment
+    from collective.config import timeouts_from_args, tls_from_args
+    from collective.keys import parse_devices
+
+    env = _environ("chief")
+    args = _cli_settings("chief", env)
+    workers = workers if workers is not None else args.workers
+    if workers is None:
+        raise UsageError("the number of workers is required: pass workers=N or set COLLECTIVE_WORKERS")
+    if trains is None:
+        cluster = from_environment(env)
+        trains = devices is not None or bool(cluster and cluster.chief_trains)
+    with config.reading(env):
+        devices = parse_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
+    source = as_source(values if values is not None else args.model, seed=args.seed)
+    service, held = run_chief(
+        source, workers,
+        bind=bind or args.bind,
+        token=token if token is not None else args.token,
+        tls=tls if tls is not None else tls_from_args(args),
+        timeouts=timeouts or timeouts_from_args(args),
+        shm=args.shm if shm is None else shm,
+        topology=topology or args.topology,
+        chunk_bytes=chunk_bytes or args.chunk_bytes,
+        devices=devices if trains else None,
+        strict_declarations=strict_declarations,
+        on_listening=on_listening,
+    )
+    store, digest = held if held else (VariableStore(), "")
+    store.start()
+    return SyncResult(0, workers + 1, list(devices) if trains else [], store, digest, service.result())
+
+
+# --- a worker ------------------------------------------------------------------------------------
+
+
+def join(
+    chief: str | None = None,
+    *,
+    devices: str | Sequence[str] | None = None,
+    rank: int | None = None,
+    worker_id: str | None = None,
+    token: str | None = None,
+    tls=None,
+    timeouts: Timeouts | None = None,
+    expected: Sequence[VariableSpec] | None = None,
+    shm: bool | None = None,
+    relay_host: str | None = "0.0.0.0",
+):
+    """Join the chief as a worker in this process; see ``collective.join``."""
+    from collective.config import timeouts_from_args, tls_from_args
+    from collective.transport.grpc import GrpcChiefLink
+    from worker.agent import WorkerAgent
+    from worker.relay import Relay
+
+    args = _cli_settings("worker", _environ("worker"))
+    chief = chief or args.chief
+    if not chief:
+        raise UsageError("the chief's address is required: pass chief='HOST:PORT' or set COLLECTIVE_CHIEF")
+    parse_address(chief, what="chief address")
+    token = token if token is not None else args.token
+    tls = tls if tls is not None else tls_from_args(args)
+    t = timeouts or timeouts_from_args(args)
+    if expected is None and args.expect_model:
+        expected = as_source(args.expect_model).specs()
+    link = GrpcChiefLink(chief, token=token, tls=tls)
+    # The relay listens on every interface; the chief tells children the address it saw us at.
+    relay = Relay(f"{relay_host}:0", token=token, tls=tls, stall_timeout=t.stall) if relay_host else None
+
+    def connect(address: str, name: str) -> GrpcChiefLink:
+        return GrpcChiefLink(address, token=token, tls=tls, name=name)
+
+    try:
+        agent = WorkerAgent(
+            link, worker_id=worker_id or args.worker_id, devices=devices if devices is not None else args.devices,
+            preferred_rank=rank if rank is not None else args.rank, timeouts=t, expected=expected,
+            shm=args.shm if shm is None else shm, relay=relay, connect=connect,
+        )
+        return agent.run()
+    finally:
+        link.close()
+        if relay is not None:
+            relay.stop()
+
+
+# --- SPMD: every rank calls sync ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Where this process stands: training rank, number of training processes, the chief's
+    address (None under MPI or alone) and where that came from."""
+
+    rank: int
+    world_size: int
+    chief: str | None
+    source: str
+    mpi: bool = False
+
+
+_MPI_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", "PMI_SIZE"))
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    raw = env[name].strip()
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={raw!r} is not a whole number") from None
+
+
+def resolve_roles(
+    rank: int | None, world_size: int | None, chief: str | None, env: Mapping[str, str] | None = None
+) -> Roles:
+    """Arguments, else COLLECTIVE_RANK + COLLECTIVE_WORLD_SIZE (+ COLLECTIVE_CHIEF), else TF_CONFIG,
+    else torchrun, else MPI's launcher variables, else a single process. Raises UsageError
+    naming the setting that is missing or out of range."""
+    from collective.clusterenv import from_environment
+
+    env = os.environ if env is None else env
+
+    def given(name: str) -> bool:
+        return bool((env.get(name) or "").strip())
+
+    chief = chief or (env.get("COLLECTIVE_CHIEF") or "").strip() or None
+    source, mpi = "arguments", False
+    if rank is None or world_size is None:
+        cluster = None if given("COLLECTIVE_WORLD_SIZE") else from_environment(env)
+        if given("COLLECTIVE_WORLD_SIZE"):
+            source = "COLLECTIVE_*"
+            world_size = world_size if world_size is not None else _int_var(env, "COLLECTIVE_WORLD_SIZE")
+            if rank is None:
+                if not given("COLLECTIVE_RANK"):
+                    raise UsageError("COLLECTIVE_WORLD_SIZE is set but COLLECTIVE_RANK is not: set this process's rank")
+                rank = _int_var(env, "COLLECTIVE_RANK")
+        elif cluster is not None:
+            source = cluster.source
+            rank = cluster.rank if rank is None else rank
+            world_size = cluster.world_size if world_size is None else world_size
+            chief = chief or cluster.chief_address
+        else:
+            pair = next(((r, s) for r, s in _MPI_VARS if given(r) and given(s)), None)
+            if pair is not None:
+                source, mpi = f"MPI ({pair[0]})", True
+                rank = _int_var(env, pair[0]) if rank is None else rank
+                world_size = _int_var(env, pair[1]) if world_size is None else world_size
+            else:
+                source = "no cluster settings: a single process"
+                rank = 0 if rank is None else rank
+                world_size = 1 if world_size is None else world_size
+    if world_size < 1:
+        raise UsageError(f"world size {world_size} (from {source}) must be at least 1")
+    if not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} (from {source}) is out of range: must be 0..{world_size - 1}")
+    if world_size > 1 and not mpi and not chief:
+        raise UsageError(
+            f"rank {rank} of {world_size} (from {source}) needs the chief's address: pass chief='HOST:PORT' "
+            "or set COLLECTIVE_CHIEF on every rank"
+        )
+    return Roles(rank, world_size, chief, source, mpi)
+
+
+def _alone(source: ModelSource, devices: list[str]) -> tuple[VariableStore, str]:
+    """World size 1: the replicas are copies of the values, verified as the chief's are."""
+    from chief.service import materialize
+    from collective._proto import collective_pb2 as pb
+    from collective.digest import worker_digest
+    from collective.plan import DEFAULT_CHUNK_BYTES, build_plan
+    from worker.agent import make_replicas, verify_replicas
+
+    specs, arena, digests = materialize(source)
+    plan = build_plan(specs, digests, [pb.WorkerInfo(rank=0, worker_id="local", devices=devices)], arena=arena,
+                      chunk_bytes=DEFAULT_CHUNK_BYTES, chief_incarnation="local", model=source.description)
+    store, arenas = make_replicas(plan, arena, devices)
+    verified = verify_replicas(plan, arenas, devices)
+    return store, worker_digest(plan.manifest_digest, [d.chunk_digests for d in verified])
+
+
+def sync(
+    values: Values | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    chief: str | None = None,
+    devices: str | Sequence[str] | None = None,
+    token: str | None = None,
+    tls=None,
+    timeouts: Timeouts | None = None,
+    shm: bool | None = None,
+    bind: str | None = None,
+) -> SyncResult:
+    """Every rank calls it; rank 0 serves ``values`` and trains too; see ``collective.sync``."""
+    from collective.keys import parse_devices
+
+    roles = resolve_roles(rank, world_size, chief)
+    if roles.rank == 0 and values is None:
+        raise UsageError("rank 0 must pass the values to broadcast: collective.sync(values)")
+    env = dict(os.environ)
+    with config.reading(env):
+        devices = parse_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
+    source = as_source(values) if values is not None else None
+    log.info("sync: rank %d of %d (%s), devices %s", roles.rank, roles.world_size, roles.source, ",".join(devices))
+    if roles.world_size == 1:
+        store, digest = _alone(source, devices)
+        store.start()
+        return SyncResult(0, 1, devices, store, digest)
+    if roles.mpi:
+        from collective.mpi import sync_over_mpi
+
+        return sync_over_mpi(source, devices, roles, timeouts)
+    if roles.rank == 0:
+        host, port = parse_address(roles.chief, what="the chief's address")
+        bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or (f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}")
+        result = serve(
+            source, workers=roles.world_size - 1, bind=bind, devices=devices, trains=True, token=token, tls=tls,
+            timeouts=timeouts, shm=shm, strict_declarations=True,
+        )
+        return result
+    worker = join(
+        roles.chief, devices=devices, rank=roles.rank - 1, worker_id=_worker_id(roles.rank, env), token=token,
+        tls=tls, timeouts=timeouts, expected=source.specs() if source is not None else None, shm=shm,
+    )
+    if worker.rank != roles.rank - 1:
+        log.warning("rank %d was given worker rank %d by the chief (another process claimed %d)",
+                    roles.rank, worker.rank, roles.rank - 1)
+    return SyncResult(worker.rank + 1, roles.world_size, list(worker.devices), worker.variables, worker.worker_digest)
+
+
+def _worker_id(rank: int, env: Mapping[str, str]) -> str:
+    """``COLLECTIVE_WORKER_ID`` if set, else ``rank-<r>``: errors then name the training rank."""
+    return (env.get("COLLECTIVE_WORKER_ID") or "").strip() or f"rank-{rank}@{socket.gethostname()}"

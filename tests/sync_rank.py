@@ -1,0 +1,69 @@
+"""One training process of the sync integration tests: builds its own values (different on every
+rank, as independently initialised models are), calls ``collective.sync`` and prints one JSON
+line: its rank, the digests of its inputs and of every replica it holds after start.
+
+``SYNC_MISMATCH_RANK=r``: rank r declares a model that differs from rank 0's (one shape, one
+dtype, one extra variable). ``SYNC_NO_VALUES=1``: ranks other than 0 pass no values.
+``SYNC_OUT=dir``: write the line to ``dir/rank<r>.json`` too (ranks under mpiexec share stdout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import xxhash
+
+import collective
+from collective._api import resolve_roles
+
+
+def values_for(rank: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + rank)
+    values = {
+        "dense/kernel": rng.standard_normal((33, 17)).astype(np.float32),
+        "dense/bias": rng.standard_normal(17).astype(np.float64),
+        "embedding": rng.standard_normal((300, 16)).astype(np.float16),
+        "step": np.array(rank, np.int64),
+    }
+    if str(rank) == os.environ.get("SYNC_MISMATCH_RANK"):
+        values["dense/kernel"] = values["dense/kernel"][:, :16].copy()
+        values["dense/bias"] = values["dense/bias"].astype(np.float32)
+        values["extra"] = np.zeros(3, np.float32)
+    return values
+
+
+def digests(arrays: dict[str, np.ndarray]) -> dict[str, str]:
+    return {k: xxhash.xxh3_128_hexdigest(np.ascontiguousarray(v).tobytes()) for k, v in arrays.items()}
+
+
+def report(rank: int, line: dict) -> None:
+    text = json.dumps(line)
+    print(text, flush=True)
+    if os.environ.get("SYNC_OUT"):
+        with open(os.path.join(os.environ["SYNC_OUT"], f"rank{rank}.json"), "w") as f:
+            f.write(text)
+
+
+def main() -> int:
+    rank = resolve_roles(None, None, None).rank
+    values = values_for(rank)
+    given = values if rank == 0 or not os.environ.get("SYNC_NO_VALUES") else None
+    t = collective.Timeouts(join=30, rpc=10, stall=10, ready=30, start=30, linger=2, heartbeat=1, lease=10)
+    try:
+        result = collective.sync(given, devices="cpu:0,cpu:1", timeouts=t)
+    except collective.CollectiveError as exc:
+        report(rank, {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
+        return 1
+    report(rank, {
+        "rank": result.rank, "world_size": result.world_size, "devices": result.devices,
+        "inputs": digests(values), "held": [digests(result.arrays(i)) for i in range(len(result.devices))],
+        "digest": result.digest,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
