@@ -18,6 +18,7 @@ from collective.plan import build_plan, declaration_differences, declared, valid
 from collective.sources import load_source, save_npz
 from collective.variables import VariableStore, create_variable
 from tests.conftest import ArraySource
+from tests.framework.conftest import require
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -67,7 +68,7 @@ def test_safetensors_bf16_and_float8_from_the_safetensors_package_keep_bits(tmp_
 
 
 def test_torch_bf16_state_dict_saved_by_safetensors_torch_keeps_bits(tmp_path):
-    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    torch = require("torch")
     from safetensors.torch import save_file as save_torch
 
     torch.manual_seed(0)
