@@ -11,6 +11,9 @@ import os
 
 import pytest
 
+# JAX reads it at import: two host devices for the in-process JAX tests (before anything imports jax).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
 
 def require(module: str):
     """Import ``module`` (``torch``, ``jax``, ``tensorflow``) or skip (fail under make test)."""

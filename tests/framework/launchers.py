@@ -65,3 +65,25 @@ def rank_lines(output: str, pattern: str) -> dict[int, re.Match]:
         if m:
             found[int(m["rank"])] = m
     return found
+
+
+def spmd(script: str, n: int, env: dict[str, str] | None = None, timeout: float = 180) -> list[tuple[int, str]]:
+    """``n`` plain processes of ``script`` with COLLECTIVE_RANK/WORLD_SIZE/CHIEF set: (exit, output) each."""
+    port = free_port_pair()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "TORCH_DDP_", "JAX_SYNC_", "KERAS_SYNC_"))}
+    base.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})})
+    procs = []
+    try:
+        for r in range(n):
+            rank_env = {**base, "COLLECTIVE_RANK": str(r), "COLLECTIVE_WORLD_SIZE": str(n),
+                        "COLLECTIVE_CHIEF": f"127.0.0.1:{port}"}
+            procs.append(subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, text=True, cwd=ROOT, env=rank_env,
+                                          start_new_session=True))
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [(p.returncode, out) for p, out in zip(procs, outputs, strict=True)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
