@@ -139,12 +139,14 @@ class ChiefService:
         shm: bool = False,
         topology: str = "auto",
         local_devices: Sequence[str] | str | None = None,
-        strict_declarations: bool = False,
+        spmd: bool = False,
     ) -> None:
         """``local_devices``: the chief trains too and holds one replica per device; start waits
         until they are verified (``await_plan`` then ``report_local_ready``, from the driver).
-        ``strict_declarations``: a worker whose declared variables differ fails the whole round
-        (SPMD: every rank must hear it), instead of only its own join being refused."""
+        ``spmd``: every process has a fixed rank (``collective.sync``): a worker's preferred rank
+        is its rank, and a worker whose declared variables differ, or whose rank is taken or out
+        of range, fails the whole round (every rank must hear it) instead of only its own join
+        being refused."""
         if num_workers < 1:
             raise UsageError(f"--workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -159,7 +161,7 @@ class ChiefService:
         # Collective transports (MPI) have their own failure detection and no heartbeats.
         self.heartbeats = heartbeats
         self.source = source
-        self.strict_declarations = strict_declarations
+        self.spmd = spmd
         self._local = (
             _ChiefReplicas(-1, "chief", self.incarnation, socket.gethostname(), parse_devices(local_devices), "local",
                            os.getpid())
@@ -286,7 +288,7 @@ class ChiefService:
                         f"worker {req.worker_id!r} declares variables that differ from the chief's model "
                         f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
                     )
-                    if self.strict_declarations:
+                    if self.spmd:
                         self.fail(err)
                     raise err
             if len(self._members) >= self.num_workers:
@@ -295,6 +297,16 @@ class ChiefService:
                 )
             taken = {m.rank for m in self._members.values()}
             free = [r for r in range(self.num_workers) if r not in taken]
+            if self.spmd and req.preferred_rank not in free:
+                holder = next((m for m in self._members.values() if m.rank == req.preferred_rank), None)
+                why = (f"is held by {holder.name()}" if holder is not None
+                       else f"is out of range: {self.num_workers} workers have ranks 0..{self.num_workers - 1}")
+                err = PreconditionError(
+                    f"worker {req.worker_id!r} (host {req.host or peer}) claims worker rank {req.preferred_rank}, "
+                    f"which {why}; every process needs its own rank"
+                )
+                self.fail(err)
+                raise err
             rank = req.preferred_rank if req.preferred_rank in free else free[0]
             m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
                        relay_port=req.relay_port)
@@ -753,4 +765,6 @@ class ChiefService:
                     }
                     for v in (plan.variables if plan is not None else [])
                 ],
+                **({"chief_replicas": {"devices": list(self._local.devices), "digest": self._local.worker_digest}}
+                   if self._local is not None else {}),
             }

@@ -24,7 +24,7 @@ import numpy as np
 
 from collective import config
 from collective.config import Timeouts, parse_address
-from collective.errors import CollectiveError, ModelError, UsageError
+from collective.errors import CollectiveError, IntegrityError, ModelError, UsageError
 from collective.model import ModelSource, VariableSpec
 from collective.variables import VariableStore
 
@@ -145,7 +145,10 @@ def hold_chief_replicas(service, devices: Sequence[str], timeout: float) -> tupl
         plan = service.await_plan(timeout)
         # A copy even for device 0: the chief's arena keeps serving (and may be a sealed mapping).
         store, arenas = make_replicas(plan, np.array(service.arena, dtype=np.uint8, copy=True), devices)
-        digests = verify_replicas(plan, arenas, devices)
+        try:
+            digests = verify_replicas(plan, arenas, devices)
+        except IntegrityError as exc:
+            raise IntegrityError(f"the chief's own replicas (training rank 0): {exc}") from exc
         digest = worker_digest(plan.manifest_digest, [d.chunk_digests for d in digests])
         service.report_local_ready(pb.ReadyRequest(devices=digests, worker_digest=digest))
     except CollectiveError as exc:
@@ -170,7 +173,7 @@ def run_chief(
     topology: str = "auto",
     chunk_bytes: int | None = None,
     devices: Sequence[str] | None = None,
-    strict_declarations: bool = False,
+    spmd: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
     result_file: str | None = None,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
@@ -191,7 +194,7 @@ def run_chief(
         tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
     service = ChiefService(
         source, num_workers, timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology,
-        local_devices=devices or None, strict_declarations=strict_declarations,
+        local_devices=devices or None, spmd=spmd,
     )
     endpoint = GrpcEndpoint(bind, token=token, max_workers=4 * num_workers + 8, tls=tls)
     held: list = []
@@ -245,10 +248,27 @@ def serve(
     shm: bool | None = None,
     topology: str | None = None,
     chunk_bytes: int | None = None,
-    strict_declarations: bool = False,
+    spmd: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
 ) -> SyncResult:
-    """Be the chief of one round in this process; see ``collective.serve``."""
+    """Be the chief of one round in this process, as ``python -m chief`` is. Blocks until start
+    is released (every worker, and this process's own replicas if it trains, verified).
+
+    Every argument not given comes from the same settings as the command: ``COLLECTIVE_*``
+    (``COLLECTIVE_WORKERS``, ``_BIND``, ``_MODEL``, ``_TOKEN``, ``_TLS_*``, ``_SHM``,
+    ``_TOPOLOGY``, ``_CHUNK_BYTES``, the timeouts, ``_DEVICES``), then what ``TF_CONFIG`` /
+    torchrun imply. ``values``: a mapping of name -> array, a callable returning one, a model
+    source, or a preset / spec / .npz / .safetensors path (default ``COLLECTIVE_MODEL``).
+    ``trains``: hold verified replicas of the values on ``devices`` too (default: when
+    ``devices`` is given or the cluster convention makes the chief a training process).
+    ``on_listening(address, port)`` is called once the server listens (``bind`` port 0 picks
+    one). The gRPC thread pool is sized from the worker count; the join and ready deadlines are
+    enforced; on the main thread SIGTERM and SIGINT abort the round (handlers restored after).
+
+    Returns a ``SyncResult`` (rank 0; ``summary`` is the round's summary; ``devices`` is empty
+    when the chief does not train). Raises the round's ``CollectiveError`` (``JoinTimeoutError``,
+    ``DeadlineError``, ``AbortedError`` naming the culprit) or ``UsageError`` for bad settings.
+    """
     from collective.clusterenv import from_environment
     from collective.config import timeouts_from_args, tls_from_args
     from collective.keys import parse_devices
@@ -274,7 +294,7 @@ def serve(
         topology=topology or args.topology,
         chunk_bytes=chunk_bytes or args.chunk_bytes,
         devices=devices if trains else None,
-        strict_declarations=strict_declarations,
+        spmd=spmd,
         on_listening=on_listening,
     )
     store, digest = held if held else (VariableStore(), "")
@@ -298,7 +318,18 @@ def join(
     shm: bool | None = None,
     relay_host: str | None = "0.0.0.0",
 ):
-    """Join the chief as a worker in this process; see ``collective.join``."""
+    """Join the chief as a worker in this process, as ``python -m worker`` does. Blocks until
+    start is released and returns the ``WorkerResult`` (``variables``: the verified replicas,
+    ``var.replicas[i]`` on ``devices[i]``; the set is frozen).
+
+    Every argument not given comes from ``COLLECTIVE_*`` (``COLLECTIVE_CHIEF``, ``_DEVICES``,
+    ``_RANK`` as preferred worker rank, ``_WORKER_ID``, ``_TOKEN``, ``_TLS_*``, ``_SHM``,
+    ``_EXPECT_MODEL``, the timeouts), then ``TF_CONFIG`` / torchrun. ``expected``: the
+    variables this process builds itself; the chief refuses the join before any byte moves if
+    its model differs, listing every difference. ``relay_host=None``: never relay to other
+    workers (star topology for this worker). Raises a ``CollectiveError`` naming the phase and
+    the culprit; every wait has a deadline.
+    """
     from collective.config import timeouts_from_args, tls_from_args
     from collective.transport.grpc import GrpcChiefLink
     from worker.agent import WorkerAgent
@@ -376,7 +407,9 @@ def resolve_roles(
     chief = chief or (env.get("COLLECTIVE_CHIEF") or "").strip() or None
     source, mpi = "arguments", False
     if rank is None or world_size is None:
-        cluster = None if given("COLLECTIVE_WORLD_SIZE") else from_environment(env)
+        # torchrun with one process: nothing to broadcast (clusterenv wants a chief and a worker).
+        alone = not given("TF_CONFIG") and given("MASTER_ADDR") and (env.get("WORLD_SIZE") or "").strip() == "1"
+        cluster = None if given("COLLECTIVE_WORLD_SIZE") or alone else from_environment(env)
         if given("COLLECTIVE_WORLD_SIZE"):
             source = "COLLECTIVE_*"
             world_size = world_size if world_size is not None else _int_var(env, "COLLECTIVE_WORLD_SIZE")
@@ -389,6 +422,8 @@ def resolve_roles(
             rank = cluster.rank if rank is None else rank
             world_size = cluster.world_size if world_size is None else world_size
             chief = chief or cluster.chief_address
+        elif alone:
+            source, rank, world_size = "torchrun", 0 if rank is None else rank, 1 if world_size is None else world_size
         else:
             pair = next(((r, s) for r, s in _MPI_VARS if given(r) and given(s)), None)
             if pair is not None:
@@ -440,7 +475,28 @@ def sync(
     shm: bool | None = None,
     bind: str | None = None,
 ) -> SyncResult:
-    """Every rank calls it; rank 0 serves ``values`` and trains too; see ``collective.sync``."""
+    """Make every training process hold rank 0's values, bit for bit. SPMD: every rank calls it.
+
+    Rank 0 is the chief and trains too: it serves ``values`` to the other ``world_size - 1``
+    ranks and holds verified copies of them on its own ``devices`` (no network copy). Every
+    other rank receives them, one replica per device; if it passes ``values`` too, those are its
+    *declared* variables (names, shapes, dtypes; their contents are ignored) and any difference
+    from rank 0's fails every rank, naming this rank and listing each difference, before any
+    byte moves. All ranks return once start is released.
+
+    Roles: arguments, else ``COLLECTIVE_RANK`` + ``COLLECTIVE_WORLD_SIZE`` (+ ``COLLECTIVE_CHIEF``,
+    rank 0's ``host:port``), else ``TF_CONFIG`` (a cluster of only workers: worker 0 is rank 0),
+    else torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` (the chief listens on
+    ``MASTER_PORT + 1``), else ``mpiexec`` (``OMPI_COMM_WORLD_*``/``PMI_*``: the round runs over
+    MPI), else a single process (world size 1: copies of ``values``). ``devices``: this
+    process's replicas (default ``COLLECTIVE_DEVICES``, else ``cpu:0``). ``bind``: rank 0's
+    listen address (default ``COLLECTIVE_BIND``, else every interface on the chief's port).
+
+    Returns a ``SyncResult``; ``result.arrays(i)`` is name -> the array on ``devices[i]``.
+    Raises ``UsageError`` for bad roles or values, otherwise the round's ``CollectiveError``
+    (the same one on every rank). Under MPI, a failure of one rank alone aborts the job
+    (``MPI_Abort``), since the other ranks could not leave their collectives otherwise.
+    """
     from collective.keys import parse_devices
 
     roles = resolve_roles(rank, world_size, chief)
@@ -464,7 +520,7 @@ def sync(
         bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or (f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}")
         result = serve(
             source, workers=roles.world_size - 1, bind=bind, devices=devices, trains=True, token=token, tls=tls,
-            timeouts=timeouts, shm=shm, strict_declarations=True,
+            timeouts=timeouts, shm=shm, spmd=True,
         )
         return result
     worker = join(

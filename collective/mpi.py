@@ -99,7 +99,7 @@ def _chief(comm, args, watchdog) -> int:
 
 
 def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_bytes=None, devices=None,
-                   strict_declarations=False):
+                   spmd=False):
     """Rank 0's round: ``ChiefService`` behind the MPI driver; with ``devices``, the chief's own
     replicas too. Returns (service, (store, digest) or None); the outcome is ``service.result()``."""
     from chief.service import ChiefService
@@ -109,7 +109,7 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
 
     service = ChiefService(
         source, comm.size - 1, timeouts=timeouts, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi",
-        heartbeats=False, local_devices=devices, strict_declarations=strict_declarations,
+        heartbeats=False, local_devices=devices, spmd=spmd,
     )
     log.info("chief %s on rank 0; %d worker rank(s)%s", service.incarnation, comm.size - 1,
              "; rank 0 trains too" if devices else "")
@@ -186,7 +186,7 @@ def sync_over_mpi(source, devices, roles, timeouts=None):
         if comm.rank == 0:
             try:
                 service, held = run_chief_rank(comm, source, watchdog, timeouts, devices=devices,
-                                               strict_declarations=True)
+                                               spmd=True)
             except CollectiveError as exc:
                 exc.unannounced = True  # the driver did not carry it: the workers wait in a collective
                 raise

@@ -12,18 +12,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from collective.errors import CollectiveError  # noqa: E402
-from worker.api import join_cluster  # noqa: E402
+import collective  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--chief", default=os.environ.get("COLLECTIVE_CHIEF", "127.0.0.1:50051"))
+    p.add_argument("--chief", default=None, help="HOST:PORT; default COLLECTIVE_CHIEF, TF_CONFIG or torchrun's")
     p.add_argument("--devices", default="cpu:0,cpu:1")
     args = p.parse_args()
     try:
-        result = join_cluster(args.chief, devices=args.devices, token=os.environ.get("COLLECTIVE_TOKEN"))
-    except CollectiveError as exc:
+        # The token, TLS files and timeouts come from COLLECTIVE_*, as for `python -m worker`.
+        result = collective.join(args.chief, devices=args.devices)
+    except collective.CollectiveError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     store = result.variables

@@ -130,3 +130,83 @@ def test_under_mpiexec_a_mismatch_on_rank_2_fails_every_rank_naming_it(tmp_path)
     assert proc.returncode != 0
     assert len(results) == WORLD, proc.stdout + proc.stderr
     assert_everyone_fails_naming_rank_2(results, "mpi-rank-2")
+
+
+def test_collective_mpi_with_chief_trains_verifies_rank_0s_own_replicas(tmp_path):
+    from tests.integration.test_mpi import last_json, mpirun
+
+    proc = mpirun(3, "--chief-trains", "--devices-per-worker", "2", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = last_json(proc.stdout)
+    assert summary["ok"] and summary["chief_replicas"]["devices"] == ["cpu:0", "cpu:1"]
+    assert {w["digest"] for w in summary["workers"]} == {summary["chief_replicas"]["digest"]}
+    assert "the chief's own replicas (training rank 0" in proc.stderr
+
+    plain = last_json(mpirun(3, "--json").stdout)
+    assert plain["ok"] and "chief_replicas" not in plain  # off by default for the command
+
+
+def test_serve_and_join_in_one_process_off_the_main_thread(monkeypatch):
+    """serve() off the main thread installs no signal handlers (Python forbids it there) and is
+    sized from COLLECTIVE_WORKERS like the command; join() takes the chief it reports."""
+    import numpy as np
+
+    import collective
+    from tests.conftest import run_threads
+
+    monkeypatch.setenv("COLLECTIVE_WORKERS", "2")
+    arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, np.int8)}
+    t = collective.Timeouts(join=20, ready=20, start=20, linger=1, heartbeat=1, lease=10)
+    listening: list = []
+    port_known = __import__("threading").Event()
+
+    def on_listening(address, port):
+        listening.append(port)
+        port_known.set()
+
+    def worker(name):
+        assert port_known.wait(20)
+        return collective.join(f"127.0.0.1:{listening[0]}", worker_id=name, devices="cpu:0", timeouts=t,
+                               relay_host=None)
+
+    chief, w1, w2 = run_threads([
+        lambda: collective.serve(arrays, bind="127.0.0.1:0", devices="cpu:0,cpu:1", timeouts=t, shm=False,
+                                 on_listening=on_listening),
+        lambda: worker("a"), lambda: worker("b"),
+    ], timeout=60)
+    for r in (chief, w1, w2):
+        assert not isinstance(r, BaseException), r
+    assert chief.summary["ok"] and len(chief.summary["workers"]) == 2 and chief.world_size == 3
+    for i in range(2):
+        assert {k: v.tobytes() for k, v in chief.arrays(i).items()} == {k: v.tobytes() for k, v in arrays.items()}
+    assert w1.variables.get("w").replicas[0].tobytes() == arrays["w"].tobytes()
+
+
+SERVE_ON_MAIN = """
+import sys, collective
+try:
+    collective.serve("mlp", workers=1, bind="127.0.0.1:0", timeouts=collective.Timeouts(join=60),
+                     on_listening=lambda address, port: print("listening", port, flush=True))
+except collective.AbortedError as exc:
+    print("aborted:", exc, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_serve_on_the_main_thread_turns_sigint_into_an_aborted_round(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE_ON_MAIN)
+    proc = Proc([str(script)], tmp_path / "serve.log")
+    try:
+        deadline = time.monotonic() + 60
+        while "listening" not in proc.output():
+            assert time.monotonic() < deadline and proc.proc.poll() is None, proc.output()
+            time.sleep(0.05)
+        proc.signal(signal.SIGINT)
+        assert proc.wait(30) == 3, proc.output()
+        assert "aborted: chief shutting down (SIGINT)" in proc.output()
+    finally:
+        proc.kill()
