@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# The three frameworks of the hand-off tests (CPU builds, ~1.9 GB): only `make test` needs them.
+# The three frameworks of the hand-off tests (CPU builds, ~2.7 GB): only `make test` needs them.
 FRAMEWORKS := $(VENV)/.frameworks
 
 .PHONY: demo test lint proto install frameworks clean certs soak
