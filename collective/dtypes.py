@@ -80,6 +80,13 @@ def by_name(text: str) -> np.dtype | None:
     return _extended()[text] if text in EXTENDED else None
 
 
+def is_ml_dtypes_name(text: str) -> bool:
+    """True for the name of any ``ml_dtypes`` type (``float4_e2m1fn``, ``int4``...), supported or not."""
+    import ml_dtypes
+
+    return isinstance(getattr(ml_dtypes, text, None), type)
+
+
 def finfo(dtype: np.dtype):
     """``np.finfo`` that knows the extended types."""
     if is_extended(dtype):

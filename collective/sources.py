@@ -192,6 +192,8 @@ def _parse_dtype(value: object) -> np.dtype:
             warnings.simplefilter("error")  # deprecated aliases count as unknown
             dtype = np.dtype(value.strip())
     except (TypeError, ValueError, Warning) as exc:
+        if dtypemod.is_ml_dtypes_name(value.strip()):  # numpy knows it only once ml_dtypes is imported
+            raise _Problem(f"unsupported dtype {value.strip()!r}; {_KINDS_HINT}") from exc
         raise _Problem(f"unknown dtype {value!r}; {_KINDS_HINT}") from exc
     problem = _dtype_problem(dtype)
     if problem:

@@ -401,7 +401,7 @@ GOOD = var("dense/kernel", (4, 2), "float32", "glorot_uniform")
 BAD_ENTRIES = [
     ({"dtype": "flaot32"}, "variable 'dense/kernel': unknown dtype 'flaot32'"),
     ({"dtype": "bfloat17"}, "variable 'dense/kernel': unknown dtype 'bfloat17'"),
-    ({"dtype": "float4_e2m1fn"}, "dtype 'float4_e2m1fn'; use bool"),  # unknown, or unsupported once ml_dtypes is imported
+    ({"dtype": "float4_e2m1fn"}, "variable 'dense/kernel': unsupported dtype 'float4_e2m1fn'; use bool"),
     ({"dtype": "object"}, "variable 'dense/kernel': unsupported dtype 'object'"),
     ({"dtype": "U5"}, "variable 'dense/kernel': unsupported dtype"),
     ({"dtype": "S3"}, "variable 'dense/kernel': unsupported dtype"),
