@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The three frameworks of the hand-off tests (CPU builds, ~2.7 GB): only `make test` needs them.
+FRAMEWORKS := $(VENV)/.frameworks
 
-.PHONY: demo test lint proto install clean certs soak
+.PHONY: demo test lint proto install frameworks clean certs soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,14 +14,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,mpi]'
 	touch $(STAMP)
 
+$(FRAMEWORKS): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,mpi,torch,jax,tf]'
+	touch $(FRAMEWORKS)
+
 install: $(STAMP)
+
+frameworks: $(FRAMEWORKS)
 
 demo: $(STAMP)
 	$(VENV)/bin/collective launch --workers 3
 
-test: $(STAMP)
+test: $(FRAMEWORKS)
 	bash scripts/install-test-deps.sh
-	$(PY) -m pytest -q
+	COLLECTIVE_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -q
 
 soak: $(STAMP)
 	$(PY) tests/soak.py --rounds 120

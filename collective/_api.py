@@ -83,7 +83,9 @@ class ArraysSource:
             self._arrays[name] = a
 
     def specs(self) -> list[VariableSpec]:
-        return [VariableSpec(n, tuple(a.shape), a.dtype.str) for n, a in self._arrays.items()]
+        from collective.dtypes import wire
+
+        return [VariableSpec(n, tuple(a.shape), wire(a.dtype)) for n, a in self._arrays.items()]
 
     def fill(self, spec: VariableSpec, out: np.ndarray) -> None:
         out[...] = self._arrays[spec.name]

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from collective import dtypes
 from collective.errors import InvalidVariableError, ModelError
 
 
@@ -57,7 +58,8 @@ class Aggregation(_ParsedEnum):
 class VariableSpec:
     """Everything about a variable except its value.
 
-    ``dtype`` is numpy's ``dtype.str`` (for example ``"<f4"``), so byte order is explicit.
+    ``dtype`` is numpy's ``dtype.str`` (for example ``"<f4"``), so byte order is explicit, or
+    the name of an ``ml_dtypes`` type (``"bfloat16"``, ``"float8_e4m3fn"``; see collective.dtypes).
     ``trainable=None`` means the default: True unless the variable is sync-on-read.
     """
 
@@ -70,7 +72,7 @@ class VariableSpec:
 
     @property
     def np_dtype(self) -> np.dtype:
-        return np.dtype(self.dtype)
+        return dtypes.from_wire(self.dtype)
 
     @property
     def size(self) -> int:
@@ -136,7 +138,7 @@ def _shape_text(spec: VariableSpec) -> str:
 
 def _dtype_name(text: str) -> str:
     try:
-        return np.dtype(text).name
+        return dtypes.from_wire(text).name
     except (TypeError, ValueError, SyntaxError):
         return text
 
@@ -158,7 +160,7 @@ def spec_problem(spec: VariableSpec) -> str | None:
             f"{name[exc.start]!r} at character {exc.start}); rename it"
         )
     try:
-        itemsize = np.dtype(spec.dtype).itemsize
+        itemsize = dtypes.from_wire(spec.dtype).itemsize
     except (TypeError, ValueError, SyntaxError):
         return f"variable {name!r}: dtype {spec.dtype!r} is not a numpy dtype"
     shape = tuple(spec.shape)

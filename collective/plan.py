@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from collective import dtypes
 from collective import keys as keymod
 from collective._proto import collective_pb2 as pb
 from collective.digest import bytes_digest, chunk_digests, combined_digest
@@ -233,7 +234,10 @@ def validate_plan(plan: pb.Plan) -> None:
 
 
 def _dtype_allowed(text: str) -> bool:
-    # Only numpy's canonical ``dtype.str`` forms (``<f4``, ``|b1``) of plain numbers are accepted.
+    # Only numpy's canonical ``dtype.str`` forms (``<f4``, ``|b1``) of plain numbers are accepted,
+    # and the names of the extended types (``bfloat16``, ``float8_e4m3fn``: collective.dtypes).
+    if text in dtypes.EXTENDED:
+        return True
     if not _CANONICAL_DTYPE.fullmatch(text):
         return False
     try:
@@ -263,16 +267,16 @@ def _variables_valid(plan: pb.Plan) -> bool:
         return False
     if not {v.group_key for v in vs} <= {g.group_key for g in plan.groups}:
         return False
-    dtypes = [v.dtype for v in vs]
+    texts = [v.dtype for v in vs]
     itemsize = {}
-    for text in set(dtypes):
+    for text in set(texts):
         if not _dtype_allowed(text):
             return False
-        itemsize[text] = np.dtype(text).itemsize
+        itemsize[text] = dtypes.from_wire(text).itemsize
     if not all(_modes_allowed(s, a) for s, a in {(v.synchronization, v.aggregation) for v in vs}):
         return False
     end = 0
-    for v, dtype in zip(vs, dtypes, strict=True):
+    for v, dtype in zip(vs, texts, strict=True):
         shape, offset, nbytes = v.shape, v.offset, v.nbytes
         if (shape and min(shape) < 0) or math.prod(shape) * itemsize[dtype] != nbytes or offset < end:
             return False
@@ -294,21 +298,22 @@ def _explain_invalid_variables(plan: pb.Plan) -> None:
             raise ProtocolError(f"{where}: instance key {v.instance_key} is used twice")
         if v.group_key not in group_keys:
             raise ProtocolError(f"{where}: group key {v.group_key} is not a group of the plan")
-        # Only numpy's canonical ``dtype.str`` forms (``<f4``, ``|b1``) are accepted on the wire.
-        if not _CANONICAL_DTYPE.fullmatch(v.dtype):
+        # Only numpy's canonical ``dtype.str`` forms (``<f4``, ``|b1``) and the extended types'
+        # names (``bfloat16``) are accepted on the wire.
+        if v.dtype not in dtypes.EXTENDED and not _CANONICAL_DTYPE.fullmatch(v.dtype):
             raise ProtocolError(f"{where}: invalid dtype {v.dtype!r}")
         try:
-            dt = np.dtype(v.dtype)
+            dt = dtypes.from_wire(v.dtype)
         except (TypeError, ValueError, SyntaxError) as exc:
             raise ProtocolError(f"{where}: invalid dtype {v.dtype!r}") from exc
-        if dt.str != v.dtype:
+        if dtypes.wire(dt) != v.dtype:
             raise ProtocolError(f"{where}: dtype {v.dtype!r} is not in numpy's canonical form {dt.str!r}")
         try:
             Synchronization.parse(v.synchronization, variable=v.name)
             Aggregation.parse(v.aggregation, variable=v.name)
         except ValueError as exc:
             raise ProtocolError(f"{where}: {exc}") from exc
-        if dt.kind not in _ALLOWED_KINDS or dt.fields is not None:
+        if (dt.kind not in _ALLOWED_KINDS and not dtypes.is_extended(dt)) or dt.fields is not None:
             raise ProtocolError(f"{where}: dtype {v.dtype!r} is not allowed on the wire")
         if any(d < 0 for d in v.shape):
             raise ProtocolError(f"{where}: negative dimension in shape {tuple(v.shape)}")

@@ -7,6 +7,14 @@
   seeded initializers;
 * a ``.npz`` archive (``numpy.savez``) or a ``.safetensors`` file, whose arrays are the values.
 
+bfloat16 and float8 values (``ml_dtypes``; see ``collective.dtypes``) come from safetensors
+(``BF16``, ``F8_E4M3``, ``F8_E5M2``...), from specs (``dtype: bfloat16``) and from .npz archives.
+numpy writes an ``ml_dtypes`` array into a .npy member as raw void bytes (``<V2``), losing its
+type, so an archive names the types of such members in a ``__dtypes__`` member (a unicode
+scalar holding a JSON object ``{"name": "bfloat16"}``), as ``save_npz`` writes it; the member's
+bytes stay plain raw void that any numpy reads. A raw void member without such an entry is
+refused.
+
 Every source validates its input in ``specs()``, which ``load_source`` calls eagerly, so a bad
 file fails at load time with one ``ModelError`` line naming the file and the entry at fault.
 ``fill(spec, out)`` then writes one variable's value into a caller-provided C-contiguous buffer
@@ -40,6 +48,7 @@ import numpy as np
 import xxhash
 import yaml
 
+from collective import dtypes as dtypemod
 from collective.errors import ModelError
 from collective.model import Aggregation, ModelSource, Synchronization, VariableSpec, validate_model
 
@@ -57,6 +66,7 @@ __all__ = [
     "load_source",
     "preset_document",
     "preset_names",
+    "save_npz",
     "variable_rng",
 ]
 
@@ -75,7 +85,10 @@ RANDOM_BLOCK_ELEMENTS = 1 << 20
 _IO_CHUNK_BYTES = 1 << 20
 _SAFETENSORS_MAX_HEADER = 100_000_000  # the limit the safetensors library enforces
 
-_KINDS_HINT = "use bool, int8..int64, uint8..uint64, float16, float32, float64, complex64 or complex128"
+_KINDS_HINT = (
+    "use bool, int8..int64, uint8..uint64, float16, bfloat16, float32, float64, complex64, "
+    f"complex128 or {', '.join(dtypemod.EXTENDED[1:])}"
+)
 
 
 def preset_names() -> tuple[str, ...]:
@@ -158,6 +171,8 @@ def _check_seed(value: object, *, where: str) -> int:
 
 def _dtype_problem(dtype: np.dtype) -> str | None:
     """Why ``dtype`` cannot be a variable dtype, or None when it can."""
+    if dtypemod.is_extended(dtype):
+        return None
     if dtype.fields is not None or dtype.subdtype is not None:
         return f"unsupported dtype {dtype.str!r} (structured or sub-array); {_KINDS_HINT}"
     if dtype.kind not in "biufc":
@@ -171,11 +186,16 @@ def _dtype_problem(dtype: np.dtype) -> str | None:
 def _parse_dtype(value: object) -> np.dtype:
     if not isinstance(value, str) or not value.strip():
         raise _Problem(f"dtype must be a numpy dtype name such as 'float32', not {value!r}")
+    extended = dtypemod.by_name(value.strip())
+    if extended is not None:
+        return extended
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # deprecated aliases count as unknown
             dtype = np.dtype(value.strip())
     except (TypeError, ValueError, Warning) as exc:
+        if dtypemod.is_ml_dtypes_name(value.strip()):  # numpy knows it only once ml_dtypes is imported
+            raise _Problem(f"unsupported dtype {value.strip()!r}; {_KINDS_HINT}") from exc
         raise _Problem(f"unknown dtype {value!r}; {_KINDS_HINT}") from exc
     problem = _dtype_problem(dtype)
     if problem:
@@ -206,7 +226,7 @@ def _check_out(label: str, spec: VariableSpec, out: np.ndarray) -> None:
         raise ValueError(f"{label}: variable {spec.name!r}: out must be a numpy array")
     if out.shape != spec.shape or out.dtype != spec.np_dtype:
         raise ValueError(
-            f"{label}: variable {spec.name!r}: out is {out.shape} {out.dtype.str}, "
+            f"{label}: variable {spec.name!r}: out is {out.shape} {dtypemod.wire(out.dtype)}, "
             f"expected {spec.shape} {spec.dtype}"
         )
     if not out.flags.c_contiguous or not out.flags.writeable:
@@ -379,7 +399,7 @@ def _constant_value(dtype: np.dtype, value: object) -> Any:
         number = float(value)  # type: ignore[arg-type]
     except OverflowError as exc:
         raise _Problem(bad) from exc
-    if math.isfinite(number) and abs(number) > float(np.finfo(dtype).max):
+    if math.isfinite(number) and abs(number) > float(dtypemod.finfo(dtype).max):
         raise _Problem(bad)
     return number
 
@@ -408,7 +428,7 @@ def _parse_initializer(value: object, shape: tuple[int, ...], dtype: np.dtype) -
         if key not in allowed:
             hint = f"use {', '.join(allowed)}" if allowed else "it takes no parameters"
             raise _Problem(f"initializer {name!r}: unknown parameter {key!r}; {hint}")
-    if name in _RANDOM_INITIALIZERS and dtype.kind != "f":
+    if name in _RANDOM_INITIALIZERS and not dtypemod.is_float(dtype):
         raise _Problem(f"initializer {name!r} needs a float dtype, not {dtype.name}")
 
     if name in ("zeros", "ones"):
@@ -418,7 +438,7 @@ def _parse_initializer(value: object, shape: tuple[int, ...], dtype: np.dtype) -
             raise _Problem("initializer 'constant' needs a 'value'")
         return Initializer(name, "constant", value=_constant_value(dtype, params["value"]))
 
-    largest = float(np.finfo(dtype).max)
+    largest = float(dtypemod.finfo(dtype).max)
     gen_largest = float(np.finfo(np.float64 if dtype.itemsize == 8 else np.float32).max)
 
     def representable(key: str, number: float, limit: float = largest) -> float:
@@ -505,7 +525,7 @@ def _parse_entry(index: int, entry: object) -> _SpecEntry:
             raise _Problem("an on_read (sync-on-read) variable cannot be trainable")
     except _Problem as exc:
         raise _Problem(f"{where}: {exc}") from exc
-    spec = VariableSpec(name, shape, dtype.str, sync, agg, trainable)  # type: ignore[arg-type]
+    spec = VariableSpec(name, shape, dtypemod.wire(dtype), sync, agg, trainable)  # type: ignore[arg-type]
     return _SpecEntry(spec, initializer)
 
 
@@ -822,6 +842,67 @@ class _NpzEntry:
     member: str
     fortran_order: bool
     spec: VariableSpec
+    stored: str  # the member's header dtype (``<V2`` for a bfloat16 stored as raw void)
+
+
+NPZ_DTYPES_MEMBER = "__dtypes__"
+"""The .npz member naming the ``ml_dtypes`` types of raw void members (see the module doc)."""
+
+
+def save_npz(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], *, compress: bool = False) -> None:
+    """``numpy.savez`` of ``arrays`` plus the ``__dtypes__`` member that keeps their bfloat16 /
+    float8 types (numpy stores those bytes as raw void)."""
+    members = {name: np.asarray(a) for name, a in arrays.items()}
+    if NPZ_DTYPES_MEMBER in members:
+        raise ValueError(f"{NPZ_DTYPES_MEMBER!r} is reserved for the types of bfloat16/float8 arrays")
+    types = {name: a.dtype.name for name, a in members.items() if dtypemod.is_extended(a.dtype)}
+    for name in types:  # raw void: numpy cannot read back some of these types' own headers (<f1)
+        a = members[name]
+        members[name] = np.ascontiguousarray(a).view(np.dtype((np.void, a.dtype.itemsize)))
+    if types:
+        members[NPZ_DTYPES_MEMBER] = np.array(json.dumps(types, sort_keys=True))
+    (np.savez_compressed if compress else np.savez)(path, **members)  # type: ignore[arg-type]
+
+
+def _npz_types(archive: zipfile.ZipFile, label: str) -> dict[str, np.dtype]:
+    """The ``__dtypes__`` member's mapping of member name -> extended dtype (empty if absent)."""
+    member = NPZ_DTYPES_MEMBER + ".npy"
+    if member not in archive.namelist():
+        return {}
+    where = f"{label}: member {member!r}"
+    try:
+        with archive.open(member) as f:
+            value = np.lib.format.read_array(f, allow_pickle=False)
+        if value.dtype.kind != "U" or value.shape != ():
+            raise ValueError(f"expected a unicode scalar, not {value.shape} {value.dtype}")
+        types = json.loads(str(value[()]), object_pairs_hook=_no_duplicate_pairs)
+        if not isinstance(types, dict):
+            raise ValueError("expected a JSON object of name -> dtype")
+    except (*_NPZ_READ_ERRORS, _Problem, json.JSONDecodeError) as exc:
+        raise ModelError(f"{where}: {_one_line(str(exc))}") from exc
+    out = {}
+    for name, text in types.items():
+        dtype = dtypemod.by_name(text) if isinstance(text, str) else None
+        if dtype is None:
+            raise ModelError(f"{where}: array {name!r}: unknown type {text!r}; use one of {', '.join(dtypemod.EXTENDED)}")
+        out[name] = dtype
+    return out
+
+
+def _npz_member_dtype(stored: np.dtype, name: str, types: Mapping[str, np.dtype]) -> np.dtype:
+    """The variable dtype of a member whose header says ``stored``."""
+    declared = types.get(name)
+    if declared is None:
+        if stored.kind == "V" and stored.fields is None and not dtypemod.is_extended(stored):
+            raise _Problem(
+                f"raw void dtype {stored.str!r} has no type: numpy stores bfloat16/float8 arrays "
+                f"this way; name the type in a {NPZ_DTYPES_MEMBER!r} member "
+                f"(collective.sources.save_npz writes it)"
+            )
+        return stored
+    if stored.kind != "V" or stored.fields is not None or stored.itemsize != declared.itemsize:
+        raise _Problem(f"{NPZ_DTYPES_MEMBER} says {declared.name} but the array is stored as {stored.str!r}")
+    return declared
 
 
 class NpzSource:
@@ -853,8 +934,11 @@ class NpzSource:
             raise ModelError(f"{label}: cannot read .npz archive: {message}") from exc
         entries: dict[str, _NpzEntry] = {}
         with archive:
+            types = _npz_types(archive, label)
             for info in archive.infolist():
                 member = info.filename
+                if types and member == NPZ_DTYPES_MEMBER + ".npy":
+                    continue
                 if not member.endswith(".npy"):
                     raise ModelError(f"{label}: member {member!r} is not a .npy array")
                 name = member[: -len(".npy")]
@@ -868,11 +952,18 @@ class NpzSource:
                         shape, fortran_order, dtype = _read_npy_header(f)
                 except _NPZ_READ_ERRORS as exc:
                     raise ModelError(f"{where}: corrupt .npy header ({_one_line(str(exc))})") from exc
-                problem = _dtype_problem(dtype)
+                try:
+                    value_dtype = _npz_member_dtype(dtype, name, types)
+                except _Problem as exc:
+                    raise ModelError(f"{where}: {exc}") from exc
+                problem = _dtype_problem(value_dtype)
                 if problem:
                     raise ModelError(f"{where}: {problem}")
-                spec = VariableSpec(name, tuple(int(d) for d in shape), dtype.str)
-                entries[name] = _NpzEntry(member, bool(fortran_order), spec)
+                spec = VariableSpec(name, tuple(int(d) for d in shape), dtypemod.wire(value_dtype))
+                entries[name] = _NpzEntry(member, bool(fortran_order), spec, dtype.str)
+            unknown = sorted(set(types) - set(entries))
+            if unknown:
+                raise ModelError(f"{label}: {NPZ_DTYPES_MEMBER} names arrays the archive lacks: {', '.join(unknown)}")
         if not entries:
             raise ModelError(f"{label}: the archive holds no arrays")
         return entries
@@ -889,7 +980,7 @@ class NpzSource:
         try:
             with zipfile.ZipFile(self.path) as archive, archive.open(entry.member) as f:
                 shape, fortran_order, dtype = _read_npy_header(f)
-                if tuple(shape) != entry.spec.shape or dtype.str != entry.spec.dtype:
+                if tuple(shape) != entry.spec.shape or dtype.str != entry.stored:
                     raise ModelError(f"{where}: the file changed since it was loaded")
                 if fortran_order and out.ndim > 1 and out.size:
                     _read_fortran_order(f, out)
@@ -914,6 +1005,7 @@ _SAFETENSORS_DTYPES: dict[str, str] = {
     "I64": "<i8",
     "F64": "<f8",
     "C64": "<c8",
+    **dtypemod.SAFETENSORS_CODES,
 }
 
 
@@ -1022,10 +1114,7 @@ class SafetensorsSource:
         if not isinstance(code, str):
             raise _Problem(f"missing or invalid dtype {code!r}")
         if code not in _SAFETENSORS_DTYPES:
-            hint = " (numpy has no bfloat16)" if code == "BF16" else ""
-            raise _Problem(
-                f"dtype {code!r} is not supported{hint}; use one of {', '.join(_SAFETENSORS_DTYPES)}"
-            )
+            raise _Problem(f"dtype {code!r} is not supported; use one of {', '.join(_SAFETENSORS_DTYPES)}")
         if "shape" not in info:
             raise _Problem("missing shape")
         shape = _parse_shape(info["shape"])
@@ -1038,14 +1127,14 @@ class SafetensorsSource:
         ):
             raise _Problem(f"invalid data_offsets {offsets!r}")
         begin, end = offsets
-        dtype = np.dtype(_SAFETENSORS_DTYPES[code])
+        dtype = dtypemod.from_wire(_SAFETENSORS_DTYPES[code])
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
             raise _Problem(
                 f"data_offsets {offsets!r} span {end - begin} bytes but shape {list(shape)} {code} "
                 f"needs {nbytes}"
             )
-        return VariableSpec(name, shape, dtype.str), begin, end
+        return VariableSpec(name, shape, dtypemod.wire(dtype)), begin, end
 
     def specs(self) -> list[VariableSpec]:
         return [entry.spec for entry in self._parsed().values()]

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from collective import dtypes
 from collective.errors import FrozenError, InvalidVariableError
 from collective.model import Aggregation, Synchronization, VariableSpec
 
@@ -75,6 +76,8 @@ def _shape_text(shape: tuple[int, ...]) -> str:
 def _values_equal(a: np.ndarray, b: np.ndarray) -> bool:
     # equal_nan: replicas holding NaN in the same places hold the same value. It is only
     # meaningful (and only accepted by numpy) for inexact dtypes.
+    if dtypes.is_extended(a.dtype):  # bfloat16/float8: compare as float32 (exact widening)
+        a, b = a.astype(np.float32), np.asarray(b).astype(np.float32)
     return bool(np.array_equal(a, b, equal_nan=np.issubdtype(a.dtype, np.inexact)))
 
 
@@ -153,7 +156,7 @@ class DistributedVariable(abc.ABC):
         return VariableSpec(
             name=self._name,
             shape=self.shape,
-            dtype=self.dtype.str,
+            dtype=dtypes.wire(self.dtype),
             synchronization=self.synchronization,
             aggregation=self._aggregation,
             trainable=self._trainable,
@@ -558,7 +561,7 @@ def _initial_array(name: str, initial_value: object) -> tuple[object, np.ndarray
         array = np.asarray(initial_value)
     except (ValueError, TypeError) as exc:
         raise _fail(name, f"the initial value is not an array: {exc}") from exc
-    if array.dtype.kind not in _NUMERIC_KINDS:
+    if array.dtype.kind not in _NUMERIC_KINDS and not dtypes.is_extended(array.dtype):
         raise _fail(name, f"the initial value must be numeric or boolean, got dtype {array.dtype}")
     return initial_value, array
 

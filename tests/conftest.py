@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from collective import dtypes
 from collective.config import Timeouts
 from collective.model import VariableSpec
 
@@ -21,7 +22,7 @@ class ArraySource:
     description: str = "test arrays"
 
     def specs(self) -> list[VariableSpec]:
-        return [VariableSpec(n, tuple(a.shape), a.dtype.str) for n, a in self.arrays.items()]
+        return [VariableSpec(n, tuple(a.shape), dtypes.wire(a.dtype)) for n, a in self.arrays.items()]
 
     def fill(self, spec: VariableSpec, out: np.ndarray) -> None:
         out[...] = self.arrays[spec.name]

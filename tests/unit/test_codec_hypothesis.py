@@ -1,6 +1,7 @@
 """Property tests of the wire codec: plan -> Chunker -> protobuf bytes -> Receiver.
 
-Arbitrary arrays of every allowed dtype round-trip byte for byte; arbitrary damage to the
+Arbitrary arrays of every allowed dtype round-trip byte for byte (bfloat16 and float8 as
+arbitrary bit patterns, so NaN payloads and negative zeros included); arbitrary damage to the
 serialized stream is rejected with the project's errors (or protobuf's DecodeError) only, and
 the Receiver never writes outside the arena it was given.
 """
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from chief.service import materialize
+from collective import dtypes
 from collective._proto import collective_pb2 as pb
 from collective.digest import array_digest, chunk_digests
 from collective.errors import IntegrityError, ProtocolError
@@ -30,6 +32,7 @@ SENTINEL = 0x5A
 
 _CODES = ["i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"]
 DTYPES = [np.dtype("?")] + [np.dtype(o + c) for o in "<>" for c in _CODES]
+EXTENDED = [dtypes.from_wire(name) for name in dtypes.EXTENDED]
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -47,8 +50,11 @@ def _views(a: np.ndarray) -> list[np.ndarray]:
 
 @st.composite
 def source_arrays(draw) -> np.ndarray:
-    dtype = draw(st.sampled_from(DTYPES))
+    dtype = draw(st.sampled_from(DTYPES + EXTENDED))
     shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5))
+    if dtypes.is_extended(dtype):  # any bit pattern: NaN payloads, -0.0, infinities, subnormals
+        bits = draw(hnp.arrays(np.dtype(f"<u{dtype.itemsize}"), shape))
+        return draw(st.sampled_from(_views(bits.view(dtype))))
     fill = None
     if dtype.kind in "fc":  # make NaN, infinities and -0.0 common, not just possible
         fill = st.sampled_from([np.nan, -0.0, 0.0, np.inf, -np.inf]).map(dtype.type)
@@ -86,6 +92,8 @@ def guards_intact(buf: np.ndarray) -> bool:
         np.zeros((0, 3), ">c16"),
         np.arange(12, dtype=">i8").reshape(3, 4).T,
         np.array([True, False]),
+        np.array([0x7FC3, 0xFFC1, 0x8000, 0x7F80, 0x0001], "<u2").view(EXTENDED[0]),  # bf16 NaN payloads
+        np.array([0x7F, 0xFF, 0x80, 0x01], "u1").view(EXTENDED[1]),  # float8_e4m3fn NaNs, -0
     ],
     chunk_bytes=1,
 )
@@ -113,7 +121,7 @@ def test_any_arrays_reach_the_worker_arena_byte_for_byte(arrays, chunk_bytes):
         expected = np.ascontiguousarray(original).tobytes()
         assert arena[v.offset : v.offset + v.nbytes].tobytes() == expected
         assert v.digest == array_digest(original)
-        assert tuple(v.shape) == original.shape and v.dtype == original.dtype.str
+        assert tuple(v.shape) == original.shape and v.dtype == dtypes.wire(original.dtype)
 
 
 # --- damaged streams are rejected with the project's errors only -------------------------------

@@ -407,7 +407,8 @@ GOOD = var("dense/kernel", (4, 2), "float32", "glorot_uniform")
 
 BAD_ENTRIES = [
     ({"dtype": "flaot32"}, "variable 'dense/kernel': unknown dtype 'flaot32'"),
-    ({"dtype": "bfloat16"}, "variable 'dense/kernel': unknown dtype 'bfloat16'"),
+    ({"dtype": "bfloat17"}, "variable 'dense/kernel': unknown dtype 'bfloat17'"),
+    ({"dtype": "float4_e2m1fn"}, "variable 'dense/kernel': unsupported dtype 'float4_e2m1fn'; use bool"),
     ({"dtype": "object"}, "variable 'dense/kernel': unsupported dtype 'object'"),
     ({"dtype": "U5"}, "variable 'dense/kernel': unsupported dtype"),
     ({"dtype": "S3"}, "variable 'dense/kernel': unsupported dtype"),
@@ -812,19 +813,20 @@ def test_safetensors_big_endian_input_is_stored_little_endian(tmp_path):
     assert got.dtype.str == "<f4" and got.tolist() == [0.0, 1.0, 2.0]
 
 
-def test_safetensors_bf16_names_the_tensor(tmp_path):
+def test_safetensors_unsupported_dtype_names_the_tensor(tmp_path):
     header = {
         "ok": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-        "model.norm.weight": {"dtype": "BF16", "shape": [2], "data_offsets": [4, 8]},
+        "model.norm.weight": {"dtype": "F4", "shape": [2], "data_offsets": [4, 8]},
     }
     path = write_safetensors(tmp_path / "weights.safetensors", header, b"\0" * 8)
-    raises_model_error(path, "weights.safetensors: tensor 'model.norm.weight': dtype 'BF16' is not supported")
+    raises_model_error(path, "weights.safetensors: tensor 'model.norm.weight': dtype 'F4' is not supported")
 
 
 @pytest.mark.parametrize(
     ("header", "data", "expected"),
     [
-        ({"a": {"dtype": "F8_E4M3", "shape": [1], "data_offsets": [0, 1]}}, b"\0", "tensor 'a': dtype 'F8_E4M3'"),
+        ({"a": {"dtype": "F6_E3M2", "shape": [1], "data_offsets": [0, 1]}}, b"\0", "tensor 'a': dtype 'F6_E3M2'"),
+        ({"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2, "tensor 'a': data_offsets [0, 2] span 2 bytes but shape [2] BF16 needs 4"),
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "tensor 'a': data_offsets [0, 4] span 4 bytes"),
         ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4, "tensor 'a': shape [-1]"),
         ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4, "tensor 'a': invalid data_offsets"),

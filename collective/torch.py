@@ -1,0 +1,134 @@
+"""PyTorch hand-off: every rank's module starts from rank 0's parameters and buffers.
+
+::
+
+    import collective.torch
+    model = Net()                                   # each rank initialises its own
+    collective.torch.sync_module(model)             # now every rank holds rank 0's values
+    ddp = DistributedDataParallel(model, init_sync=False)   # no second broadcast
+
+``sync_module`` reads the module's ``state_dict()`` (names, shapes, dtypes: the declaration of
+every rank, so a rank whose model differs fails with every difference listed before any byte
+moves), calls ``collective.sync`` with it and writes the verified values back into the very
+tensors of the module, in place (optimizers built before keep working):
+
+* a CPU tensor takes the received replica's memory (``torch.from_numpy``: zero-copy; the arena
+  is this process's own copy-on-write or private memory);
+* a device tensor (``cuda:i``, ``mps``) gets a copy, read back and checked against the
+  variable's digest (a device that corrupted the copy is an IntegrityError naming it).
+
+Works the same under ``torchrun`` (roles from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``; the
+chief listens at ``MASTER_PORT + 1``), ``mpiexec`` and ``COLLECTIVE_*``. bfloat16 and float8
+tensors travel as ``ml_dtypes`` arrays, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+import collective
+from collective import dtypes
+from collective.digest import array_digest
+from collective.errors import IntegrityError, UsageError
+
+__all__ = ["sync_module", "state_arrays", "load_arrays", "module_device"]
+
+# torch dtypes numpy has no type for: the ml_dtypes type of the same bits, and the integer
+# type of the same size through which the bits cross (torch.from_numpy knows no ml_dtypes).
+_EXTENDED = {
+    "bfloat16": ("bfloat16", np.int16),
+    "float8_e4m3fn": ("float8_e4m3fn", np.uint8),
+    "float8_e4m3fnuz": ("float8_e4m3fnuz", np.uint8),
+    "float8_e5m2": ("float8_e5m2", np.uint8),
+    "float8_e5m2fnuz": ("float8_e5m2fnuz", np.uint8),
+    "float8_e8m0fnu": ("float8_e8m0fnu", np.uint8),
+}
+_TORCH_EXTENDED = {getattr(torch, name): name for name in _EXTENDED if hasattr(torch, name)}
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """The tensor's value as a numpy array (a view for a contiguous CPU tensor; bf16/float8 as
+    their ``ml_dtypes`` type, same bits)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    name = _TORCH_EXTENDED.get(t.dtype)
+    if name is None:
+        return t.numpy()
+    bits = _EXTENDED[name][1]
+    return t.view(torch.int16 if bits is np.int16 else torch.uint8).numpy().view(dtypes.from_wire(name))
+
+
+def from_numpy(a: np.ndarray) -> torch.Tensor:
+    """A CPU tensor sharing ``a``'s memory (bf16/float8 through their integer bits)."""
+    if dtypes.is_extended(a.dtype):
+        name = a.dtype.name
+        torch_dtype = getattr(torch, name, None)
+        if torch_dtype is None:
+            raise UsageError(f"this torch {torch.__version__} has no {name} type")
+        bits = _EXTENDED[name][1]
+        return torch.from_numpy(a.view(bits)).view(torch_dtype)
+    return torch.from_numpy(a)
+
+
+def state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    """``module.state_dict()`` as numpy arrays, in its order (views of CPU tensors)."""
+    return {name: to_numpy(t) for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def module_device(module: torch.nn.Module) -> str:
+    """The collective device name of the module's tensors (``cpu:0``, ``cuda:1``, ``mps:0``);
+    UsageError when they are spread over several devices."""
+    found = {t.device for t in module.state_dict(keep_vars=True).values()}
+    if len(found) > 1:
+        raise UsageError(f"the module's tensors are on several devices ({', '.join(sorted(map(str, found)))}); "
+                         "pass devices= or move the module to one device first")
+    device = next(iter(found), torch.device("cpu"))
+    return f"{device.type}:{device.index or 0}"
+
+
+def load_arrays(module: torch.nn.Module, arrays: Mapping[str, np.ndarray], *, zero_copy: bool = True) -> int:
+    """Write ``arrays`` (name -> value, the names of ``state_dict()``) into the module's own
+    tensors, in place. CPU tensors take the arrays' memory (zero-copy; the number of such
+    tensors is returned); device tensors (and CPU ones with ``zero_copy=False``) get a copy
+    that is read back and checked against the value's digest.
+    """
+    targets = module.state_dict(keep_vars=True)
+    missing = [n for n in targets if n not in arrays]
+    if missing:
+        raise UsageError(f"no value for {len(missing)} tensor(s) of the module: {', '.join(missing[:5])}")
+    shared = 0
+    with torch.no_grad():
+        for name, t in targets.items():
+            a = arrays[name]
+            src = from_numpy(a)
+            if tuple(src.shape) != tuple(t.shape) or src.dtype != t.dtype:
+                raise UsageError(f"{name}: the value is {tuple(src.shape)} {src.dtype}, the module's tensor "
+                                 f"{tuple(t.shape)} {t.dtype}")
+            if zero_copy and t.device.type == "cpu" and a.flags.writeable and a.flags.c_contiguous:
+                t.set_(src)  # the same Parameter/buffer object, now over the verified replica
+                shared += 1
+                continue
+            t.copy_(src)
+            back = to_numpy(t)  # read the device's copy back
+            if array_digest(back) != array_digest(a):
+                raise IntegrityError(f"{name}: the copy on {t.device} differs from the verified value")
+    return shared
+
+
+def sync_module(module: torch.nn.Module, *, devices: Any = None, **sync_kwargs: Any) -> collective.SyncResult:
+    """Make the module's parameters and buffers rank 0's, in place, on every rank.
+
+    Every rank calls it (SPMD). ``devices`` defaults to the module's device; the other keyword
+    arguments go to ``collective.sync`` (``rank``, ``world_size``, ``chief``, ``token``,
+    ``timeouts``...). Returns the ``SyncResult``.
+    """
+    values = state_arrays(module)
+    result = collective.sync(values, devices=devices if devices is not None else module_device(module), **sync_kwargs)
+    load_arrays(module, result.arrays(0))
+    return result

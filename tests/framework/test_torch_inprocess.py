@@ -1,0 +1,96 @@
+"""collective.torch in one process: conversions, in-place loading, sync_module alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.framework.conftest import require
+
+torch = require("torch")
+
+from collective.digest import array_digest  # noqa: E402
+from collective.errors import IntegrityError, UsageError  # noqa: E402
+from collective.torch import (  # noqa: E402
+    from_numpy,
+    load_arrays,
+    module_device,
+    state_arrays,
+    sync_module,
+    to_numpy,
+)
+
+
+def net(seed: int, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    return m.to(dtype)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return to_numpy(t).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_to_numpy_and_back_keep_bits(dtype):
+    t = torch.randn(5, 3).to(dtype)
+    a = to_numpy(t)
+    assert a.tobytes() == t.view(torch.uint8).numpy().tobytes()
+    back = from_numpy(a)
+    assert back.dtype == dtype and back.data_ptr() == a.ctypes.data  # shares memory
+
+
+def test_state_arrays_names_params_and_buffers_in_state_dict_order():
+    m = net(0)
+    arrays = state_arrays(m)
+    assert list(arrays) == list(m.state_dict())
+    assert "1.running_mean" in arrays and "1.num_batches_tracked" in arrays
+
+
+def test_load_arrays_zero_copy_keeps_the_parameter_objects():
+    a, b = net(1, torch.bfloat16), net(2, torch.bfloat16)
+    params = list(a.parameters())
+    optimizer = torch.optim.SGD(a.parameters(), lr=0.1)
+    source = {k: v.copy() for k, v in state_arrays(b).items()}
+    shared = load_arrays(a, source)
+    assert shared == len(source)
+    assert list(a.parameters()) == params and optimizer.param_groups[0]["params"][0] is params[0]
+    for name, t in a.state_dict().items():
+        assert bits(t) == source[name].tobytes()
+        assert t.data_ptr() == source[name].ctypes.data  # the tensor lives in the replica
+    assert params[0].requires_grad
+
+
+def test_the_copy_path_reads_back_and_checks_what_it_wrote(monkeypatch):
+    a, b = net(1), net(2)
+    source = state_arrays(b)
+    assert load_arrays(a, source, zero_copy=False) == 0
+    assert all(bits(t) == source[n].tobytes() for n, t in a.state_dict().items())
+    # A device that garbles the copy is caught by the read-back.
+    import collective.torch as ct
+
+    real = ct.to_numpy
+    monkeypatch.setattr(ct, "to_numpy", lambda t: real(t) + 1 if t.dtype == torch.float32 else real(t))
+    with pytest.raises(IntegrityError, match=r"0.weight: the copy on cpu differs"):
+        load_arrays(a, state_arrays(net(3)), zero_copy=False)
+
+
+def test_load_arrays_refuses_other_shapes_and_missing_names():
+    a = net(0)
+    arrays = state_arrays(a)
+    with pytest.raises(UsageError, match="no value for 1 tensor"):
+        load_arrays(a, {k: v for k, v in arrays.items() if k != "2.bias"})
+    arrays["2.bias"] = np.zeros(3, np.float32)
+    with pytest.raises(UsageError, match=r"2.bias: the value is \(3,\)"):
+        load_arrays(a, arrays)
+
+
+def test_sync_module_alone_is_verified_and_in_place(monkeypatch):
+    for var in ("COLLECTIVE_WORLD_SIZE", "COLLECTIVE_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    m = net(5, torch.bfloat16)
+    before = {k: bits(v) for k, v in m.state_dict().items()}
+    result = sync_module(m, rank=0, world_size=1)
+    assert result.devices == ["cpu:0"] and module_device(m) == "cpu:0"
+    assert {k: bits(v) for k, v in m.state_dict().items()} == before
+    assert {k: array_digest(a) for k, a in result.arrays(0).items()} == {k: array_digest(to_numpy(v)) for k, v in m.state_dict().items()}
