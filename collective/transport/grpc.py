@@ -86,6 +86,9 @@ def status_code(exc: E.CollectiveError) -> grpc.StatusCode:
 # FetchRaw is not in the .proto: a generic handler with identity serialisation, so a chunk's
 # bytes are not wrapped in (and copied by) a protobuf message on either side.
 RAW_FETCH = f"/{SERVICE}/FetchRaw"
+# DataPath (generic, like FetchRaw) answers the port of the raw TCP data path (``rawtcp``) as
+# ASCII digits, or nothing when this endpoint has none; the token interceptor guards it.
+DATA_PATH = f"/{SERVICE}/DataPath"
 _LEN = struct.Struct("<I")
 
 
@@ -325,6 +328,7 @@ class GrpcEndpoint(ChiefEndpoint):
         self.max_workers = max_workers
         self.port = 0
         self._server: grpc.Server | None = None
+        self._data = None
         self._pool: futures.ThreadPoolExecutor | None = None
         self._health: health.HealthServicer | None = None
 
@@ -342,7 +346,14 @@ class GrpcEndpoint(ChiefEndpoint):
         raw = grpc.unary_stream_rpc_method_handler(
             servicer.FetchRaw, request_deserializer=pb.WorkerRef.FromString, response_serializer=None
         )
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"FetchRaw": raw}),))
+        self._data = self._data_server(handler, bind_identity)
+        port_answer = str(self._data.port if self._data else "").encode()
+        data_path = grpc.unary_unary_rpc_method_handler(
+            lambda request, context: port_answer, request_deserializer=None, response_serializer=None
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"FetchRaw": raw, "DataPath": data_path}),)
+        )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
@@ -361,7 +372,22 @@ class GrpcEndpoint(ChiefEndpoint):
         host = self.bind.rpartition(":")[0]
         return f"{host}:{port}"
 
+    def _data_server(self, handler: ChiefHandler, bind_identity: bool):
+        """The raw TCP data path beside this server (None with COLLECTIVE_DATA_PATH=grpc)."""
+        from collective.transport import rawtcp
+
+        if not rawtcp.enabled():
+            return None
+        return rawtcp.DataServer(
+            self.bind.rpartition(":")[0], handler, token=self.token, status=status_code,
+            tls=rawtcp.server_context(self.tls) if self.tls else None,
+            identities=rawtcp.certificate_names if bind_identity else None,
+        )
+
     def stop(self, grace: float) -> None:
+        if getattr(self, "_data", None) is not None:
+            self._data.close()
+            self._data = None
         if self._health is not None:
             self._health.enter_graceful_shutdown()  # NOT_SERVING for every service
         if self._server is not None:
@@ -375,6 +401,10 @@ class GrpcEndpoint(ChiefEndpoint):
 # --- client ------------------------------------------------------------------------------
 
 
+class _NoDataPort(Exception):
+    """The sender's raw TCP data port cannot be reached: FetchRaw over gRPC instead."""
+
+
 class GrpcChiefLink(ChiefLink):
     """A worker's channel to the chief at ``address``."""
 
@@ -385,6 +415,7 @@ class GrpcChiefLink(ChiefLink):
         self.address = address
         self.name = name
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
+        self._token = token
         self.tls = tls if tls is not None and tls.enabled else None
         self._channel = self._open("data")
         self._stub = pb_grpc.CollectiveStub(self._channel)
@@ -427,7 +458,9 @@ class GrpcChiefLink(ChiefLink):
     def _error(self, exc: Exception, phase: str, timeout: float) -> E.CollectiveError:
         if not isinstance(exc, grpc.RpcError):
             return E.ChiefUnreachableError(f"{self.name} at {self.address}: {phase} was cancelled")
-        code, details = exc.code(), exc.details() or ""
+        return self._error_of(exc.code(), exc.details() or "", phase, timeout)
+
+    def _error_of(self, code: grpc.StatusCode, details: str, phase: str, timeout: float) -> E.CollectiveError:
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return E.AuthError(
                 f"{self.name} at {self.address} refused the cluster token during {phase} ({details}); "
@@ -523,6 +556,13 @@ class GrpcChiefLink(ChiefLink):
         A frame is a 4-byte little-endian length, the chunk's metadata (a Chunk without data)
         and its bytes, carried by FetchRaw without protobuf around the bytes.
         """
+        port = self._data_port(stall_timeout)
+        if port:
+            try:
+                return self._receive_raw_tcp(port, ref, receiver, stall_timeout)
+            except _NoDataPort as exc:
+                log.warning("%s at %s: its data port %d cannot be reached (%s); receiving over gRPC",
+                            self.name, self.address, port, exc)
         raw = self._channel.unary_stream(
             RAW_FETCH, request_serializer=pb.WorkerRef.SerializeToString, response_deserializer=None
         )
@@ -532,6 +572,72 @@ class GrpcChiefLink(ChiefLink):
             if len(data):
                 view[...] = np.frombuffer(data, dtype=np.uint8)
             receiver.accept(meta, placed=True)
+
+    def _data_port(self, timeout: float) -> int:
+        """The port of the sender's raw TCP data path; 0: none (switched off, or an older sender)."""
+        from collective.transport import rawtcp
+
+        if not rawtcp.enabled():
+            return 0
+        ask = self._channel.unary_unary(DATA_PATH, request_serializer=None, response_deserializer=None)
+        if self._interrupted is not None:
+            raise self._interrupted
+        future = ask.future(b"", timeout=timeout, metadata=self._metadata)
+        self._track(future)
+        try:
+            answer = future.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            if self._interrupted is not None:
+                raise self._interrupted from None
+            if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return 0
+            raise self._error(exc, "receive", timeout) from None
+        finally:
+            self._untrack(future)
+        return int(answer) if answer.isdigit() else 0
+
+    def _receive_raw_tcp(self, port: int, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
+        """The data stream over the raw TCP data path (see ``rawtcp``), errors mapped as for gRPC."""
+        import socket
+        import ssl
+
+        from collective.transport import rawtcp
+
+        if self._interrupted is not None:
+            raise self._interrupted
+        host = rawtcp.split_host(self.address)[0]
+        server_name = self.tls.server_name if self.tls else None
+        try:
+            sock = rawtcp.connect(host, port, timeout=stall_timeout, server_name=server_name,
+                                  tls=rawtcp.client_context(self.tls) if self.tls else None)
+        except rawtcp.Refused as exc:
+            raise _NoDataPort(str(exc)) from None
+        except (OSError, ssl.SSLError) as exc:
+            raise E.ChiefUnreachableError(
+                f"{self.name} at {self.address} unreachable during receive: data port {port}: {exc}"
+                f"{self._tls_hint(str(exc))}"
+            ) from None
+        try:
+            rawtcp.receive(
+                sock, ref, self._token, receiver, stall_timeout=stall_timeout,
+                track=self._track, untrack=self._untrack,
+                fail=lambda code, message: self._error_of(
+                    getattr(grpc.StatusCode, code, grpc.StatusCode.ABORTED), message, "receive", stall_timeout),
+            )
+        except (OSError, ssl.SSLError) as exc:
+            if self._interrupted is not None:
+                raise self._interrupted from None
+            if isinstance(exc, socket.timeout):
+                raise E.ChiefUnreachableError(
+                    f"{self.name} at {self.address} sent nothing for {stall_timeout:g} s during receive"
+                ) from None
+            raise E.ChiefUnreachableError(
+                f"{self.name} at {self.address} unreachable during receive: the data stream broke off ({exc})"
+            ) from None
+        except E.CollectiveError:
+            if self._interrupted is not None:
+                raise self._interrupted from None
+            raise
 
     def _stream(self, method, ref: pb.WorkerRef, stall_timeout: float) -> Iterator:
         """A server stream with a stall watchdog; errors mapped as for every call."""
