@@ -612,12 +612,12 @@ class GrpcChiefLink(ChiefLink):
                                   tls=rawtcp.client_context(self.tls) if self.tls else None)
         except rawtcp.Refused as exc:
             raise _NoDataPort(str(exc)) from None
-        log.info("receiving from %s at %s over its raw TCP data port %d", self.name, self.address, port)
         except (OSError, ssl.SSLError) as exc:
             raise E.ChiefUnreachableError(
                 f"{self.name} at {self.address} unreachable during receive: data port {port}: {exc}"
                 f"{self._tls_hint(str(exc))}"
             ) from None
+        log.info("receiving from %s at %s over its raw TCP data port %d", self.name, self.address, port)
         try:
             rawtcp.receive(
                 sock, ref, self._token, receiver, stall_timeout=stall_timeout,
