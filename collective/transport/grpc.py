@@ -347,7 +347,7 @@ class GrpcEndpoint(ChiefEndpoint):
             servicer.FetchRaw, request_deserializer=pb.WorkerRef.FromString, response_serializer=None
         )
         self._data = self._data_server(handler, bind_identity)
-        port_answer = str(self._data.port if self._data else "").encode()
+        port_answer = f"{self._data.port} {self._data.unix_name or ''}".strip().encode() if self._data else b""
         data_path = grpc.unary_unary_rpc_method_handler(
             lambda request, context: port_answer, request_deserializer=None, response_serializer=None
         )
@@ -556,10 +556,10 @@ class GrpcChiefLink(ChiefLink):
         A frame is a 4-byte little-endian length, the chunk's metadata (a Chunk without data)
         and its bytes, carried by FetchRaw without protobuf around the bytes.
         """
-        port = self._data_port(stall_timeout)
+        port, unix_name = self._data_port(stall_timeout)
         if port:
             try:
-                return self._receive_raw_tcp(port, ref, receiver, stall_timeout)
+                return self._receive_raw_tcp(port, unix_name, ref, receiver, stall_timeout)
             except _NoDataPort as exc:
                 log.warning("%s at %s: its data port %d cannot be reached (%s); receiving over gRPC",
                             self.name, self.address, port, exc)
@@ -573,12 +573,13 @@ class GrpcChiefLink(ChiefLink):
                 view[...] = np.frombuffer(data, dtype=np.uint8)
             receiver.accept(meta, placed=True)
 
-    def _data_port(self, timeout: float) -> int:
-        """The port of the sender's raw TCP data path; 0: none (switched off, or an older sender)."""
+    def _data_port(self, timeout: float) -> tuple[int, str | None]:
+        """The sender's raw data path: its TCP port (0: none, switched off or an older sender)
+        and the name of its abstract unix socket, if it has one."""
         from collective.transport import rawtcp
 
         if not rawtcp.enabled():
-            return 0
+            return 0, None
         ask = self._channel.unary_unary(DATA_PATH, request_serializer=None, response_deserializer=None)
         if self._interrupted is not None:
             raise self._interrupted
@@ -590,13 +591,15 @@ class GrpcChiefLink(ChiefLink):
             if self._interrupted is not None:
                 raise self._interrupted from None
             if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return 0
+                return 0, None
             raise self._error(exc, "receive", timeout) from None
         finally:
             self._untrack(future)
-        return int(answer) if answer.isdigit() else 0
+        port, _, unix_name = answer.decode(errors="replace").partition(" ")
+        return (int(port), unix_name or None) if port.isdigit() else (0, None)
 
-    def _receive_raw_tcp(self, port: int, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
+    def _receive_raw_tcp(self, port: int, unix_name: str | None, ref: pb.WorkerRef, receiver,
+                         stall_timeout: float) -> None:
         """The data stream over the raw TCP data path (see ``rawtcp``), errors mapped as for gRPC."""
         import socket
         import ssl
@@ -608,7 +611,7 @@ class GrpcChiefLink(ChiefLink):
         host = rawtcp.split_host(self.address)[0]
         server_name = self.tls.server_name if self.tls else None
         try:
-            sock = rawtcp.connect(host, port, timeout=stall_timeout, server_name=server_name,
+            sock = rawtcp.connect(host, port, timeout=stall_timeout, server_name=server_name, unix_name=unix_name,
                                   tls=rawtcp.client_context(self.tls) if self.tls else None)
         except rawtcp.Refused as exc:
             raise _NoDataPort(str(exc)) from None
@@ -617,7 +620,8 @@ class GrpcChiefLink(ChiefLink):
                 f"{self.name} at {self.address} unreachable during receive: data port {port}: {exc}"
                 f"{self._tls_hint(str(exc))}"
             ) from None
-        log.info("receiving from %s at %s over its raw TCP data port %d", self.name, self.address, port)
+        log.info("receiving from %s at %s over its raw data path (%s)", self.name, self.address,
+                 "unix socket, same host" if sock.family == socket.AF_UNIX else f"TCP port {port}")
         try:
             rawtcp.receive(
                 sock, ref, self._token, receiver, stall_timeout=stall_timeout,

@@ -36,9 +36,11 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import secrets
 import socket
 import ssl
 import struct
+import sys
 import threading
 from collections.abc import Callable
 
@@ -65,6 +67,8 @@ def split_host(address: str) -> tuple[str, str]:
 
 
 def _keepalive(sock: socket.socket) -> None:
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return  # a unix socket's peer is on this host: its death is seen at once
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 2)):
         if hasattr(socket, name):
@@ -123,26 +127,32 @@ class DataServer:
         else:
             self._sock = socket.create_server((host, 0), family=family, backlog=128)
         self.port = self._sock.getsockname()[1]
+        self.unix_name, self._unix = _unix_listener()
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept_loop, name="data-accept", daemon=True).start()
+        for listener in (self._sock, self._unix):
+            if listener is not None:
+                threading.Thread(target=self._accept_loop, args=(listener,), name="data-accept", daemon=True).start()
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._closed.is_set():
             try:
-                conn, peer = self._sock.accept()
+                conn, peer = listener.accept()
             except OSError:
                 return  # closed
             threading.Thread(target=self._serve, args=(conn, peer), name="data-stream", daemon=True).start()
 
     def close(self) -> None:
         self._closed.set()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        for listener in (self._sock, self._unix):
+            if listener is None:
+                continue
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
         with self._lock:
             conns = list(self._conns)
         for c in conns:  # streams in progress end now, as gRPC's do when its server stops
@@ -152,7 +162,7 @@ class DataServer:
                 pass
 
     def _serve(self, raw: socket.socket, peer) -> None:
-        where = f"{peer[0]}:{peer[1]}"
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "this host (unix socket)"
         with self._lock:
             self._conns.add(raw)
         conn = raw
@@ -243,12 +253,42 @@ class Refused(Exception):
     """The data port could not be reached (connect failed): the caller may use FetchRaw."""
 
 
-def connect(host: str, port: int, *, timeout: float, tls: ssl.SSLContext | None, server_name: str | None) -> socket.socket:
-    """A connected (TLS-wrapped) data socket. Raises Refused when the port cannot be reached."""
+def _unix_listener() -> tuple[str | None, socket.socket | None]:
+    """An abstract unix socket with an unguessable name (Linux), or (None, None).
+
+    Only processes in the same network namespace (the same host, or the same container) can
+    reach it; they find its name through DataPath, behind the token. On one host a unix socket
+    moves bytes about twice as fast as TCP over loopback (no TCP/IP processing)."""
+    if not hasattr(socket, "AF_UNIX") or not sys.platform.startswith("linux"):
+        return None, None
+    name = f"collective-data-{secrets.token_hex(12)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
-    except OSError as exc:
-        raise Refused(str(exc)) from None
+        sock.bind("\0" + name)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        return None, None
+    return name, sock
+
+
+def connect(host: str, port: int, *, timeout: float, tls: ssl.SSLContext | None, server_name: str | None,
+            unix_name: str | None = None) -> socket.socket:
+    """A connected (TLS-wrapped) data socket: the sender's unix socket when it shares this
+    network namespace, else its TCP port. Raises Refused when neither can be reached."""
+    sock = None
+    if unix_name:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect("\0" + unix_name)
+        except OSError:  # another host (or container): its name means nothing here
+            sock.close()
+            sock = None
+    if sock is None:
+        try:
+            sock = socket.create_connection((host, port), timeout=min(timeout, 10.0))
+        except OSError as exc:
+            raise Refused(str(exc)) from None
     _keepalive(sock)
     if tls is not None:
         try:

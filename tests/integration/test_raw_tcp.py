@@ -93,8 +93,27 @@ def receive(address, plan, *, tls=None, stall=10.0, token=TOKEN):
     return arena
 
 
+@pytest.fixture(params=["unix", "tcp"])
+def family(request, monkeypatch):
+    """Which socket the link should take: the sender's unix socket (same host), or its TCP port
+    (a sender without a unix socket, as one on another host looks). Records what it took."""
+    if request.param == "tcp":
+        monkeypatch.setattr(rawtcp, "_unix_listener", lambda: (None, None))
+    taken = []
+    real = rawtcp.connect
+
+    def connect(*args, **kwargs):
+        sock = real(*args, **kwargs)
+        taken.append(sock.family)
+        return sock
+
+    monkeypatch.setattr(rawtcp, "connect", connect)
+    expected = socket.AF_UNIX if request.param == "unix" else socket.AF_INET
+    return expected, taken
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "mutual-tls"])
-def test_the_stream_takes_the_raw_tcp_path_and_arrives_bit_exact(model, certs, tls):
+def test_the_stream_takes_the_raw_path_and_arrives_bit_exact(model, certs, tls, family):
     plan, arena = model
     handler = Handler(plan, arena)
     server_tls = TlsFiles(cert=str(certs / "chief.pem"), key=str(certs / "chief.key"), ca=str(certs / "ca.pem"))
@@ -106,6 +125,20 @@ def test_the_stream_takes_the_raw_tcp_path_and_arrives_bit_exact(model, certs, t
         endpoint.stop(0.5)
     assert np.array_equal(got, arena.reshape(-1).view(np.uint8)[: plan.total_bytes])
     assert handler.threads == ["data-stream"]  # served by the data server, not by a gRPC handler thread
+    expected, taken = family
+    assert taken == [expected]
+
+
+def test_a_unix_socket_name_from_another_host_falls_back_to_tcp(model):
+    plan, arena = model
+    endpoint, _ = serve(Handler(plan, arena))
+    try:
+        sock = rawtcp.connect("127.0.0.1", endpoint._data.port, timeout=5, tls=None, server_name=None,
+                              unix_name="collective-data-not-on-this-host")
+        assert sock.family == socket.AF_INET
+        sock.close()
+    finally:
+        endpoint.stop(0.5)
 
 
 def test_with_data_path_grpc_the_stream_takes_fetchraw(model, monkeypatch):
