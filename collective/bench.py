@@ -719,7 +719,7 @@ def _kill(procs) -> None:
 
 PATHS = {
     "mapped": "shared memory: workers map the chief's arena, no byte is copied (never compared with peers)",
-    "network": "TCP into each worker's own arena (raw TCP data path beside gRPC)",
+    "network": "copied over a socket into each worker's own arena (raw data path: unix socket on one host, TCP across hosts)",
     "mpi": "MPI_Bcast into each rank's arena",
     "peer": "a bare broadcast of the same bytes, nothing checked",
 }
