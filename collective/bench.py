@@ -459,8 +459,9 @@ class LocalRunner:
     link_seconds = None
 
     def __init__(self, workdir: Path, say: Callable[[str], None], extra: Sequence[str] = (),
-                 chunk: Sequence[str] = ()) -> None:
+                 chunk: Sequence[str] = (), data_path: str | None = None) -> None:
         self.workdir, self.say = workdir, say
+        self.env = {"COLLECTIVE_DATA_PATH": data_path} if data_path else {}
         self.extra = list(extra)  # more launch options (--no-shm), for the grpc transport
         self.chunk = list(chunk)  # --chunk-bytes N, for every transport
         self._serial = 0
@@ -479,7 +480,7 @@ class LocalRunner:
             argv += self.extra
         argv += self.chunk
         run_dir.mkdir(parents=True)
-        rc, out = _run_job(argv, timeout=_timeout(size, workers, 2e9), env=_clean_env(), log=run_dir / "bench.log")
+        rc, out = _run_job(argv, timeout=_timeout(size, workers, 2e9), env=_clean_env(self.env), log=run_dir / "bench.log")
         result = _last_json(out, "ok")
         if rc != 0 or not result or not result.get("ok"):
             why = (result or {}).get("error") or _tail(out)
@@ -720,6 +721,8 @@ def _kill(procs) -> None:
 PATHS = {
     "mapped": "shared memory: workers map the chief's arena, no byte is copied (never compared with peers)",
     "network": "copied over a socket into each worker's own arena (raw data path: unix socket on one host, TCP across hosts)",
+    "net-tcp": "copied over TCP into each worker's own arena (raw data path, TCP even on one host: --data-path tcp)",
+    "net-grpc": "copied over gRPC (FetchRaw) into each worker's own arena (--data-path grpc)",
     "mpi": "MPI_Bcast into each rank's arena",
     "peer": "a bare broadcast of the same bytes, nothing checked",
 }
@@ -765,6 +768,7 @@ class Settings:
     rate: str | None
     no_shm: bool = False
     chunk_bytes: int | None = None
+    data_path: str | None = None
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -786,9 +790,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         if max(workers) > MAX_EMULATED_WORKERS:
             raise UsageError(f"--emulate-hosts builds at most {MAX_EMULATED_WORKERS} worker hosts, not {max(workers)}")
     plot = Path(args.plot) if args.plot else None
+    data_path = getattr(args, "data_path", None)
+    if data_path is not None:
+        if data_path not in ("auto", "tcp", "grpc"):
+            raise UsageError(f"--data-path {data_path!r} is not one of auto, tcp, grpc")
+        if args.emulate_hosts:
+            raise UsageError("--data-path applies to one host; emulated hosts always reach each other over TCP")
     return Settings(workers, size, variables, repeat, transports, topologies, bool(args.peers), bool(args.json),
                     plot, bool(args.emulate_hosts), rate, bool(getattr(args, "no_shm", False)),
-                    parse_size(args.chunk_bytes, option="--chunk-bytes") if getattr(args, "chunk_bytes", None) else None)
+                    parse_size(args.chunk_bytes, option="--chunk-bytes") if getattr(args, "chunk_bytes", None) else None,
+                    data_path)
 
 
 def _check_plot_available() -> None:
@@ -840,7 +851,7 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
         assert settings.rate is not None
         runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra, chunk)
     else:
-        runner = LocalRunner(workdir, say, extra, chunk)
+        runner = LocalRunner(workdir, say, extra, chunk, settings.data_path)
     ok = False
     try:
         spec = write_spec(workdir / "model.yaml", settings.size, settings.variables)
@@ -872,7 +883,9 @@ def _path(c: Candidate, settings: Settings) -> str:
     """Which data path a project candidate's runs take (see PATHS)."""
     if c.transport == "mpi":
         return "mpi"
-    return "network" if settings.emulate or settings.no_shm else "mapped"
+    if not (settings.emulate or settings.no_shm):
+        return "mapped"
+    return {"tcp": "net-tcp", "grpc": "net-grpc"}.get(settings.data_path or "", "network")
 
 
 def table(results: Sequence[Result], link_seconds: float | None) -> str:
@@ -1000,6 +1013,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-shm", action="store_true",
                    help="pass --no-shm to launch: same-host workers take the bytes over the network too "
                         "(default: launch's default)")
+    p.add_argument("--data-path", default=None, metavar="PATH",
+                   help="one host: the workers' data path, auto (unix socket on one host), tcp (TCP over "
+                        "loopback, as containers on one machine get) or grpc (FetchRaw); default auto")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="run on emulated hosts (network namespaces, every link shaped with tc; needs root)")
     p.add_argument("--rate", default=None, metavar="RATE",

@@ -611,7 +611,8 @@ class GrpcChiefLink(ChiefLink):
         host = rawtcp.split_host(self.address)[0]
         server_name = self.tls.server_name if self.tls else None
         try:
-            sock = rawtcp.connect(host, port, timeout=stall_timeout, server_name=server_name, unix_name=unix_name,
+            sock = rawtcp.connect(host, port, timeout=stall_timeout, server_name=server_name,
+                                  unix_name=unix_name if rawtcp.mode() == "auto" else None,
                                   tls=rawtcp.client_context(self.tls) if self.tls else None)
         except rawtcp.Refused as exc:
             raise _NoDataPort(str(exc)) from None

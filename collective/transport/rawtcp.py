@@ -371,6 +371,19 @@ def certificate_names(sock: ssl.SSLSocket) -> set[str]:
     return names | {value for _kind, value in cert.get("subjectAltName", ())}
 
 
+DATA_PATHS = ("auto", "tcp", "grpc")
+
+
+def mode() -> str:
+    """``COLLECTIVE_DATA_PATH``: ``auto`` (default: the unix socket in the same network namespace,
+    else TCP), ``tcp`` (TCP even on one host, as containers on one machine get) or ``grpc``
+    (FetchRaw only). Anything else is a usage error."""
+    value = os.environ.get("COLLECTIVE_DATA_PATH", "auto").strip().lower() or "auto"
+    if value not in DATA_PATHS:
+        raise E.UsageError(f"COLLECTIVE_DATA_PATH={value!r}: use one of {', '.join(DATA_PATHS)}")
+    return value
+
+
 def enabled() -> bool:
-    """``COLLECTIVE_DATA_PATH=grpc`` keeps the data stream on gRPC (FetchRaw)."""
-    return os.environ.get("COLLECTIVE_DATA_PATH", "tcp").strip().lower() != "grpc"
+    """Whether the raw data path is used (``COLLECTIVE_DATA_PATH`` is not ``grpc``)."""
+    return mode() != "grpc"

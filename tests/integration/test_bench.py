@@ -46,7 +46,7 @@ def one_json_line(proc: subprocess.CompletedProcess) -> dict:
 
 def check_entry(entry: dict, *, workers: int, size: int) -> None:
     assert set(entry) == {"name", "path", "workers", "bytes", "seconds"}, entry
-    assert entry["path"] in ("mapped", "network", "mpi", "peer"), entry
+    assert entry["path"] in ("mapped", "network", "net-tcp", "net-grpc", "mpi", "peer"), entry
     assert isinstance(entry["name"], str) and entry["name"]
     assert entry["workers"] == workers and entry["bytes"] == size
     assert isinstance(entry["seconds"], float) and entry["seconds"] > 0, entry
@@ -111,6 +111,14 @@ def test_the_copy_free_path_is_never_given_a_ratio_to_the_copying_peers():
     assert "inside the clock" in notes and "Outside for both" in notes
 
 
+@pytest.mark.parametrize("data_path, path", [("tcp", "net-tcp"), ("grpc", "net-grpc")])
+def test_the_network_path_can_be_pinned_to_tcp_or_grpc_and_says_so(data_path, path):
+    out = one_json_line(bench(*SMALL, *STAR, "--no-shm", "--data-path", data_path, "--json"))
+    [entry] = out["results"]
+    check_entry(entry, workers=2, size=MIB)
+    assert entry["path"] == path
+
+
 @pytest.mark.parametrize("args, says", [
     (["--size", "0"], "--size"),
     (["--workers", "0"], "--workers"),
@@ -119,6 +127,7 @@ def test_the_copy_free_path_is_never_given_a_ratio_to_the_copying_peers():
     (["--topology", "no-such-topology"], "unknown topology 'no-such-topology'"),
     (["--transport", "carrier-pigeon"], "--transport"),
     (["--rate", "200mbit"], "--emulate-hosts"),
+    (["--data-path", "pigeon"], "--data-path 'pigeon' is not one of auto, tcp, grpc"),
     (["--chunk-bytes", "0"], "--chunk-bytes"),
 ])
 def test_bad_options_exit_2_with_one_line_and_no_traceback(args, says):
