@@ -378,11 +378,15 @@ class GrpcEndpoint(ChiefEndpoint):
 
         if not rawtcp.enabled():
             return None
-        return rawtcp.DataServer(
-            self.bind.rpartition(":")[0], handler, token=self.token, status=status_code,
-            tls=rawtcp.server_context(self.tls) if self.tls else None,
-            identities=rawtcp.certificate_names if bind_identity else None,
-        )
+        try:
+            return rawtcp.DataServer(
+                self.bind.rpartition(":")[0], handler, token=self.token, status=status_code,
+                tls=rawtcp.server_context(self.tls) if self.tls else None,
+                identities=rawtcp.certificate_names if bind_identity else None,
+            )
+        except OSError as exc:  # the stream still works, over gRPC
+            log.warning("no raw data port on %s (%s): workers receive over gRPC", self.bind, exc)
+            return None
 
     def stop(self, grace: float) -> None:
         if getattr(self, "_data", None) is not None:
