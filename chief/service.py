@@ -437,8 +437,12 @@ class ChiefService:
             yield chunk, data
             for m in members:
                 m.bytes_sent += len(data)
-        for m in members:
-            m.phase = "verifying"
+        with self._cond:
+            for m in members:
+                # The worker may already have verified and reported ready: a sender resumes
+                # this generator only after its transport took the last message.
+                if m.phase == "receiving":
+                    m.phase = "verifying"
 
     def _shm_admit(self, worker_id: str, incarnation: str) -> str | None:
         """A member on this host asks for the shared arena: admit it (None) or say why not."""

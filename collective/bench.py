@@ -19,9 +19,20 @@ Peers (``--peers``) move the same SIZE bytes from rank 0 to N receivers:
 * ``gloo``: N+1 processes with ``torch.distributed`` (gloo, TCP rendezvous on loopback), one
   ``broadcast`` of a uint8 tensor, timed the same way. Skipped, saying so, without torch.
 
-The peers' receive buffers are warm after the warm-up broadcast, while every project run is a
-fresh set of processes receiving into a fresh arena and verifying digests: the comparison is
-stricter for the project, never for the peers.
+Every row has a ``path``: ``mapped`` (one host without ``--no-shm``: the workers map the chief's
+sealed arena and copy nothing; only their hashing and the ready reports are timed), ``network``
+(the bytes are copied over TCP into each worker's own arena: ``--no-shm``, or emulated hosts),
+``mpi`` (``--transport mpi``: MPI_Bcast into each rank's arena) and ``peer``. The ``x best peer``
+column compares only rows that copy the bytes into every receiver (``network``, ``mpi``) with
+the peers, which copy too; a ``mapped`` row gets ``-`` there, since it moves no bytes at all.
+
+What the clock holds (``CLOCK``, printed under the table): for the project, from the chief's
+first byte sent until every worker has reported ready: the transfer, every chunk hashed and
+checked, the replicas and the ready reports, and on the network path opening the data
+connection. Outside it, for the project as for the peers: process start, model generation and
+the plan, allocating and touching the receive buffers, the barrier before the first byte. The
+peers' connections are open and their buffers warm (an untimed warm-up broadcast), and they
+check nothing.
 
 ``--emulate-hosts --rate 200mbit`` runs everything on emulated hosts instead (network namespaces
 ``chief``, ``worker-1`` ... on one bridge, every host's link shaped both ways with ``tc tbf``, a
@@ -450,8 +461,9 @@ class LocalRunner:
     link_seconds = None
 
     def __init__(self, workdir: Path, say: Callable[[str], None], extra: Sequence[str] = (),
-                 chunk: Sequence[str] = ()) -> None:
+                 chunk: Sequence[str] = (), data_path: str | None = None) -> None:
         self.workdir, self.say = workdir, say
+        self.env = {"COLLECTIVE_DATA_PATH": data_path} if data_path else {}
         self.extra = list(extra)  # more launch options (--no-shm), for the grpc transport
         self.chunk = list(chunk)  # --chunk-bytes N, for every transport
         self._serial = 0
@@ -470,7 +482,7 @@ class LocalRunner:
             argv += self.extra
         argv += self.chunk
         run_dir.mkdir(parents=True)
-        rc, out = _run_job(argv, timeout=_timeout(size, workers, 2e9), env=_clean_env(), log=run_dir / "bench.log")
+        rc, out = _run_job(argv, timeout=_timeout(size, workers, 2e9), env=_clean_env(self.env), log=run_dir / "bench.log")
         result = _last_json(out, "ok")
         if rc != 0 or not result or not result.get("ok"):
             why = (result or {}).get("error") or _tail(out)
@@ -717,6 +729,22 @@ def _kill(procs) -> None:
 # --- the bench --------------------------------------------------------------------------------
 
 
+PATHS = {
+    "mapped": "shared memory: workers map the chief's arena, no byte is copied (never compared with peers)",
+    "network": "copied over a socket into each worker's own arena (raw data path: unix socket on one host, TCP across hosts)",
+    "net-tcp": "copied over TCP into each worker's own arena (raw data path, TCP even on one host: --data-path tcp)",
+    "net-grpc": "copied over gRPC (FetchRaw) into each worker's own arena (--data-path grpc)",
+    "mpi": "MPI_Bcast into each rank's arena",
+    "peer": "a bare broadcast of the same bytes, nothing checked",
+}
+CLOCK = (
+    "inside the clock: project rows from the chief's first byte sent until every worker reported ready "
+    "(transfer, every chunk hashed and checked, replicas, ready reports); peers from a barrier before to a "
+    "barrier after one broadcast. Outside for both: process start, model and plan, allocating and touching "
+    "the receive buffers (peers: an untimed warm-up broadcast), the barrier before the first byte."
+)
+
+
 @dataclass
 class Result:
     name: str
@@ -724,6 +752,12 @@ class Result:
     bytes: int
     samples: list[float] = field(default_factory=list)
     peer: bool = False  # a peer's samples are its inner repetitions (one process launch)
+    path: str = "network"  # a key of PATHS
+
+    @property
+    def copies(self) -> bool:
+        """Whether every receiver gets its own copy of the bytes (so a peer ratio is fair)."""
+        return self.path != "mapped"
 
     @property
     def seconds(self) -> float:
@@ -746,6 +780,7 @@ class Settings:
     no_shm: bool = False
     chunk_bytes: int | None = None
     workers_per_host: int = 1  # emulated hosts only
+    data_path: str | None = None
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -780,10 +815,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             raise UsageError(f"--emulate-hosts builds at most {MAX_EMULATED_WORKERS} worker hosts, "
                              f"not {max(workers) // per_host}")
     plot = Path(args.plot) if args.plot else None
+    data_path = getattr(args, "data_path", None)
+    if data_path is not None:
+        if data_path not in ("auto", "tcp", "grpc"):
+            raise UsageError(f"--data-path {data_path!r} is not one of auto, tcp, grpc")
+        if args.emulate_hosts:
+            raise UsageError("--data-path applies to one host; emulated hosts always reach each other over TCP")
     return Settings(workers, size, variables, repeat, transports, topologies, bool(args.peers), bool(args.json),
                     plot, bool(args.emulate_hosts), rate, bool(getattr(args, "no_shm", False)),
                     parse_size(args.chunk_bytes, option="--chunk-bytes") if getattr(args, "chunk_bytes", None) else None,
-                    per_host)
+                    per_host, data_path)
 
 
 def _check_plot_available() -> None:
@@ -835,13 +876,13 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
         assert settings.rate is not None
         runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra, chunk, settings.workers_per_host)
     else:
-        runner = LocalRunner(workdir, say, extra, chunk)
+        runner = LocalRunner(workdir, say, extra, chunk, settings.data_path)
     ok = False
     try:
         spec = write_spec(workdir / "model.yaml", settings.size, settings.variables)
         results: list[Result] = []
         for n in settings.workers:
-            mine = [Result(c.name, n, settings.size) for c in cands]
+            mine = [Result(c.name, n, settings.size, path=_path(c, settings)) for c in cands]
             for rep in range(settings.repeat):
                 for c, r in zip(cands, mine, strict=True):
                     seconds = runner.project(c, n, spec, settings.size)
@@ -850,7 +891,7 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
             results += mine
             for name in peers:
                 samples = (runner.mpi_bcast if name == "mpi-bcast" else runner.gloo)(n, settings.size, settings.repeat)
-                r = Result(name, n, settings.size, samples, peer=True)
+                r = Result(name, n, settings.size, samples, peer=True, path="peer")
                 results.append(r)
                 say(f"{name:<10} {n} worker(s), median of {len(samples)}: {r.seconds:.4f} s")
         ok = True
@@ -863,18 +904,28 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
             say(f"logs kept in {workdir}")
 
 
+def _path(c: Candidate, settings: Settings) -> str:
+    """Which data path a project candidate's runs take (see PATHS)."""
+    if c.transport == "mpi":
+        return "mpi"
+    if not (settings.emulate or settings.no_shm):
+        return "mapped"
+    return {"tcp": "net-tcp", "grpc": "net-grpc"}.get(settings.data_path or "", "network")
+
+
 def table(results: Sequence[Result], link_seconds: float | None) -> str:
     best_peer: dict[int, float] = {}
     for r in results:
         if r.peer:
             best_peer[r.workers] = min(best_peer.get(r.workers, math.inf), r.seconds)
-    head = ["name", "workers", "bytes", "median s", "min-max s", "GiB/s", "x best peer"]
+    head = ["name", "path", "workers", "bytes", "median s", "min-max s", "GiB/s", "x best peer"]
     if link_seconds is not None:
         head.append("x S/B")
     rows = [head]
     for r in results:
-        peer = best_peer.get(r.workers)
-        row = [r.name, str(r.workers), str(r.bytes), f"{r.seconds:.4f}", f"{min(r.samples):.4f}-{max(r.samples):.4f}",
+        peer = best_peer.get(r.workers) if r.copies else None
+        row = [r.name, r.path, str(r.workers), str(r.bytes), f"{r.seconds:.4f}",
+               f"{min(r.samples):.4f}-{max(r.samples):.4f}",
                f"{r.bytes / r.seconds / GiB:.3f}" if r.seconds > 0 else "-",
                f"{r.seconds / peer:.2f}" if peer else "-"]
         if link_seconds is not None:
@@ -886,6 +937,9 @@ def table(results: Sequence[Result], link_seconds: float | None) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     if link_seconds is not None:
         lines.append(f"S/B (one link carrying the model once): {link_seconds:.4f} s")
+    for path in dict.fromkeys(r.path for r in results):
+        lines.append(f"path {path}: {PATHS[path]}")
+    lines.append(CLOCK)
     return "\n".join(lines)
 
 
@@ -947,8 +1001,8 @@ def run_bench(args: argparse.Namespace) -> int:
         say(f"plot written to {settings.plot}")
     if settings.as_json:
         print(json.dumps({
-            "results": [{"name": r.name, "workers": r.workers, "bytes": r.bytes, "seconds": round(r.seconds, 6)}
-                        for r in results],
+            "results": [{"name": r.name, "path": r.path, "workers": r.workers, "bytes": r.bytes,
+                         "seconds": round(r.seconds, 6)} for r in results],
             "link_seconds": None if link_seconds is None else round(link_seconds, 6),
             **({"workers_per_host": settings.workers_per_host} if settings.emulate else {}),
         }), flush=True)
@@ -978,13 +1032,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--peers", action="store_true",
                    help="also time mpi4py Bcast (mpi-bcast) and torch.distributed gloo broadcast (if torch is installed)")
     p.add_argument("--json", action="store_true",
-                   help='print one JSON line: {"results": [{"name", "workers", "bytes", "seconds"}], "link_seconds"}')
+                   help='print one JSON line: {"results": [{"name", "path", "workers", "bytes", "seconds"}], "link_seconds"}')
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw time against workers (needs matplotlib)")
     p.add_argument("--chunk-bytes", default=None, metavar="BYTES",
                    help="bytes per data message, passed to launch / the chief (e.g. 1MiB; default: theirs)")
     p.add_argument("--no-shm", action="store_true",
                    help="pass --no-shm to launch: same-host workers take the bytes over the network too "
                         "(default: launch's default)")
+    p.add_argument("--data-path", default=None, metavar="PATH",
+                   help="one host: the workers' data path, auto (unix socket on one host), tcp (TCP over "
+                        "loopback, as containers on one machine get) or grpc (FetchRaw); default auto")
     p.add_argument("--emulate-hosts", action="store_true",
                    help="run on emulated hosts (network namespaces, every link shaped with tc; needs root)")
     p.add_argument("--rate", default=None, metavar="RATE",

@@ -2,7 +2,7 @@
 
 For the tree and chain topologies each worker runs a small gRPC server speaking the same
 Collective service, of which only the data stream (``Fetch`` and its raw-frame form ``FetchRaw``)
-is answered. The stream it serves is cut from its
+is answered, and its raw TCP data port (`collective.transport.rawtcp`). The stream it serves is cut from its
 own arena by the same ``Chunker`` as the chief's, each chunk released as soon as its bytes have
 arrived here (``progress``), so a chain pipelines: every link carries the model once.
 """

@@ -93,6 +93,9 @@ def status_code(exc: E.CollectiveError) -> grpc.StatusCode:
 # FetchRaw is not in the .proto: a generic handler with identity serialisation, so a chunk's
 # bytes are not wrapped in (and copied by) a protobuf message on either side.
 RAW_FETCH = f"/{SERVICE}/FetchRaw"
+# DataPath (generic, like FetchRaw) answers the port of the raw TCP data path (``rawtcp``) as
+# ASCII digits, or nothing when this endpoint has none; the token interceptor guards it.
+DATA_PATH = f"/{SERVICE}/DataPath"
 _LEN = struct.Struct("<I")
 
 
@@ -600,6 +603,7 @@ class GrpcEndpoint(ChiefEndpoint):
         self.body_timeout = body_timeout
         self.port = 0
         self._server: grpc.Server | None = None
+        self._data = None
         self._pool: futures.ThreadPoolExecutor | None = None
         self._health: health.HealthServicer | None = None
         self._refusals = RefusalLog()
@@ -621,7 +625,14 @@ class GrpcEndpoint(ChiefEndpoint):
         raw = grpc.unary_stream_rpc_method_handler(
             servicer.FetchRaw, request_deserializer=pb.WorkerRef.FromString, response_serializer=None
         )
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"FetchRaw": raw}),))
+        self._data = self._data_server(handler, bind_identity)
+        port_answer = f"{self._data.port} {self._data.unix_name or ''}".strip().encode() if self._data else b""
+        data_path = grpc.unary_unary_rpc_method_handler(
+            lambda request, context: port_answer, request_deserializer=None, response_serializer=None
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"FetchRaw": raw, "DataPath": data_path}),)
+        )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
@@ -652,7 +663,26 @@ class GrpcEndpoint(ChiefEndpoint):
             "and read the model; set COLLECTIVE_TOKEN (or --token) or bind 127.0.0.1", self.name, self.bind,
         )
 
+    def _data_server(self, handler: ChiefHandler, bind_identity: bool):
+        """The raw TCP data path beside this server (None with COLLECTIVE_DATA_PATH=grpc)."""
+        from collective.transport import rawtcp
+
+        if not rawtcp.enabled():
+            return None
+        try:
+            return rawtcp.DataServer(
+                self.bind.rpartition(":")[0], handler, token=self.token, status=status_code,
+                tls=rawtcp.server_context(self.tls) if self.tls else None,
+                identities=rawtcp.certificate_names if bind_identity else None,
+            )
+        except OSError as exc:  # the stream still works, over gRPC
+            log.warning("no raw data port on %s (%s): workers receive over gRPC", self.bind, exc)
+            return None
+
     def stop(self, grace: float) -> None:
+        if getattr(self, "_data", None) is not None:
+            self._data.close()
+            self._data = None
         if self._health is not None:
             self._health.enter_graceful_shutdown()  # NOT_SERVING for every service
         if self._server is not None:
@@ -696,6 +726,12 @@ class _Collected:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+class _NoDataPort(Exception):
+    """The sender's raw TCP data port cannot be reached: FetchRaw over gRPC instead."""
+
+
 # Join retries back off exponentially to JOIN_BACKOFF_CAP s between tries; their log lines come
 # after the first failure and then at doubling intervals up to JOIN_LOG_CAP s, each a summary.
 JOIN_BACKOFF_CAP = 2.0
@@ -712,6 +748,7 @@ class GrpcChiefLink(ChiefLink):
         self.address = address
         self.name = name
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
+        self._token = token
         self.tls = tls if tls is not None and tls.enabled else None
         self._channel = self._open("data")
         self._stub = pb_grpc.CollectiveStub(self._channel)
@@ -754,7 +791,9 @@ class GrpcChiefLink(ChiefLink):
     def _error(self, exc: Exception, phase: str, timeout: float) -> E.CollectiveError:
         if not isinstance(exc, grpc.RpcError):
             return E.ChiefUnreachableError(f"{self.name} at {self.address}: {phase} was cancelled")
-        code, details = exc.code(), exc.details() or ""
+        return self._error_of(exc.code(), exc.details() or "", phase, timeout)
+
+    def _error_of(self, code: grpc.StatusCode, details: str, phase: str, timeout: float) -> E.CollectiveError:
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return E.AuthError(
                 f"{self.name} at {self.address} refused the cluster token during {phase} ({details}); "
@@ -869,6 +908,13 @@ class GrpcChiefLink(ChiefLink):
         A frame is a 4-byte little-endian length, the chunk's metadata (a Chunk without data)
         and its bytes, carried by FetchRaw without protobuf around the bytes.
         """
+        port, unix_name = self._data_port(stall_timeout)
+        if port:
+            try:
+                return self._receive_raw_tcp(port, unix_name, ref, receiver, stall_timeout)
+            except _NoDataPort as exc:
+                log.warning("%s at %s: its data port %d cannot be reached (%s); receiving over gRPC",
+                            self.name, self.address, port, exc)
         raw = self._channel.unary_stream(
             RAW_FETCH, request_serializer=pb.WorkerRef.SerializeToString, response_deserializer=None
         )
@@ -878,6 +924,78 @@ class GrpcChiefLink(ChiefLink):
             if len(data):
                 view[...] = np.frombuffer(data, dtype=np.uint8)
             receiver.accept(meta, placed=True)
+
+    def _data_port(self, timeout: float) -> tuple[int, str | None]:
+        """The sender's raw data path: its TCP port (0: none, switched off or an older sender)
+        and the name of its abstract unix socket, if it has one."""
+        from collective.transport import rawtcp
+
+        if not rawtcp.enabled():
+            return 0, None
+        ask = self._channel.unary_unary(DATA_PATH, request_serializer=None, response_deserializer=None)
+        if self._interrupted is not None:
+            raise self._interrupted
+        future = ask.future(b"", timeout=timeout, metadata=self._metadata)
+        self._track(future)
+        try:
+            answer = future.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            if self._interrupted is not None:
+                raise self._interrupted from None
+            if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return 0, None
+            raise self._error(exc, "receive", timeout) from None
+        finally:
+            self._untrack(future)
+        port, _, unix_name = answer.decode(errors="replace").partition(" ")
+        return (int(port), unix_name or None) if port.isdigit() else (0, None)
+
+    def _receive_raw_tcp(self, port: int, unix_name: str | None, ref: pb.WorkerRef, receiver,
+                         stall_timeout: float) -> None:
+        """The data stream over the raw TCP data path (see ``rawtcp``), errors mapped as for gRPC."""
+        import socket
+        import ssl
+
+        from collective.transport import rawtcp
+
+        if self._interrupted is not None:
+            raise self._interrupted
+        host = rawtcp.split_host(self.address)[0]
+        server_name = self.tls.server_name if self.tls else None
+        try:
+            sock = rawtcp.connect(host, port, timeout=stall_timeout, server_name=server_name,
+                                  unix_name=unix_name if rawtcp.mode() == "auto" else None,
+                                  tls=rawtcp.client_context(self.tls) if self.tls else None)
+        except rawtcp.Refused as exc:
+            raise _NoDataPort(str(exc)) from None
+        except (OSError, ssl.SSLError) as exc:
+            raise E.ChiefUnreachableError(
+                f"{self.name} at {self.address} unreachable during receive: data port {port}: {exc}"
+                f"{self._tls_hint(str(exc))}"
+            ) from None
+        log.info("receiving from %s at %s over its raw data path (%s)", self.name, self.address,
+                 "unix socket, same host" if sock.family == socket.AF_UNIX else f"TCP port {port}")
+        try:
+            rawtcp.receive(
+                sock, ref, self._token, receiver, stall_timeout=stall_timeout,
+                track=self._track, untrack=self._untrack,
+                fail=lambda code, message: self._error_of(
+                    getattr(grpc.StatusCode, code, grpc.StatusCode.ABORTED), message, "receive", stall_timeout),
+            )
+        except (OSError, ssl.SSLError) as exc:
+            if self._interrupted is not None:
+                raise self._interrupted from None
+            if isinstance(exc, socket.timeout):
+                raise E.ChiefUnreachableError(
+                    f"{self.name} at {self.address} sent nothing for {stall_timeout:g} s during receive"
+                ) from None
+            raise E.ChiefUnreachableError(
+                f"{self.name} at {self.address} unreachable during receive: the data stream broke off ({exc})"
+            ) from None
+        except E.CollectiveError:
+            if self._interrupted is not None:
+                raise self._interrupted from None
+            raise
 
     def _stream(self, method, ref: pb.WorkerRef, stall_timeout: float) -> Iterator:
         """A server stream with a stall watchdog; errors mapped as for every call."""

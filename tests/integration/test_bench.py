@@ -45,7 +45,8 @@ def one_json_line(proc: subprocess.CompletedProcess) -> dict:
 
 
 def check_entry(entry: dict, *, workers: int, size: int) -> None:
-    assert set(entry) == {"name", "workers", "bytes", "seconds"}, entry
+    assert set(entry) == {"name", "path", "workers", "bytes", "seconds"}, entry
+    assert entry["path"] in ("mapped", "network", "net-tcp", "net-grpc", "mpi", "peer"), entry
     assert isinstance(entry["name"], str) and entry["name"]
     assert entry["workers"] == workers and entry["bytes"] == size
     assert isinstance(entry["seconds"], float) and entry["seconds"] > 0, entry
@@ -86,8 +87,36 @@ def test_without_json_it_prints_a_table():
     proc = bench("--workers", "1", "--size", "64KiB", "--variables", "2", "--repeat", "1", *STAR)
     assert proc.returncode == 0, proc.stderr
     header, rule, *rows = proc.stdout.splitlines()
-    assert header.split()[:5] == ["name", "workers", "bytes", "median", "s"], proc.stdout
-    assert rows and all(row.split()[1:3] == ["1", str(64 << 10)] for row in rows), proc.stdout
+    assert header.split()[:6] == ["name", "path", "workers", "bytes", "median", "s"], proc.stdout
+    table_rows = [row for row in rows if not row.startswith(("path ", "inside the clock"))]
+    assert table_rows and all(row.split()[1:4] == ["mapped", "1", str(64 << 10)] for row in table_rows), proc.stdout
+    assert any(row.startswith("inside the clock") for row in rows), proc.stdout
+
+
+def test_the_copy_free_path_is_never_given_a_ratio_to_the_copying_peers():
+    from collective.bench import Result, table
+
+    results = [
+        Result("chain", 4, MIB, [0.1], path="mapped"),
+        Result("chain", 4, MIB, [0.8], path="network"),
+        Result("gloo", 4, MIB, [0.4], peer=True, path="peer"),
+    ]
+    lines = table(results, None).splitlines()
+    mapped, network, gloo = (line.split() for line in lines[2:5])
+    assert mapped[1] == "mapped" and mapped[-1] == "-"  # no "x best peer" for a path that copies nothing
+    assert network[1] == "network" and network[-1] == "2.00"
+    assert gloo[-1] == "1.00"
+    notes = "\n".join(lines[5:])
+    assert "path mapped: shared memory" in notes and "no byte is copied" in notes
+    assert "inside the clock" in notes and "Outside for both" in notes
+
+
+@pytest.mark.parametrize("data_path, path", [("tcp", "net-tcp"), ("grpc", "net-grpc")])
+def test_the_network_path_can_be_pinned_to_tcp_or_grpc_and_says_so(data_path, path):
+    out = one_json_line(bench(*SMALL, *STAR, "--no-shm", "--data-path", data_path, "--json"))
+    [entry] = out["results"]
+    check_entry(entry, workers=2, size=MIB)
+    assert entry["path"] == path
 
 
 @pytest.mark.parametrize("args, says", [
@@ -98,6 +127,7 @@ def test_without_json_it_prints_a_table():
     (["--topology", "no-such-topology"], "unknown topology 'no-such-topology'"),
     (["--transport", "carrier-pigeon"], "--transport"),
     (["--rate", "200mbit"], "--emulate-hosts"),
+    (["--data-path", "pigeon"], "--data-path 'pigeon' is not one of auto, tcp, grpc"),
     (["--chunk-bytes", "0"], "--chunk-bytes"),
 ])
 def test_bad_options_exit_2_with_one_line_and_no_traceback(args, says):
