@@ -44,6 +44,7 @@ import socket
 import ssl
 import struct
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 
@@ -348,9 +349,9 @@ def server_context(tls) -> ssl.SSLContext:
     """The data server's TLS context from the chief's (or relay's) ``TlsFiles``: its certificate,
     and with a client CA, client certificates required (mutual TLS), as on its gRPC port."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(tls.cert, tls.key)
-    if tls.ca:
-        ctx.load_verify_locations(tls.ca)
+    _load_chain(ctx, tls)
+    if tls.has("ca"):
+        ctx.load_verify_locations(cadata=tls.read("ca").decode())
         ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
 
@@ -358,10 +359,27 @@ def server_context(tls) -> ssl.SSLContext:
 def client_context(tls) -> ssl.SSLContext:
     """A worker's TLS context from its ``TlsFiles``: the chief's CA, and its own certificate."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.load_verify_locations(tls.ca)
-    if tls.cert:
-        ctx.load_cert_chain(tls.cert, tls.key)
+    ctx.load_verify_locations(cadata=tls.read("ca").decode())
+    if tls.has("cert"):
+        _load_chain(ctx, tls)
     return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, tls) -> None:
+    """Certificate and key from files, or from memory (a relay's own certificate under
+    server-only TLS): ``ssl`` reads only files, so those go through a private temporary folder."""
+    if tls.cert and tls.key:
+        ctx.load_cert_chain(tls.cert, tls.key)
+        return
+    with tempfile.TemporaryDirectory(prefix="collective-tls-") as folder:
+        paths = []
+        for which in ("cert", "key"):
+            path = os.path.join(folder, which + ".pem")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(tls.read(which) or b"")
+            paths.append(path)
+        ctx.load_cert_chain(*paths)
 
 
 def certificate_names(sock: ssl.SSLSocket) -> set[str]:

@@ -207,6 +207,6 @@ def test_serve_on_the_main_thread_turns_sigint_into_an_aborted_round(tmp_path):
             time.sleep(0.05)
         proc.signal(signal.SIGINT)
         assert proc.wait(30) == 3, proc.output()
-        assert "aborted: chief shutting down (SIGINT)" in proc.output()
+        assert "aborted: chief interrupted (SIGINT)" in proc.output()
     finally:
         proc.kill()
