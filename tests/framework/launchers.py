@@ -34,7 +34,11 @@ def free_port_pair() -> int:
 
 def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> tuple[int, str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "TORCH_DDP_"))}
-    full.update({"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})})
+    # Every rank writes into this one pipe: buffered output makes each `print(..., flush=True)`
+    # line one write, so lines of different ranks cannot interleave (unbuffered, the text and
+    # its newline are two writes).
+    full.pop("PYTHONUNBUFFERED", None)
+    full.update({"PYTHONPATH": str(ROOT), **(env or {})})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             text=True, cwd=ROOT, env=full, start_new_session=True)
     try:
@@ -60,10 +64,13 @@ def mpiexec(script: str, n: int, env: dict[str, str] | None = None) -> tuple[int
 def rank_lines(output: str, pattern: str) -> dict[int, re.Match]:
     """``rank R...`` lines matching ``pattern`` (which captures ``rank``), by rank."""
     found = {}
+    # Ranks share one pipe and a launcher may pass their lines on unbuffered: a rank's line can
+    # then start in the middle of another's, so a line is cut again where "rank N" begins.
     for line in output.splitlines():
-        m = re.match(pattern, line)
-        if m:
-            found[int(m["rank"])] = m
+        for piece in re.split(r"(?=\brank \d+[/:])", line):
+            m = re.match(pattern, piece)
+            if m:
+                found[int(m["rank"])] = m
     return found
 
 
