@@ -94,3 +94,16 @@ def spmd(script: str, n: int, env: dict[str, str] | None = None, timeout: float 
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
+
+
+def spmd_lines(script: str, n: int, pattern: str, env: dict[str, str] | None = None,
+               timeout: float = 180) -> dict[int, re.Match]:
+    """Run ``spmd``; every rank must exit 0 and print a line matching ``pattern`` (which captures
+    ``rank``). Returns the matches by rank."""
+    lines = {}
+    for code, out in spmd(script, n, env, timeout=timeout):
+        assert code == 0, out
+        m = re.search(pattern, out)
+        assert m, out
+        lines[int(m["rank"])] = m
+    return lines

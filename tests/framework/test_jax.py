@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
 from tests.framework.conftest import require
-from tests.framework.launchers import spmd
+from tests.framework.launchers import spmd_lines
 
 SCRIPT = "examples/jax_sync.py"
 LINE = (r"rank (?P<rank>\d): own init (?P<own>\w+) -> synced (?P<synced>\w+) on 2 devices \(all shards equal: True\); "
@@ -44,12 +42,6 @@ def test_sync_pytree_alone_replicates_every_leaf_on_every_local_device(monkeypat
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_processes_two_devices_each_hold_rank_0s_tree(dtype):
     require("jax")
-    results = spmd(SCRIPT, 2, {"JAX_SYNC_DTYPE": dtype})
-    lines = {}
-    for code, out in results:
-        assert code == 0, out
-        m = re.search(LINE, out)
-        assert m, out
-        lines[int(m["rank"])] = m
+    lines = spmd_lines(SCRIPT, 2, LINE, {"JAX_SYNC_DTYPE": dtype})
     assert sorted(lines) == [0, 1]
     assert lines[0]["synced"] == lines[1]["synced"] == lines[0]["own"] != lines[1]["own"]

@@ -3,12 +3,10 @@ in real processes (2 processes x 2 logical CPU devices)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from tests.framework.conftest import require
-from tests.framework.launchers import spmd
+from tests.framework.launchers import spmd_lines
 
 pytestmark = pytest.mark.integration
 
@@ -20,12 +18,6 @@ LINE = (r"rank (?P<rank>\d): own init (?P<own>\w+) -> synced (?P<synced>\w+) on 
 @pytest.mark.timeout(400)
 def test_two_processes_two_devices_each_keras_model_holds_rank_0s_values():
     require("tensorflow")
-    results = spmd(SCRIPT, 2, {"KERAS_SYNC_DTYPE": "bfloat16"}, timeout=360)
-    lines = {}
-    for code, out in results:
-        assert code == 0, out
-        m = re.search(LINE, out)
-        assert m, out
-        lines[int(m["rank"])] = m
+    lines = spmd_lines(SCRIPT, 2, LINE, {"KERAS_SYNC_DTYPE": "bfloat16"}, timeout=360)
     assert sorted(lines) == [0, 1]
     assert lines[0]["synced"] == lines[1]["synced"] == lines[0]["own"] != lines[1]["own"]
