@@ -18,6 +18,11 @@ network link carries the model once:
   the leaders form the star, tree or chain.
 - without sharing, every worker receives from the network, the topology running over the workers
   ordered by host (the chief's host first), so a chain enters and leaves each host once.
+- when every network receiver is on the chief's own host (one machine, ``--no-shm``), no network
+  link is shared: each stream is a memory copy through the kernel, and a relay hop only adds a
+  receive, a forward and a wake-up per chunk. ``auto`` then takes a star, up to
+  ``SAME_HOST_STAR_MAX`` receivers, a tree beyond (one machine, 2 cores, 256 MiB, BENCHMARKS.md:
+  4 workers star 0.34 s, tree 0.41 s, chain 0.56 s; 8 workers 0.71, 0.78, 1.16 s).
 
 ``choose`` resolves ``auto`` with ``predict``, a model of the broadcast time fitted to runs on
 emulated hosts (BENCHMARKS.md): the topology with the least predicted time for this number of
@@ -48,6 +53,9 @@ ASSUMED_LINK_BPS = 25e9 / 8
 # fitted to chain runs on emulated 200 Mbit/s hosts (BENCHMARKS.md): 1.3 ms on a quiet machine,
 # 12 ms with other work on its 2 cores.
 HOP_SECONDS = 0.002
+# On the chief's own host (no shared network link), ``auto`` streams to at most this many
+# receivers straight from the chief, and builds a tree for more (bounding the chief's streams).
+SAME_HOST_STAR_MAX = 8
 
 
 def parents(topology: str, workers: int) -> list[int]:
@@ -94,12 +102,16 @@ def predict(
     return fanout * link + fanout * hop
 
 
-def choose(topology: str, receivers: int, total_bytes: int) -> str:
+def choose(topology: str, receivers: int, total_bytes: int, *, same_host: bool = False) -> str:
     """Resolve ``auto``: the topology with the least ``predict`` for ``receivers`` network
-    receivers (workers that do not map a same-host arena) and ``total_bytes``."""
+    receivers (workers that do not map a same-host arena) and ``total_bytes``; with
+    ``same_host`` (every receiver on the chief's host), a star or, past ``SAME_HOST_STAR_MAX``
+    receivers, a tree."""
     if topology != "auto":
         parents(topology, 1)  # validates the name
         return topology
+    if same_host:
+        return "star" if receivers <= SAME_HOST_STAR_MAX else "tree"
     # min keeps the first of equals: star, the simplest, for a single receiver.
     return min(("star", "tree", "chain"), key=lambda t: predict(t, receivers, total_bytes))
 
@@ -134,7 +146,8 @@ def arrange(topology: str, hosts: Sequence[str], chief_host: str, total_bytes: i
                 out[r] = ranks[0]
     else:
         net = [r for ranks in order.values() for r in ranks]
-    resolved = choose(topology, len(net), total_bytes)
+    same_host = bool(net) and all(hosts[r] == chief_host for r in net)
+    resolved = choose(topology, len(net), total_bytes, same_host=same_host)
     for i, p in enumerate(parents(resolved, len(net))):
         out[net[i]] = -1 if p < 0 else net[p]
     return Layout(resolved, out, len(net))

@@ -80,6 +80,21 @@ def test_without_sharing_the_chain_runs_through_the_workers_ordered_by_host_chie
     assert lay.parents == [3, 2, 0, -1, 1]
 
 
+def test_auto_on_the_chiefs_host_alone_streams_straight_from_the_chief_and_builds_a_tree_past_the_cap():
+    # one machine without shared memory: every stream is a memory copy, a relay hop only adds work
+    from collective.topology import SAME_HOST_STAR_MAX
+
+    for n in (1, 2, 4, SAME_HOST_STAR_MAX):
+        lay = arrange("auto", ["vm"] * n, "vm", 256 << 20, share=False)
+        assert lay.topology == "star" and lay.parents == [-1] * n, n
+    lay = arrange("auto", ["vm"] * (SAME_HOST_STAR_MAX + 1), "vm", 256 << 20, share=False)
+    assert lay.topology == "tree" and lay.parents == parents("tree", SAME_HOST_STAR_MAX + 1)
+    # one worker elsewhere: a network link is shared again, so the model decides (a chain here)
+    assert arrange("auto", ["vm", "vm", "other"], "vm", 256 << 20, share=False).topology == "chain"
+    # an explicit choice is kept
+    assert arrange("chain", ["vm"] * 4, "vm", 256 << 20, share=False).topology == "chain"
+
+
 def test_on_the_chiefs_host_alone_the_layout_is_the_rank_order_of_before():
     for topo in ("star", "tree", "chain"):
         assert arrange(topo, ["vm"] * 5, "vm", 1 << 20, share=False).parents == parents(topo, 5)
