@@ -14,6 +14,7 @@ from collective.config import (
     add_option,
     add_timeout_options,
     add_tls_options,
+    byte_size,
     parse_address,
     parse_bool,
     positive_int,
@@ -35,10 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_options(p, worker=False)
     add_option(p, "shm", help="offer the arena to workers on this host through shared memory (--no-shm: network only)",
                type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
-    add_option(p, "topology", help="who receives from whom: auto (tree below 16 MiB, chain above), star, tree, chain",
+    add_option(p, "topology", help="who receives from whom: auto (by hosts and size, see README), star, tree, chain",
                default="auto", choices=["auto", "star", "tree", "chain"])
     add_option(p, "chunk-bytes", help="bytes per data message; default 4 MiB, 512 KiB for a chain",
-               type=positive_int, default=None)
+               type=byte_size("--chunk-bytes"), default=None)
     add_timeout_options(p, "join", "ready", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
     add_max_model_bytes_option(p)

@@ -190,16 +190,21 @@ def tls_from_args(args: argparse.Namespace):
     )
 
 
-def add_max_model_bytes_option(parser: argparse.ArgumentParser) -> None:
-    """``--max-model-bytes`` (``COLLECTIVE_MAX_MODEL_BYTES``) of every process that loads a model."""
+def byte_size(option: str) -> Callable[[str], int]:
+    """An argparse type for a byte count: ``4MiB``, ``512KiB``, ``65536`` (``bench.parse_size``)."""
 
     def size(text: str) -> int:
         from collective.bench import parse_size
 
         try:
-            return parse_size(text, option="--max-model-bytes")
+            return parse_size(text, option=option)
         except UsageError as exc:  # argparse (or add_option, for the environment) names the source
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    add_option(parser, "max-model-bytes", type=size, default=None,
+    return size
+
+
+def add_max_model_bytes_option(parser: argparse.ArgumentParser) -> None:
+    """``--max-model-bytes`` (``COLLECTIVE_MAX_MODEL_BYTES``) of every process that loads a model."""
+    add_option(parser, "max-model-bytes", type=byte_size("--max-model-bytes"), default=None,
                help="refuse (exit 2) a model whose arena is larger, e.g. 8GiB; the memory available is always checked")

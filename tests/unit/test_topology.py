@@ -150,3 +150,16 @@ def test_a_plan_whose_parents_loop_or_lack_a_relay_is_refused():
         validate_plan(_plan([1, 0], ["h:1", "h:2"]))
     with pytest.raises(ProtocolError, match="rank 0 relays to rank 1 but has no relay address"):
         validate_plan(_plan([-1, 0], ["", "h:2"]))
+
+
+def test_chunk_bytes_takes_a_size_with_a_unit_on_the_chief_and_launch_as_bench_does(capsys):
+    from chief.__main__ import build_parser as chief_parser
+    from collective.cli import build_parser as cli_parser
+
+    assert chief_parser().parse_args(["--chunk-bytes", "256KiB"]).chunk_bytes == 256 << 10
+    assert chief_parser().parse_args(["--chunk-bytes", "65536"]).chunk_bytes == 65536
+    assert cli_parser().parse_args(["launch", "--chunk-bytes", "1MiB"]).chunk_bytes == 1 << 20
+    with pytest.raises(SystemExit) as exit_info:
+        cli_parser().parse_args(["launch", "--chunk-bytes", "12x"])
+    assert exit_info.value.code == 2
+    assert "--chunk-bytes '12x': expected bytes" in capsys.readouterr().err
