@@ -205,6 +205,9 @@ class ChiefService:
 
             self._shm = ShmServer(self._shared, self._shm_admit)
         self._members: dict[str, Member] = {}
+        # Processes told the failure that never became members (refused, or joining after the end):
+        # an SPMD chief lingers until every rank has heard, so a slow rank hears the cause, not a dead port.
+        self._told_outside: set[str] = set()
         self._phase = Phase.JOINING
         self._error: CollectiveError | None = None
         self._plan: pb.Plan | None = None
@@ -267,6 +270,9 @@ class ChiefService:
     def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
         with self._cond:
             if self._phase is Phase.FAILED:
+                if req.worker_id and req.worker_id not in self._members:
+                    self._told_outside.add(req.worker_id)
+                    self._cond.notify_all()
                 raise AbortedError(str(self._error))
             if not req.worker_id:
                 raise ProtocolError(f"join from {peer} has no worker id")
@@ -313,6 +319,7 @@ class ChiefService:
                         f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
                     )
                     if self.spmd:
+                        self._told_outside.add(req.worker_id)
                         self.fail(err)
                     raise err
             if len(self._members) >= self.num_workers:
@@ -778,10 +785,18 @@ class ChiefService:
                 if not self._wait(lambda: self._phase is not Phase.BROADCASTING, min(left, self._poll())):
                     self._log_stragglers("broadcasting; waiting for %s", self._waiting_for())
             # Keep serving a little so every worker hears the outcome from us, not from a dead port.
-            self._wait(lambda: all(m.told for m in self._members.values()), t.linger)
+            self._wait(self._everyone_heard, t.linger)
             self._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
             if self._phase is Phase.FAILED:
                 raise self._error or AbortedError("the round failed")
+
+    def _everyone_heard(self) -> bool:
+        """Every member was told the outcome; after an SPMD failure, every rank was (members or not)."""
+        if not all(m.told for m in self._members.values()):
+            return False
+        if self.spmd and self._phase is Phase.FAILED:
+            return len(self._told_outside | set(self._members)) >= self.num_workers
+        return True
 
     def broadcast_seconds(self) -> float:
         if self._first_byte_at is None or self._ready_at is None:

@@ -4,6 +4,7 @@ line: its rank, the digests of its inputs and of every replica it holds after st
 
 ``SYNC_MISMATCH_RANK=r``: rank r declares a model that differs from rank 0's (one shape, one
 dtype, one extra variable). ``SYNC_NO_VALUES=1``: ranks other than 0 pass no values.
+``SYNC_LATE_RANK=r``: rank r starts 1 s late (after a mismatch has already failed the round).
 ``SYNC_OUT=dir``: write the line to ``dir/rank<r>.json`` too (ranks under mpiexec share stdout).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import xxhash
@@ -51,6 +53,8 @@ def main() -> int:
     rank = resolve_roles(None, None, None).rank
     values = values_for(rank)
     given = values if rank == 0 or not os.environ.get("SYNC_NO_VALUES") else None
+    if str(rank) == os.environ.get("SYNC_LATE_RANK"):
+        time.sleep(1.0)
     t = collective.Timeouts(join=30, rpc=10, stall=10, ready=30, start=30, linger=2, heartbeat=1, lease=10)
     try:
         result = collective.sync(given, devices="cpu:0,cpu:1", timeouts=t)

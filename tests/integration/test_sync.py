@@ -96,7 +96,9 @@ def assert_everyone_fails_naming_rank_2(results: list[dict], rank_2: str) -> Non
 
 
 def test_a_declared_variable_mismatch_on_rank_2_fails_every_rank_naming_it(tmp_path):
-    results = run_ranks(tmp_path, collective_env, {"SYNC_MISMATCH_RANK": "2"})
+    # Rank 1 starts late, after rank 2's join has failed the round: the chief keeps serving until
+    # rank 1 has heard the cause (before, rank 1 found a closed port and blamed the chief).
+    results = run_ranks(tmp_path, collective_env, {"SYNC_MISMATCH_RANK": "2", "SYNC_LATE_RANK": "1"})
     assert_everyone_fails_naming_rank_2(results, "rank-2@")
 
 

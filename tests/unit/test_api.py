@@ -144,6 +144,26 @@ def test_under_spmd_one_ranks_mismatch_fails_every_rank_listing_the_differences(
         assert "dense/bias: chief (17,) float32 vs worker (16,) float32" in text and "extra: chief (missing)" in text
 
 
+def test_under_spmd_a_failed_chief_keeps_serving_until_a_late_rank_has_heard_why():
+    import threading
+
+    arrays = small_arrays()
+    wrong = ArraySource({**arrays, "extra": np.zeros(2)}).specs()
+    timeouts = FAST.__class__(**{**FAST.__dict__, "linger": 30.0})
+    service, agents = training_cluster(arrays, workers=2, spmd=True, declared={1: wrong}, timeouts=timeouts)
+    outcome: list = []
+    supervisor = threading.Thread(target=lambda: outcome.append(run_threads([service.supervise], 60)[0]), daemon=True)
+    supervisor.start()
+    (bad,) = run_threads([agents[1].run])
+    assert isinstance(bad, PreconditionError) and "extra: chief (missing)" in str(bad), bad
+    supervisor.join(1.5)
+    assert supervisor.is_alive(), "the chief stopped serving before rank 1 heard the outcome"
+    (late,) = run_threads([agents[0].run])  # rank 1 was slow to start: it hears the cause, not a dead port
+    assert isinstance(late, AbortedError) and "'rank-2'" in str(late) and "extra: chief (missing)" in str(late), late
+    supervisor.join(10)  # well inside the 30 s linger: every rank has heard, so the chief ends
+    assert not supervisor.is_alive() and isinstance(outcome[0], PreconditionError), outcome
+
+
 def test_under_spmd_two_processes_claiming_one_rank_fail_the_round_naming_both():
     service, agents = training_cluster(small_arrays(), workers=2, spmd=True)
     agents[1].preferred_rank = 0  # a second process that believes it is training rank 1
