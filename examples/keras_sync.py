@@ -8,7 +8,9 @@ Two processes with two logical CPU devices each, on one machine::
 
 Each process builds the model with its own seed, calls ``collective.tf.sync_keras``, checks
 that every replica on every device holds the same bytes, trains a few steps with ``fit`` and
-prints one line. ``KERAS_SYNC_DTYPE=bfloat16`` builds the model in bfloat16.
+prints one line. ``KERAS_SYNC_DTYPE=bfloat16`` builds the model in bfloat16;
+``KERAS_SYNC_MISMATCH_RANK=r`` gives rank r a hidden layer of 15 units (every rank then fails,
+listing the differences, before any byte moves).
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ def main() -> int:
     seed = int(os.environ.get("COLLECTIVE_RANK") or os.environ.get("RANK") or 0)
     dtype = os.environ.get("KERAS_SYNC_DTYPE", "float32")
     keras.utils.set_random_seed(100 + seed)
+    units = 15 if str(seed) == os.environ.get("KERAS_SYNC_MISMATCH_RANK") else 16
     with strategy.scope():
         model = keras.Sequential([
             keras.Input((8,)),
-            keras.layers.Dense(16, activation="relu", dtype=dtype, name="hidden"),
+            keras.layers.Dense(units, activation="relu", dtype=dtype, name="hidden"),
             keras.layers.Dense(1, dtype=dtype, name="out"),
         ])
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
