@@ -269,86 +269,94 @@ class ChiefService:
 
     def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
         with self._cond:
-            if self._phase is Phase.FAILED:
-                if req.worker_id and req.worker_id not in self._members:
+            try:
+                return self._admit(req, peer)
+            except CollectiveError:
+                # A refusal once the round has failed (joined late, or this join failed it) tells
+                # a process that never became a member: supervise() lingers until every rank heard.
+                if self._phase is Phase.FAILED and req.worker_id and req.worker_id not in self._members:
                     self._told_outside.add(req.worker_id)
                     self._cond.notify_all()
-                raise AbortedError(str(self._error))
-            if not req.worker_id:
-                raise ProtocolError(f"join from {peer} has no worker id")
-            try:
-                devices = parse_devices(list(req.devices))
-            except UsageError as exc:
-                raise ProtocolError(f"worker {req.worker_id!r}: {exc}") from exc
-            existing = self._members.get(req.worker_id)
-            if existing is not None:
-                if existing.incarnation == req.incarnation:
-                    existing.last_seen = time.monotonic()
-                    return self._join_reply(existing)  # a retried join: same rank
-                if self._phase is not Phase.JOINING:
-                    err = AbortedError(
-                        f"{existing.name()} restarted (incarnation {req.incarnation}, was "
-                        f"{existing.incarnation}) after the broadcast began; the round cannot go on"
-                    )
-                    self.fail(err)
-                    raise err
-                raise AlreadyExistsError(
-                    f"worker id {req.worker_id!r} is held by incarnation {existing.incarnation} "
-                    f"(host {existing.host}, pid {existing.pid}); incarnation {req.incarnation} "
-                    f"from {req.host or peer} (pid {req.pid}) is refused"
-                )
+                raise
+
+    def _admit(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
+        """The body of ``join`` (the lock held): admit the worker or raise why not."""
+        if self._phase is Phase.FAILED:
+            raise AbortedError(str(self._error))
+        if not req.worker_id:
+            raise ProtocolError(f"join from {peer} has no worker id")
+        try:
+            devices = parse_devices(list(req.devices))
+        except UsageError as exc:
+            raise ProtocolError(f"worker {req.worker_id!r}: {exc}") from exc
+        existing = self._members.get(req.worker_id)
+        if existing is not None:
+            if existing.incarnation == req.incarnation:
+                existing.last_seen = time.monotonic()
+                return self._join_reply(existing)  # a retried join: same rank
             if self._phase is not Phase.JOINING:
-                err = PreconditionError(
-                    f"worker {req.worker_id!r} from {req.host or peer} cannot join: the cluster is "
-                    f"{self._phase.value} with all {self.num_workers} worker(s); joins are closed"
-                )
-                log.warning("refused a join: %s", err)  # the operator sees extra workers too
-                raise err
-            if req.declared:
-                try:
-                    check_declared(req.declared)
-                except InvalidVariableError as exc:
-                    log.warning("refused worker %r: it declares an invalid variable list: %s", req.worker_id, exc)
-                    raise ProtocolError(f"worker {req.worker_id!r} declares an invalid variable list: {exc}") from None
-                diffs = declaration_differences(self.specs, req.declared)
-                if diffs:
-                    shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
-                    log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
-                    err = PreconditionError(
-                        f"worker {req.worker_id!r} declares variables that differ from the chief's model "
-                        f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
-                    )
-                    if self.spmd:
-                        self._told_outside.add(req.worker_id)
-                        self.fail(err)
-                    raise err
-            if len(self._members) >= self.num_workers:
-                raise ResourceExhaustedError(
-                    f"worker {req.worker_id!r} cannot join: all {self.num_workers} worker slots are taken"
-                )
-            taken = {m.rank for m in self._members.values()}
-            free = [r for r in range(self.num_workers) if r not in taken]
-            if self.spmd and req.preferred_rank not in free:
-                holder = next((m for m in self._members.values() if m.rank == req.preferred_rank), None)
-                why = (f"is held by {holder.name()}" if holder is not None
-                       else f"is out of range: {self.num_workers} workers have ranks 0..{self.num_workers - 1}")
-                err = PreconditionError(
-                    f"worker {req.worker_id!r} (host {req.host or peer}) claims worker rank {req.preferred_rank}, "
-                    f"which {why}; every process needs its own rank"
+                err = AbortedError(
+                    f"{existing.name()} restarted (incarnation {req.incarnation}, was "
+                    f"{existing.incarnation}) after the broadcast began; the round cannot go on"
                 )
                 self.fail(err)
                 raise err
-            rank = req.preferred_rank if req.preferred_rank in free else free[0]
-            m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
-                       relay_port=req.relay_port, relay_cert=req.relay_cert)
-            self._members[m.worker_id] = m
-            log.info(
-                "%s joined with devices %s (%d/%d)",
-                m.name(), ",".join(devices), len(self._members), self.num_workers,
+            raise AlreadyExistsError(
+                f"worker id {req.worker_id!r} is held by incarnation {existing.incarnation} "
+                f"(host {existing.host}, pid {existing.pid}); incarnation {req.incarnation} "
+                f"from {req.host or peer} (pid {req.pid}) is refused"
             )
-            if len(self._members) == self.num_workers:
-                self._release_plan()
-            return self._join_reply(m)
+        if self._phase is not Phase.JOINING:
+            err = PreconditionError(
+                f"worker {req.worker_id!r} from {req.host or peer} cannot join: the cluster is "
+                f"{self._phase.value} with all {self.num_workers} worker(s); joins are closed"
+            )
+            log.warning("refused a join: %s", err)  # the operator sees extra workers too
+            raise err
+        if req.declared:
+            try:
+                check_declared(req.declared)
+            except InvalidVariableError as exc:
+                log.warning("refused worker %r: it declares an invalid variable list: %s", req.worker_id, exc)
+                raise ProtocolError(f"worker {req.worker_id!r} declares an invalid variable list: {exc}") from None
+            diffs = declaration_differences(self.specs, req.declared)
+            if diffs:
+                shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
+                log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
+                err = PreconditionError(
+                    f"worker {req.worker_id!r} declares variables that differ from the chief's model "
+                    f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
+                )
+                if self.spmd:
+                    self.fail(err)
+                raise err
+        if len(self._members) >= self.num_workers:
+            raise ResourceExhaustedError(
+                f"worker {req.worker_id!r} cannot join: all {self.num_workers} worker slots are taken"
+            )
+        taken = {m.rank for m in self._members.values()}
+        free = [r for r in range(self.num_workers) if r not in taken]
+        if self.spmd and req.preferred_rank not in free:
+            holder = next((m for m in self._members.values() if m.rank == req.preferred_rank), None)
+            why = (f"is held by {holder.name()}" if holder is not None
+                   else f"is out of range: {self.num_workers} workers have ranks 0..{self.num_workers - 1}")
+            err = PreconditionError(
+                f"worker {req.worker_id!r} (host {req.host or peer}) claims worker rank {req.preferred_rank}, "
+                f"which {why}; every process needs its own rank"
+            )
+            self.fail(err)
+            raise err
+        rank = req.preferred_rank if req.preferred_rank in free else free[0]
+        m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
+                   relay_port=req.relay_port, relay_cert=req.relay_cert)
+        self._members[m.worker_id] = m
+        log.info(
+            "%s joined with devices %s (%d/%d)",
+            m.name(), ",".join(devices), len(self._members), self.num_workers,
+        )
+        if len(self._members) == self.num_workers:
+            self._release_plan()
+        return self._join_reply(m)
 
     def _join_reply(self, m: Member) -> pb.JoinReply:
         return pb.JoinReply(rank=m.rank, num_workers=self.num_workers, chief_incarnation=self.incarnation)
