@@ -71,7 +71,7 @@ def init_gloo(rank: int, world_size: int) -> None:
 def main() -> int:
     dtype = getattr(torch, os.environ.get("TORCH_DDP_DTYPE", "float32"))
     # This process's rank only to pick a different seed per rank; sync_module finds its role itself.
-    rank_hint = int(os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+    rank_hint = int(os.environ.get("COLLECTIVE_RANK") or os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
     model = build_model(1000 + rank_hint, wide=str(rank_hint) == os.environ.get("TORCH_DDP_MISMATCH_RANK")).to(dtype)
     before = state_digest(model)
     try:
