@@ -1057,6 +1057,16 @@ class GrpcChiefLink(ChiefLink):
         """On the heartbeat connection, which carries no data, so nothing queues ahead of it."""
         return self._unary(self._hb_stub.Presence, ref, "presence", timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 2.0) -> None:
+        """Close both channels, waiting at most ``timeout`` s. grpc's close waits for every call
+        on the channel to end, and a call interrupted inside grpc (Ctrl-C during a long-poll) may
+        never report its end: the close then goes on in a daemon thread and the process exits."""
+        closer = threading.Thread(target=self._close_channels, name="grpc-close", daemon=True)
+        closer.start()
+        closer.join(timeout)
+        if closer.is_alive():
+            log.debug("%s at %s: its channels did not close within %g s; leaving them", self.name, self.address, timeout)
+
+    def _close_channels(self) -> None:
         self._channel.close()
         self._hb_channel.close()
