@@ -14,6 +14,7 @@ The Python API (every call reads the same environment as the command line: ``COL
 * ``create_variable`` / ``Synchronization`` / ``Aggregation`` / ``VariableSpec`` - variables
   with TensorFlow's semantics.
 * ``load_model`` - a preset, spec, ``.npz`` or ``.safetensors`` file as a model source.
+* ``local_rank`` - this process's index on its host (torchrun, mpirun, srun, ``COLLECTIVE_*``).
 * ``Timeouts``, ``TlsFiles`` - settings; ``CollectiveError`` and its subclasses - the errors.
 
 ``import collective`` is cheap: the transports (gRPC, MPI) load on first use.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from collective.clusterenv import local_rank
 from collective.config import Timeouts
 from collective.errors import (
     AbortedError,
@@ -58,6 +60,7 @@ __all__ = [
     "join",
     "SyncResult",
     "load_model",
+    "local_rank",
     "create_variable",
     "Synchronization",
     "Aggregation",

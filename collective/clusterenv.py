@@ -42,6 +42,31 @@ from collective.errors import UsageError
 
 ROLES = ("chief", "worker")
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+# Where each launcher says which process of its host this is: ours, torchrun, Open MPI,
+# MPICH / Intel MPI (Hydra), PMIx, Slurm's srun. The first one set wins.
+LOCAL_RANK_VARS = (
+    "COLLECTIVE_LOCAL_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+    "PMIX_LOCAL_RANK", "SLURM_LOCALID",
+)
+
+
+def local_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's index among the training processes on its host: the device it should use
+    (``cuda:<local_rank>``). From the first set of ``LOCAL_RANK_VARS``; 0 when none is set (one
+    process per host). A value that is not a whole number >= 0 raises ``UsageError`` naming it."""
+    environ = os.environ if environ is None else environ
+    for name in LOCAL_RANK_VARS:
+        if _unset(environ, name):
+            continue
+        raw = environ[name].strip()
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise UsageError(f"{name}={raw!r} is not a local rank (a whole number >= 0); fix or unset it")
+        return value
+    return 0
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from collective import dtypes
 from collective.digest import array_digest
 from collective.errors import IntegrityError, UsageError
 
-__all__ = ["sync_module", "state_arrays", "load_arrays", "module_device"]
+__all__ = ["sync_module", "state_arrays", "load_arrays", "module_device", "local_device"]
 
 # torch dtypes numpy has no type for: the ml_dtypes type of the same bits, and the integer
 # type of the same size through which the bits cross (torch.from_numpy knows no ml_dtypes).
@@ -79,6 +79,25 @@ def from_numpy(a: np.ndarray) -> torch.Tensor:
 def state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
     """``module.state_dict()`` as numpy arrays, in its order (views of CPU tensors)."""
     return {name: to_numpy(t) for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def local_device(environ: Mapping[str, str] | None = None) -> torch.device:
+    """The device this process trains on, as torchrun users pick it: ``cuda:<local rank>`` when
+    CUDA is available (``collective.local_rank()``: torchrun's ``LOCAL_RANK``, Open MPI's,
+    Hydra's, Slurm's, ``COLLECTIVE_LOCAL_RANK``), else ``mps`` when available, else ``cpu``.
+    UsageError when the local rank has no CUDA device of its own (more processes on the host
+    than visible GPUs)."""
+    rank = collective.local_rank(environ)
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if rank >= count:
+            raise UsageError(f"local rank {rank} has no CUDA device: this host shows {count} "
+                             f"(CUDA_VISIBLE_DEVICES); start at most {count} processes per host")
+        return torch.device("cuda", rank)
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
 
 
 def module_device(module: torch.nn.Module) -> str:

@@ -3,10 +3,11 @@
     torchrun --nproc-per-node 3 examples/torch_ddp.py
     mpiexec -n 3 python examples/torch_ddp.py
 
-Every rank builds the model with its own seed (as independently started processes do), then
-``collective.torch.sync_module`` makes every parameter and buffer rank 0's, in place and
+Every rank builds the model with its own seed (as independently started processes do) on its
+own device (``collective.torch.local_device()``: ``cuda:<local rank>`` on GPUs, else the CPU),
+then ``collective.torch.sync_module`` makes every parameter and buffer rank 0's, in place and
 verified. The script checks it itself (an all-gather of a digest of every rank's state over
-gloo), trains a few DDP steps with ``init_sync=False`` (DDP's own initial broadcast skipped:
+gloo, or NCCL on GPUs), trains a few DDP steps with ``init_sync=False`` (DDP's own initial broadcast skipped:
 the values are already rank 0's) and prints one line per rank.
 
 ``TORCH_DDP_DTYPE=bfloat16`` trains in bfloat16; ``TORCH_DDP_MISMATCH_RANK=r`` makes rank r
@@ -15,6 +16,7 @@ build a different model (every rank then fails, naming each difference).
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.nn  # noqa: E402,F401  (before init_process_group: see the end of main)
 import xxhash  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
@@ -50,12 +53,15 @@ def state_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def init_gloo(rank: int, world_size: int) -> None:
-    """gloo over torchrun's store (env://), or under mpiexec a TCP rendezvous at rank 0's host
-    on a port rank 0 picks and MPI broadcasts."""
+def init_process_group(rank: int, world_size: int, device: torch.device) -> None:
+    """NCCL on GPUs, else gloo; over torchrun's store (env://), or under mpiexec a TCP rendezvous
+    at rank 0's host on a port rank 0 picks and MPI broadcasts."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     timeout = timedelta(seconds=60)
     if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         return
     from mpi4py import MPI
 
@@ -65,14 +71,15 @@ def init_gloo(rank: int, world_size: int) -> None:
             s.bind(("", 0))
             address = f"tcp://{socket.gethostname()}:{s.getsockname()[1]}"
     address = MPI.COMM_WORLD.bcast(address, root=0)
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def main() -> int:
     dtype = getattr(torch, os.environ.get("TORCH_DDP_DTYPE", "float32"))
     # This process's rank only to pick a different seed per rank; sync_module finds its role itself.
     rank_hint = int(os.environ.get("COLLECTIVE_RANK") or os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
-    model = build_model(1000 + rank_hint, wide=str(rank_hint) == os.environ.get("TORCH_DDP_MISMATCH_RANK")).to(dtype)
+    device = collective.torch.local_device()  # cuda:<local rank> on GPUs, else mps or cpu
+    model = build_model(1000 + rank_hint, wide=str(rank_hint) == os.environ.get("TORCH_DDP_MISMATCH_RANK")).to(device, dtype)
     before = state_digest(model)
     try:
         result = collective.torch.sync_module(model)
@@ -81,7 +88,7 @@ def main() -> int:
         return exc.exit_code
     rank, world_size = result.rank, result.world_size
 
-    init_gloo(rank, world_size)
+    init_process_group(rank, world_size, device)
     after = state_digest(model)
     digests: list[str | None] = [None] * world_size
     dist.all_gather_object(digests, after)
@@ -89,11 +96,11 @@ def main() -> int:
         print(f"rank {rank}: error: initial values differ between ranks: {digests}", flush=True)
         return 1
 
-    ddp = DistributedDataParallel(model, init_sync=False)
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None, init_sync=False)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(rank)  # each rank its own batches
     for _ in range(STEPS):
-        x = torch.randn(32, 8, generator=data).to(dtype)
+        x = torch.randn(32, 8, generator=data).to(device, dtype)
         y = x.sum(dim=1, keepdim=True)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         optimizer.zero_grad()
@@ -107,6 +114,15 @@ def main() -> int:
         f"loss {loss.item():.4f}, final {final[rank][:12]} (same on all ranks: {len(set(final)) == 1})",
         flush=True,
     )
+    # Tear down in this order, while the interpreter runs, so gloo joins its threads here. Left to
+    # the exit, a gloo thread may still be releasing a tensor while the interpreter finalizes, and
+    # a successful run aborts ("terminate called without an active exception", SIGABRT). DDP
+    # goes first (it holds the group in a reference cycle, hence the collect): if DDP's reducer
+    # dropped the group's last reference, it would join gloo's threads holding the GIL that one
+    # of them waits for. torch.distributed.nn is imported at the top because, first imported
+    # after init_process_group, it keeps the group in its functions' default arguments.
+    del ddp, optimizer
+    gc.collect()
     dist.destroy_process_group()
     return 0 if len(set(final)) == 1 else 1
 

@@ -14,6 +14,7 @@ from collective.errors import IntegrityError, UsageError  # noqa: E402
 from collective.torch import (  # noqa: E402
     from_numpy,
     load_arrays,
+    local_device,
     module_device,
     state_arrays,
     sync_module,
@@ -94,3 +95,15 @@ def test_sync_module_alone_is_verified_and_in_place(monkeypatch):
     assert result.devices == ["cpu:0"] and module_device(m) == "cpu:0"
     assert {k: bits(v) for k, v in m.state_dict().items()} == before
     assert {k: array_digest(a) for k, a in result.arrays(0).items()} == {k: array_digest(to_numpy(v)) for k, v in m.state_dict().items()}
+
+
+def test_local_device_is_the_local_ranks_gpu_else_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert local_device({"LOCAL_RANK": "1"}) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert local_device({"LOCAL_RANK": "1"}) == torch.device("cuda", 1)
+    assert local_device({}) == torch.device("cuda", 0)
+    with pytest.raises(UsageError, match="local rank 2 has no CUDA device: this host shows 2"):
+        local_device({"OMPI_COMM_WORLD_LOCAL_RANK": "2"})

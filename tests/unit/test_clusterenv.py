@@ -11,6 +11,7 @@ from collective.clusterenv import (
     apply_defaults,
     apply_to_environ,
     from_environment,
+    local_rank,
     role_mismatch,
 )
 from collective.errors import UsageError
@@ -225,3 +226,22 @@ def test_precedence_option_then_collective_variable_then_tf_config_then_default(
     args = worker_parser().parse_args([])
     assert (args.chief, args.rank) == ("chief-host:2222", 2)
     assert worker_parser().parse_args(["--chief", "other:1"]).chief == "other:1"
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, 0),  # one process on its host
+    ({"LOCAL_RANK": "2"}, 2),  # torchrun
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "1"}, 1),  # Open MPI
+    ({"MPI_LOCALRANKID": "3"}, 3),  # MPICH / Intel MPI (Hydra)
+    ({"SLURM_LOCALID": "1"}, 1),  # srun
+    ({"COLLECTIVE_LOCAL_RANK": "0", "LOCAL_RANK": "5"}, 0),  # ours first
+    ({"LOCAL_RANK": " ", "OMPI_COMM_WORLD_LOCAL_RANK": "4"}, 4),  # empty counts as unset
+])
+def test_local_rank_comes_from_the_launcher_that_started_the_process(environ, expected):
+    assert local_rank(environ) == expected
+
+
+@pytest.mark.parametrize("raw", ["x", "-1", "1.5"])
+def test_a_bad_local_rank_is_a_usage_error_naming_the_variable(raw):
+    with pytest.raises(UsageError, match=f"LOCAL_RANK={raw!r} is not a local rank"):
+        local_rank({"LOCAL_RANK": raw})
