@@ -5,8 +5,9 @@ table (and, with ``--json``, the JSON line of ``collective launch``). Ranks 1..N
 ``WorkerAgent`` with an MPI link. With ``--chief-trains`` (always under ``collective.sync``)
 rank 0 also holds verified replicas of its own, one per ``--devices-per-worker`` device, and
 start waits for them. Any failure ends every rank with a non-zero exit: a failure all
-ranks learn together exits normally; a failure of one rank aborts the job (MPI_Abort) after one
-log line naming the rank, its host and the cause. A watchdog bounds every phase.
+ranks learn together exits normally (also a worker's bad data: it reports it at the ready step);
+any other failure of one rank aborts the job (MPI_Abort) after one log line naming the rank, its
+host and the cause. A watchdog bounds every phase.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def run_worker_rank(comm, watchdog, timeouts, devices, *, split_bytes=None, expe
     try:
         return agent.run()
     except CollectiveError as exc:
-        exc.unannounced = exc is not link.announced
+        exc.unannounced = exc is not link.announced and not link.failure_heard
         raise
 
 

@@ -1,6 +1,8 @@
 """Run ``collective.mpi`` under mpiexec with test probes (test-only; never shipped).
 
 PROBE_CORRUPT_RANK=r   MPI rank r flips one bit of the first data chunk it receives.
+PROBE_CRASH_RANK=r     MPI rank r raises a RuntimeError (a bug, not a CollectiveError) at its
+                       first data chunk: the ranks are out of step and the job must abort.
 PROBE_HOLD_RANK=r      MPI rank r prints HOLDING and sleeps 60 s before joining (the others wait).
 PROBE_BCAST_LOG=path   rank 0 writes the largest byte count it passed to one Bcast call of the
                        data stream (control messages such as the plan are not counted).
@@ -79,6 +81,24 @@ if os.environ.get("PROBE_CORRUPT_RANK") and MPI.COMM_WORLD.rank == int(os.enviro
         return real_receive(self, ref, _Flipper(receiver), stall_timeout)
 
     transport.MpiChiefLink.receive_into = corrupt_receive
+
+if os.environ.get("PROBE_CRASH_RANK") and MPI.COMM_WORLD.rank == int(os.environ["PROBE_CRASH_RANK"]):
+    real_receive_crash = transport.MpiChiefLink.receive_into
+
+    class _Crasher:
+        def __init__(self, receiver):
+            self._r = receiver
+
+        def __getattr__(self, name):
+            return getattr(self._r, name)
+
+        def accept(self, chunk, placed=False):
+            raise RuntimeError("probe: a bug in the middle of the data stream")
+
+    def crash_receive(self, ref, receiver, stall_timeout):
+        return real_receive_crash(self, ref, _Crasher(receiver), stall_timeout)
+
+    transport.MpiChiefLink.receive_into = crash_receive
 
 if os.environ.get("PROBE_HOLD_RANK") and MPI.COMM_WORLD.rank == int(os.environ["PROBE_HOLD_RANK"]):
     import time

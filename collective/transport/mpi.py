@@ -43,6 +43,8 @@ from collective.transport.api import ChiefHandler, ChiefLink
 log = logging.getLogger(__name__)
 
 _OK, _ERR = 0, 1
+# A worker's message at the ready step: its ready report, or the failure it found in the data.
+_READY, _FAILED = b"R", b"F"
 
 
 # --- framing --------------------------------------------------------------------------------
@@ -255,11 +257,18 @@ class MpiChiefDriver:
             except E.CollectiveError:
                 pass  # the round failed with it: the ready answers below carry it to every rank
         readies = gather_bytes(self.comm, b"")
-        if not self._answer_each(readies, lambda r, d: self.h.report_ready(pb.ReadyRequest.FromString(d))):
+        if not self._answer_each(readies, self._ready):
             return
         self.watchdog.phase("start", t.start)
         self._answer_each([b""] * (len(self.refs) + 1), lambda r, d: self.h.await_start(self.refs[r - 1], 0.0))
         self.watchdog.phase("done", t.start)
+
+    def _ready(self, rank: int, data: bytes):
+        if data[:1] == _FAILED:  # the rank found its data bad: it names the variable and the digest
+            req = pb.FailureReport.FromString(data[1:])
+            self.h.report_failure(req)
+            raise E.AbortedError(f"mpi rank {rank} failed during {req.phase or 'the round'}: {req.message}")
+        return self.h.report_ready(pb.ReadyRequest.FromString(data[1:]))
 
     def _stream(self) -> bool:
         """The arena in a few large Bcasts (each below 2 GiB), straight from the chief's memory.
@@ -325,8 +334,14 @@ class MpiChiefLink(ChiefLink):
         self.split_bytes = split_bytes or SPAN_BYTES
         self.address = "mpi rank 0"
         # The chief's failure answers reach every rank at the same step; such a failure ends
-        # this rank normally. Any other failure leaves the ranks out of step and must abort.
+        # this rank normally. So does this rank's own failure found while or after the data
+        # streamed (a chunk's or a replica's digest): it goes to the chief in place of the ready
+        # report (``failure_heard``). Any other failure leaves the ranks out of step and must abort.
         self.announced: E.CollectiveError | None = None
+        self.failure_heard = False
+        self._streaming = False     # inside receive_into's collectives
+        self._ready_next = False    # the stream is done; the ready step is this rank's next
+        self._failure: pb.FailureReport | None = None
 
     def _decode(self, data: bytes, cls):
         try:
@@ -356,24 +371,50 @@ class MpiChiefLink(ChiefLink):
         status = np.zeros(1, dtype=np.int64)
         settle(self.comm)
         i = 0
-        for start, end in spans(plan, self.split_bytes):
-            self.comm.Bcast([status, MPI.INT64_T], root=0)
-            if status[0]:
-                meta = np.empty(int(status[0]), dtype=np.uint8)
-                self.comm.Bcast([meta, MPI.BYTE], root=0)
-                self._decode(meta.tobytes(), pb.Chunk)  # raises the chief's error
-            if end > start:
-                self.comm.Bcast([receiver.span(start, end), MPI.BYTE], root=0)
-            while i < len(messages) and messages[i][2] <= end:  # every chunk of the span, end included
-                receiver.accept(messages[i][0], placed=True)
-                i += 1
+        failed: E.CollectiveError | None = None
+        self._streaming = True
+        try:
+            for start, end in spans(plan, self.split_bytes):
+                self.comm.Bcast([status, MPI.INT64_T], root=0)
+                if status[0]:
+                    meta = np.empty(int(status[0]), dtype=np.uint8)
+                    self.comm.Bcast([meta, MPI.BYTE], root=0)
+                    self._decode(meta.tobytes(), pb.Chunk)  # raises the chief's error
+                if end > start:
+                    self.comm.Bcast([receiver.span(start, end), MPI.BYTE], root=0)
+                while failed is None and i < len(messages) and messages[i][2] <= end:  # whole chunks, end included
+                    try:
+                        receiver.accept(messages[i][0], placed=True)
+                    except E.CollectiveError as exc:
+                        if self._failure is None:  # not reported to the chief: nothing to send in step
+                            raise
+                        failed = exc  # stay in the remaining Bcasts: the ranks must stay in step
+                    i += 1
+        finally:
+            self._streaming = False
+        self._ready_next = True
+        if failed is not None:
+            self._send_failure(self._failure)
+            raise failed
 
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
         raise E.ProtocolError("over MPI the data stream is received in place: use receive_into")
 
     def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply:
-        gather_bytes(self.comm, req.SerializeToString())
+        self._ready_next = False
+        gather_bytes(self.comm, _READY + req.SerializeToString())
         return self._mine(bcast_bytes(self.comm, None), pb.ReadyReply)
+
+    def _send_failure(self, req: pb.FailureReport) -> None:
+        """At the ready step, in place of the ready report: the chief fails the round naming this
+        rank, and every rank hears it in the same answer."""
+        self._ready_next = False
+        gather_bytes(self.comm, _FAILED + req.SerializeToString())
+        try:
+            self._mine(bcast_bytes(self.comm, None), pb.ReadyReply)
+        except E.CollectiveError:
+            pass  # the round failed with our report, as it must
+        self.failure_heard = True
 
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
         self.watchdog.phase("start", self.t.start)
@@ -382,7 +423,14 @@ class MpiChiefLink(ChiefLink):
         return reply
 
     def report_failure(self, req: pb.FailureReport, timeout: float) -> None:
-        """Nothing to send: a rank that fails on its own aborts the whole job (see module doc)."""
+        """A failure found while the data streams is sent once the stream's collectives are over;
+        one found after it (a replica's check), at once: both in place of the ready report, so
+        the ranks stay in step and the job ends normally with the culprit named. Anywhere else
+        there is nothing to send: a rank that fails on its own aborts the job (see module doc)."""
+        if self._streaming:
+            self._failure = req
+        elif self._ready_next:
+            self._send_failure(req)
 
     def status(self, timeout: float) -> pb.StatusReply:
         raise E.UsageError("status is not available over MPI; read rank 0's output")
