@@ -54,14 +54,20 @@ if os.environ.get("PROBE_BCAST_LOG") and MPI.COMM_WORLD.rank == 0:
     transport.MpiChiefDriver.__init__ = counting_init
     transport.MpiChiefDriver._stream = counting_stream
 
-if os.environ.get("PROBE_CORRUPT_RANK") and MPI.COMM_WORLD.rank == int(os.environ["PROBE_CORRUPT_RANK"]):
-    real_receive = transport.MpiChiefLink.receive_into
+def _probe_rank(name: str) -> bool:
+    return bool(os.environ.get(name)) and MPI.COMM_WORLD.rank == int(os.environ[name])
 
-    class _Flipper:
-        """Flips one bit of the first chunk's bytes after they landed, before they are checked."""
+
+if _probe_rank("PROBE_CORRUPT_RANK") or _probe_rank("PROBE_CRASH_RANK"):
+    real_receive = transport.MpiChiefLink.receive_into
+    crash = _probe_rank("PROBE_CRASH_RANK")
+
+    class _Receiver:
+        """Around the worker's receiver: at the first chunk, flips one bit of its bytes after they
+        landed, before they are checked (corrupt), or raises a bug (crash)."""
 
         def __init__(self, receiver):
-            self._r, self._flipped, self._last = receiver, False, None
+            self._r, self._first, self._last = receiver, True, None
 
         @property
         def plan(self):
@@ -72,35 +78,19 @@ if os.environ.get("PROBE_CORRUPT_RANK") and MPI.COMM_WORLD.rank == int(os.enviro
             return self._last
 
         def accept(self, chunk, placed=False):
-            if not self._flipped and self._last is not None and len(self._last):
+            if crash:
+                raise RuntimeError("probe: a bug in the middle of the data stream")
+            if self._first and self._last is not None and len(self._last):
                 self._last[0] ^= 0x10
-                self._flipped = True
+                self._first = False
             return self._r.accept(chunk, placed=placed)
 
-    def corrupt_receive(self, ref, receiver, stall_timeout):
-        return real_receive(self, ref, _Flipper(receiver), stall_timeout)
+    def probed_receive(self, ref, receiver, stall_timeout):
+        return real_receive(self, ref, _Receiver(receiver), stall_timeout)
 
-    transport.MpiChiefLink.receive_into = corrupt_receive
+    transport.MpiChiefLink.receive_into = probed_receive
 
-if os.environ.get("PROBE_CRASH_RANK") and MPI.COMM_WORLD.rank == int(os.environ["PROBE_CRASH_RANK"]):
-    real_receive_crash = transport.MpiChiefLink.receive_into
-
-    class _Crasher:
-        def __init__(self, receiver):
-            self._r = receiver
-
-        def __getattr__(self, name):
-            return getattr(self._r, name)
-
-        def accept(self, chunk, placed=False):
-            raise RuntimeError("probe: a bug in the middle of the data stream")
-
-    def crash_receive(self, ref, receiver, stall_timeout):
-        return real_receive_crash(self, ref, _Crasher(receiver), stall_timeout)
-
-    transport.MpiChiefLink.receive_into = crash_receive
-
-if os.environ.get("PROBE_HOLD_RANK") and MPI.COMM_WORLD.rank == int(os.environ["PROBE_HOLD_RANK"]):
+if _probe_rank("PROBE_HOLD_RANK"):
     import time
 
     real_join = transport.MpiChiefLink.join

@@ -266,8 +266,10 @@ class MpiChiefDriver:
     def _ready(self, rank: int, data: bytes):
         if data[:1] == _FAILED:  # the rank found its data bad: it names the variable and the digest
             req = pb.FailureReport.FromString(data[1:])
-            self.h.report_failure(req)
-            raise E.AbortedError(f"mpi rank {rank} failed during {req.phase or 'the round'}: {req.message}")
+            self.h.report_failure(req)  # fails the round, naming the worker
+            # Answered as any report after a failure is: with the round's error, the same text
+            # every rank gets and the chief logs.
+            return self.h.report_ready(pb.ReadyRequest(worker=req.worker))
         return self.h.report_ready(pb.ReadyRequest.FromString(data[1:]))
 
     def _stream(self) -> bool:
