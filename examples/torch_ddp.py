@@ -7,8 +7,8 @@ Every rank builds the model with its own seed (as independently started processe
 own device (``collective.torch.local_device()``: ``cuda:<local rank>`` on GPUs, else the CPU),
 then ``collective.torch.sync_module`` makes every parameter and buffer rank 0's, in place and
 verified. The script checks it itself (an all-gather of a digest of every rank's state over
-gloo, or NCCL on GPUs), trains a few DDP steps with ``init_sync=False`` (DDP's own initial broadcast skipped:
-the values are already rank 0's) and prints one line per rank.
+gloo, or NCCL on GPUs), trains a few DDP steps with ``init_sync=False`` (DDP's own initial
+broadcast skipped: the values are already rank 0's) and prints one line per rank.
 
 ``TORCH_DDP_DTYPE=bfloat16`` trains in bfloat16; ``TORCH_DDP_MISMATCH_RANK=r`` makes rank r
 build a different model (every rank then fails, naming each difference).
