@@ -12,10 +12,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def ignore_sigint() -> None:
+    """A ``preexec_fn``: the child starts with SIGINT ignored, as a background job does."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Proc:
     """A child process whose combined output goes to a file; killed by pid when closed."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None,
+                 sigint_ignored: bool = False) -> None:
+        """``sigint_ignored``: start it as a shell starts a background job (``cmd &`` in a
+        script, as CI runs): SIGINT inherited as SIG_IGN, which Python keeps unless told."""
         self.log = log
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
         full_env.update(env or {})
@@ -24,6 +32,7 @@ class Proc:
         self.proc = subprocess.Popen(
             [sys.executable, *args], stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=full_env, cwd=ROOT, start_new_session=True,
+            preexec_fn=ignore_sigint if sigint_ignored else None,
         )
         self.pid = self.proc.pid
 
@@ -99,13 +108,15 @@ class Cluster:
             self.address = f"127.0.0.1:{wait_for_file(port_file, p)}"
         return p
 
-    def worker(self, name: str, *args: str, chief: str | None = None, env: dict[str, str] | None = None) -> Proc:
+    def worker(self, name: str, *args: str, chief: str | None = None, env: dict[str, str] | None = None,
+               sigint_ignored: bool = False) -> Proc:
         log = self.tmp / f"{name}.log"
         n = 1
         while log.exists():  # a second process with the same id (a restart, a twin) gets its own log
             n += 1
             log = self.tmp / f"{name}-{n}.log"
-        p = Proc(["-m", "worker", "--chief", chief or self.address, "--worker-id", name, *args], log, env)
+        p = Proc(["-m", "worker", "--chief", chief or self.address, "--worker-id", name, *args], log, env,
+                 sigint_ignored=sigint_ignored)
         self.procs.append(p)
         return p
 

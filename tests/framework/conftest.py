@@ -23,7 +23,7 @@ def require(module: str):
     except ImportError as exc:
         if os.environ.get("COLLECTIVE_REQUIRE_FRAMEWORKS") == "1":
             pytest.fail(f"{module} is required here (COLLECTIVE_REQUIRE_FRAMEWORKS=1) but cannot be imported: {exc}")
-        pytest.skip(f"{module} is not installed: {_INSTALL[module]}")
+        pytest.skip(f"{module} is not installed: {_INSTALL[module]}", allow_module_level=True)
 
 
 _INSTALL = {

@@ -262,9 +262,12 @@ def test_ctrl_c_on_the_chief_tells_every_worker_at_once_and_blames_no_worker(clu
     assert "Traceback" not in chief_out + worker.output()
 
 
-def test_ctrl_c_on_a_worker_ends_it_with_one_line_and_exit_130(cluster):
+@pytest.mark.parametrize("started", ["in the foreground", "as a background job (SIGINT inherited ignored)"])
+def test_ctrl_c_on_a_worker_ends_it_with_one_line_and_exit_130(cluster, started):
+    # A script's `worker &` (and CI's own runner) hands SIGINT down as SIG_IGN; the worker
+    # must still hear the SIGINT a user or a launcher sends it.
     cluster.chief("--workers", "2", "--join-timeout", "60")
-    worker = cluster.worker("w0", "--join-timeout", "60")
+    worker = cluster.worker("w0", "--join-timeout", "60", sigint_ignored=started != "in the foreground")
     wait_for(worker, "waiting for the plan")
     worker.signal(signal.SIGINT)
     assert worker.wait(10) == 130
