@@ -121,14 +121,27 @@ def _environ(role: str) -> dict[str, str]:
     return env
 
 
-def _cli_settings(role: str, env: Mapping[str, str]):
+# What an explicit argument of serve() / join() replaces: its COLLECTIVE_* variable(s) are not
+# read at all, so a bad value there cannot fail a call that never uses it.
+_TIMEOUT_OPTIONS = ("join-timeout", "stall-timeout", "ready-timeout", "start-timeout",
+                    "heartbeat-interval", "heartbeat-timeout")
+_TLS_OPTIONS = ("tls-ca", "tls-cert", "tls-key", "tls-server-name")
+
+
+def _cli_settings(role: str, env: Mapping[str, str], given: Mapping[str, Any] | None = None):
     """The parsed defaults of ``python -m <role>`` under ``env``; a bad value is a UsageError
-    naming the variable, as on the command line."""
+    naming the variable, as on the command line. ``given``: option name -> the caller's value
+    (None: not given); the variables of given options are left out, since the argument wins."""
     if role == "chief":
         from chief.__main__ import build_parser
     else:
         from worker.__main__ import build_parser
-    with config.reading(env):
+    skip = set()
+    for option, value in (given or {}).items():
+        if value is not None:
+            names = {"timeouts": _TIMEOUT_OPTIONS, "tls": _TLS_OPTIONS}.get(option, (option,))
+            skip.update(config.env_name(n) for n in names)
+    with config.reading({k: v for k, v in env.items() if k not in skip}):
         return build_parser().parse_args([])
 
 
@@ -287,7 +300,10 @@ def serve(
     from collective.keys import parse_devices
 
     env = _environ("chief")
-    args = _cli_settings("chief", env)
+    args = _cli_settings("chief", env, {
+        "workers": workers, "bind": bind, "token": token, "tls": tls, "timeouts": timeouts, "shm": shm,
+        "topology": topology, "chunk-bytes": chunk_bytes, "model": values,
+    })
     workers = workers if workers is not None else args.workers
     if workers is None:
         raise UsageError("the number of workers is required: pass workers=N or set COLLECTIVE_WORKERS")
@@ -349,7 +365,10 @@ def join(
     from worker.agent import WorkerAgent
     from worker.relay import Relay, host_towards
 
-    args = _cli_settings("worker", _environ("worker"))
+    args = _cli_settings("worker", _environ("worker"), {
+        "chief": chief, "token": token, "tls": tls, "timeouts": timeouts, "shm": shm, "devices": devices,
+        "rank": rank, "worker-id": worker_id, "expect-model": expected,
+    })
     chief = chief or args.chief
     if not chief:
         raise UsageError("the chief's address is required: pass chief='HOST:PORT' or set COLLECTIVE_CHIEF")

@@ -245,6 +245,20 @@ def test_settings_are_the_clis_and_a_bad_variable_is_named():
         _cli_settings("chief", {"COLLECTIVE_JOIN_TIMEOUT": "soon"})
 
 
+def test_an_explicit_argument_wins_over_a_bad_variable_which_is_named_only_when_used(monkeypatch):
+    # The variables an argument replaces are not read, so their bad values cannot fail the call.
+    bad = {"COLLECTIVE_CHUNK_BYTES": "bogus", "COLLECTIVE_JOIN_TIMEOUT": "soon", "COLLECTIVE_TLS_CA": ""}
+    args = _cli_settings("chief", bad, {"chunk-bytes": 1 << 20, "timeouts": FAST, "workers": None})
+    assert args.workers is None  # not given, not set: the parser's default
+    with pytest.raises(UsageError, match="COLLECTIVE_CHUNK_BYTES='bogus'"):
+        _cli_settings("chief", bad, {"timeouts": FAST})  # chunk_bytes not given: its variable is used
+    # Through the public call: serve() with chunk_bytes given gets past the settings to the model.
+    monkeypatch.setenv("COLLECTIVE_CHUNK_BYTES", "bogus")
+    with pytest.raises(UsageError) as err:
+        collective.serve(values="no-such-model.npz", workers=1, chunk_bytes=1 << 20, timeouts=FAST)
+    assert "CHUNK_BYTES" not in str(err.value) and "no-such-model.npz" in str(err.value)
+
+
 def test_join_takes_the_chief_from_torchrun_variables(monkeypatch):
     for name in ("COLLECTIVE_CHIEF", "TF_CONFIG"):
         monkeypatch.delenv(name, raising=False)
