@@ -69,7 +69,7 @@ class ArraysSource:
     dtype, values copied bit for bit (C order, byte order kept)."""
 
     def __init__(self, values: Mapping[str, Any], *, label: str = "arrays") -> None:
-        from collective.sources import _dtype_problem
+        from collective.dtypes import problem as _dtype_problem
 
         self.description = f"{label} ({len(values)} variables)"
         self._arrays: dict[str, np.ndarray] = {}

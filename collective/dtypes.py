@@ -63,6 +63,28 @@ def is_float(dtype: np.dtype) -> bool:
     return (dtype.kind == "f" and dtype.name not in EXTENDED) or is_extended(dtype)
 
 
+KINDS_HINT = (
+    "use bool, int8..int64, uint8..uint64, float16, bfloat16, float32, float64, complex64, "
+    f"complex128 or {', '.join(EXTENDED[1:])}"
+)
+"""What a refusal of a dtype tells the user to use instead."""
+
+
+def problem(dtype: np.dtype) -> str | None:
+    """Why ``dtype`` cannot be a variable's dtype, or None when it can: the one rule used by
+    every model source, the Python API and ``create_variable``."""
+    if is_extended(dtype):
+        return None
+    if dtype.fields is not None or dtype.subdtype is not None:
+        return f"unsupported dtype {dtype.str!r} (structured or sub-array); {KINDS_HINT}"
+    if dtype.kind not in "biufc":
+        return f"unsupported dtype {dtype.name!r}; {KINDS_HINT}"
+    if (dtype.kind == "f" and dtype.itemsize > 8) or (dtype.kind == "c" and dtype.itemsize > 16):
+        # long double's memory format differs between platforms under the same dtype.str.
+        return f"unsupported dtype {dtype.name!r} (platform-dependent extended precision); {KINDS_HINT}"
+    return None
+
+
 def wire(dtype: np.dtype) -> str:
     """The text form of ``dtype`` in specs, plans and declarations."""
     return dtype.name if is_extended(dtype) else dtype.str

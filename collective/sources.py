@@ -85,10 +85,8 @@ RANDOM_BLOCK_ELEMENTS = 1 << 20
 _IO_CHUNK_BYTES = 1 << 20
 _SAFETENSORS_MAX_HEADER = 100_000_000  # the limit the safetensors library enforces
 
-_KINDS_HINT = (
-    "use bool, int8..int64, uint8..uint64, float16, bfloat16, float32, float64, complex64, "
-    f"complex128 or {', '.join(dtypemod.EXTENDED[1:])}"
-)
+_KINDS_HINT = dtypemod.KINDS_HINT
+_dtype_problem = dtypemod.problem
 
 
 def preset_names() -> tuple[str, ...]:
@@ -167,20 +165,6 @@ def _check_seed(value: object, *, where: str) -> int:
     if not _is_int(value) or int(value) < 0:  # type: ignore[call-overload]
         raise ModelError(f"{where} must be a non-negative integer, not {value!r}")
     return int(value)  # type: ignore[call-overload]
-
-
-def _dtype_problem(dtype: np.dtype) -> str | None:
-    """Why ``dtype`` cannot be a variable dtype, or None when it can."""
-    if dtypemod.is_extended(dtype):
-        return None
-    if dtype.fields is not None or dtype.subdtype is not None:
-        return f"unsupported dtype {dtype.str!r} (structured or sub-array); {_KINDS_HINT}"
-    if dtype.kind not in "biufc":
-        return f"unsupported dtype {dtype.name!r}; {_KINDS_HINT}"
-    if (dtype.kind == "f" and dtype.itemsize > 8) or (dtype.kind == "c" and dtype.itemsize > 16):
-        # long double's memory format differs between platforms under the same dtype.str.
-        return f"unsupported dtype {dtype.name!r} (platform-dependent extended precision); {_KINDS_HINT}"
-    return None
 
 
 def _parse_dtype(value: object) -> np.dtype:

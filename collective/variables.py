@@ -563,6 +563,9 @@ def _initial_array(name: str, initial_value: object) -> tuple[object, np.ndarray
         raise _fail(name, f"the initial value is not an array: {exc}") from exc
     if array.dtype.kind not in _NUMERIC_KINDS and not dtypes.is_extended(array.dtype):
         raise _fail(name, f"the initial value must be numeric or boolean, got dtype {array.dtype}")
+    problem = dtypes.problem(array.dtype)  # the rule every model source applies
+    if problem:
+        raise _fail(name, f"the initial value's {problem}")
     return initial_value, array
 
 

@@ -629,3 +629,20 @@ def test_sync_on_read_sum_assign_reads_back_the_assigned_value_like_tensorflow()
     v.assign(np.array([6.0, 2.0, 4.0], np.float32))
     np.testing.assert_array_equal(v.replicas[0], [3.0, 1.0, 2.0])
     np.testing.assert_array_equal(v.read_value(), [6.0, 2.0, 4.0])
+
+
+@pytest.mark.parametrize("dtype", [np.longdouble, np.clongdouble, np.dtype([("a", "<f4")]), np.dtype("U3")])
+def test_create_variable_refuses_the_dtypes_every_model_source_refuses(dtype):
+    from collective._api import ArraysSource
+    from collective.errors import ModelError
+
+    value = np.zeros(3, dtype)
+    if np.dtype(dtype).kind == "f" and np.dtype(dtype).itemsize <= 8:
+        pytest.skip("long double is float64 on this platform: an ordinary dtype here")
+    with pytest.raises(InvalidVariableError, match="variable 'v'") as made:
+        create_variable("v", value, ["cpu:0"])
+    with pytest.raises(ModelError) as sourced:
+        ArraysSource({"v": value})
+    # One rule: the same reason in both words.
+    reason = str(sourced.value).split(": ", 2)[-1]
+    assert reason.split(";")[0] in str(made.value) or "numeric or boolean" in str(made.value)
