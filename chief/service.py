@@ -1,7 +1,9 @@
 """The chief's logic: rendezvous, plan and keys, the data streams, the readiness barrier.
 
-``ChiefService`` implements ``collective.transport.api.ChiefHandler`` and never touches a
-transport. All state lives behind one condition variable; every wait is bounded. The round moves
+``ChiefService`` implements ``collective.transport.api.ChiefHandler``: it never opens a
+connection, and gRPC or MPI never appear here. Its one use of a transport module is the same-host
+shortcut: it writes the arena into, and serves it from, ``collective.transport.shm`` (shared
+memory is where the bytes live, not a channel to a worker). All state lives behind one condition variable; every wait is bounded. The round moves
 JOINING -> BROADCASTING -> STARTED, or to FAILED from anywhere; the first failure wins and is
 what every worker is told.
 """
@@ -163,7 +165,7 @@ class ChiefService:
         being refused. ``host``: this chief's host name as workers report theirs (default: the
         machine's), so the plan can tell which workers share the chief's host."""
         if num_workers < 1:
-            raise UsageError(f"--workers must be at least 1, got {num_workers}")
+            raise UsageError(f"the number of workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
             raise UsageError(f"chunk size {chunk_bytes} must be between 1 and {MAX_CHUNK_BYTES} bytes")
         self.num_workers = num_workers

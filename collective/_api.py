@@ -570,5 +570,6 @@ def sync(
 
 
 def _worker_id(rank: int, env: Mapping[str, str]) -> str:
-    """``COLLECTIVE_WORKER_ID`` if set, else ``rank-<r>``: errors then name the training rank."""
+    """``COLLECTIVE_WORKER_ID`` if set, else ``rank-<r>@<host>``: errors then name the training
+    rank and the host it runs on."""
     return (env.get("COLLECTIVE_WORKER_ID") or "").strip() or f"rank-{rank}@{socket.gethostname()}"

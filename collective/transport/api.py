@@ -3,7 +3,10 @@
 Chief logic (``chief.service.ChiefService``) implements ``ChiefHandler``; worker logic
 (``worker.agent``) calls a ``ChiefLink``. A backend provides both ends: a ``ChiefEndpoint`` that
 exposes a handler to workers, and the matching ``ChiefLink``. Backends: ``inmemory`` (unit
-tests: a whole cluster in one process), ``grpc`` (across hosts). The messages are the protobuf
+tests: a whole cluster in one process), ``grpc`` (across hosts; its bulk data may take the raw
+TCP / unix-socket path of ``rawtcp``), ``mpi`` (under mpiexec: the plan and the values move
+with MPI collectives) and ``shm`` (same host: a worker maps the chief's or its host leader's
+arena). The messages are the protobuf
 messages of ``protos/collective.proto`` for every backend.
 
 Errors: handler methods raise ``CollectiveError`` subclasses; a backend carries the class and
