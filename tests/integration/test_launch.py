@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.procs import ROOT, ignore_sigint
+from tests.procs import ROOT, SIGINT_IGNORED
 
 pytestmark = pytest.mark.integration
 
@@ -163,10 +163,9 @@ def test_ctrl_c_stops_launch_and_leaves_no_process_behind(tmp_path, started):
     out = open(tmp_path / "launch.out", "w")
     # A model that takes a while to materialise keeps the run busy when we interrupt it.
     launch = subprocess.Popen(
-        [sys.executable, "-m", "collective.cli", "launch", "--workers", "2", "--model", "transformer-100m",
+        [sys.executable, *(SIGINT_IGNORED if started != "in the foreground" else []), "-m", "collective.cli", "launch", "--workers", "2", "--model", "transformer-100m",
          "--run-dir", str(tmp_path), "--join-timeout", "120", "--start-timeout", "120"],
         stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
-        preexec_fn=ignore_sigint if started != "in the foreground" else None,
     )
     try:
         deadline = time.monotonic() + 30
