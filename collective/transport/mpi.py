@@ -190,7 +190,9 @@ def forget_shm_names(comm: MPI.Comm) -> None:
 
 
 def abort(comm: MPI.Comm, code: int) -> None:
-    """End every rank of the job. Never returns."""
+    """End every rank of the job. Never returns. Says so first, in our own line: MPICH's own
+    "called MPI_Abort" text comes through mpiexec's forwarding, which may drop it as the job dies."""
+    log.error("rank %d: aborting the job (MPI_Abort, exit code %d)", comm.rank, code)
     for h in logging.getLogger().handlers:
         h.flush()
     try:
