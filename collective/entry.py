@@ -5,8 +5,10 @@ culprit, with exit code ``exc.exit_code`` (2 for usage and input errors) and no 
 Ctrl-C exits 130, also when the process was started with SIGINT ignored (a background job of
 a script, as CI and ``cmd &`` start it, inherits SIGINT as SIG_IGN, and Python keeps an
 inherited SIG_IGN): a user's or a launcher's SIGINT must never be lost, so the entry point
-installs Python's handler itself, as torchrun installs its own. A reader that closed our stdout (``| head``) ends us quietly with 141, as
-SIGPIPE ends other tools. Anything else is a bug and keeps its traceback.
+installs Python's handler itself, as torchrun installs its own. The soft limit on open files
+is raised to the hard one (``raise_fd_limit``). A reader that closed our stdout (``| head``)
+ends us quietly with 141, as SIGPIPE ends other tools. Anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -23,9 +25,29 @@ from collective.errors import CollectiveError
 log = logging.getLogger("collective")
 
 
+def raise_fd_limit() -> None:
+    """Lift the soft limit on open files to the hard one, as Go programs do at start.
+
+    A chief holds a few descriptors per worker (its gRPC connection, its data stream), and a
+    server must outlast idle connections from strangers; 1,024, the usual soft default, is too
+    few for either. The hard limit stays what the administrator set; capped at 2^20."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (OSError, ValueError):
+        pass  # kept as it is: the servers cope with a short limit, only less well
+
+
 def run_main(main: Callable[[], int]) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    raise_fd_limit()
     try:
         code = main()
         sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below

@@ -19,20 +19,30 @@ SIGINT_IGNORED = ["-c", "import os, signal, sys; signal.signal(signal.SIGINT, si
                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]
 
 
+def file_limit(soft: int, hard: int) -> list[str]:
+    """An exec wrapper like SIGINT_IGNORED: the command after it starts with RLIMIT_NOFILE
+    (soft, hard), as under a shell's ``ulimit -n``."""
+    return ["-c", f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+                  "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]
+
+
 class Proc:
     """A child process whose combined output goes to a file; killed by pid when closed."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None,
-                 sigint_ignored: bool = False) -> None:
+                 sigint_ignored: bool = False, wrapper: list[str] | None = None) -> None:
         """``sigint_ignored``: start it as a shell starts a background job (``cmd &`` in a
-        script, as CI runs): SIGINT inherited as SIG_IGN, which Python keeps unless told."""
+        script, as CI runs): SIGINT inherited as SIG_IGN, which Python keeps unless told.
+        ``wrapper``: another exec wrapper to start it through (``file_limit``)."""
+        if sigint_ignored:
+            wrapper = SIGINT_IGNORED
         self.log = log
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
         full_env.update(env or {})
         full_env["PYTHONUNBUFFERED"] = "1"
         self._fh = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, *(SIGINT_IGNORED if sigint_ignored else []), *args], stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [sys.executable, *(wrapper or []), *args], stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=full_env, cwd=ROOT, start_new_session=True,
         )
         self.pid = self.proc.pid
@@ -100,10 +110,12 @@ class Cluster:
         self.procs: list[Proc] = []
         self.address = ""
 
-    def chief(self, *args: str, env: dict[str, str] | None = None, wait_port: bool = True) -> Proc:
+    def chief(self, *args: str, env: dict[str, str] | None = None, wait_port: bool = True,
+              wrapper: list[str] | None = None) -> Proc:
         port_file = self.tmp / "chief.port"
         p = Proc(["-m", "chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
-                  "--result-file", str(self.tmp / "result.json"), *args], self.tmp / "chief.log", env)
+                  "--result-file", str(self.tmp / "result.json"), *args], self.tmp / "chief.log", env,
+                 wrapper=wrapper)
         self.procs.append(p)
         if wait_port:
             self.address = f"127.0.0.1:{wait_for_file(port_file, p)}"

@@ -61,6 +61,9 @@ SERVER_OPTIONS = _MESSAGE_OPTIONS + [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.so_reuseport", 0),
+    # A connection that has not sent its HTTP/2 preface and settings within this is closed
+    # (gRPC's default: 120 s): idle strangers must not hold the server's descriptors for long.
+    ("grpc.server_handshake_timeout_ms", 20_000),
 ]
 
 # One table, read both ways: the chief's error class <-> the status code on the wire.
@@ -673,7 +676,7 @@ class GrpcEndpoint(ChiefEndpoint):
             return rawtcp.DataServer(
                 self.bind.rpartition(":")[0], handler, token=self.token, status=status_code,
                 tls=rawtcp.server_context(self.tls) if self.tls else None,
-                identities=rawtcp.certificate_names if bind_identity else None,
+                identities=rawtcp.certificate_names if bind_identity else None, refused=self._refusals.refused,
             )
         except OSError as exc:  # the stream still works, over gRPC
             log.warning("no raw data port on %s (%s): workers receive over gRPC", self.bind, exc)

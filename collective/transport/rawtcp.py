@@ -36,6 +36,8 @@ Kind 0: a chunk (metadata a ``Chunk`` without data). Kind 1: an error (metadata
 
 from __future__ import annotations
 
+import collections
+import errno
 import hmac
 import logging
 import os
@@ -46,6 +48,7 @@ import struct
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
@@ -61,6 +64,7 @@ _HEAD = struct.Struct("<BIQ")  # kind, metadata length, data length
 CHUNK, ERROR = 0, 1
 MAX_META = 64 << 20  # a Chunk's metadata: keys of the variables it fuses, never near this
 HELLO_TIMEOUT = 10.0  # a connection must say who it is within this
+PENDING_MAX = 64  # connections that have not said who they are yet; beyond it the oldest is cut
 _IOV = 3
 
 
@@ -68,6 +72,16 @@ def split_host(address: str) -> tuple[str, str]:
     """``host:port`` (``[v6]:port``) -> (host, port) without brackets."""
     host, _, port = address.rpartition(":")
     return host.strip("[]"), port
+
+
+def _peer_name(family: int, peer) -> str:
+    """A peer as gRPC names it (``ipv4:10.0.0.5:41234``), so refusals count per host alike."""
+    if family == socket.AF_INET6:
+        host = peer[0].removeprefix("::ffff:")  # a v4 client of a dual-stack port
+        return f"ipv4:{host}:{peer[1]}" if "." in host else f"ipv6:[{host}]:{peer[1]}"
+    if family == socket.AF_INET:
+        return f"ipv4:{peer[0]}:{peer[1]}"
+    return "unix:this host"
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -114,12 +128,15 @@ class DataServer:
 
     ``status(exc)`` gives the gRPC status code of a CollectiveError; ``tls`` is a server
     ``ssl.SSLContext`` or None; ``identities(sock)`` the names of a TLS client's certificate
-    when a worker may only fetch under its own id (mutual TLS), else None.
+    when a worker may only fetch under its own id (mutual TLS), else None; ``refused(peer,
+    what, reason)`` logs a refused connection (the endpoint's RefusalLog, so a flood from one
+    host is summarised, not logged a line a connection).
     """
 
     def __init__(self, host: str, handler, *, token: str | None, status: Callable, tls: ssl.SSLContext | None = None,
-                 identities: Callable | None = None) -> None:
+                 identities: Callable | None = None, refused: Callable[[str, str, str], None] | None = None) -> None:
         self._handler = handler
+        self._refused = refused or (lambda peer, what, reason: log.warning("refused %s from %s: %s", what, peer, reason))
         self._token = token.encode() if token else None
         self._status = status
         self._tls = tls
@@ -134,21 +151,61 @@ class DataServer:
         self.unix_name, self._unix = _unix_listener()
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
+        # Connections still in their hello, oldest first: a worker says who it is at once, so
+        # when more than PENDING_MAX have not, the oldest is cut. Idle connections (a port
+        # scan, a slow-loris, 2,000 of them) then hold at most PENDING_MAX descriptors and
+        # threads, never the process's file descriptor limit.
+        self._pending: collections.OrderedDict[socket.socket, str] = collections.OrderedDict()
+        self._cut_idle = 0
         self._lock = threading.Lock()
         for listener in (self._sock, self._unix):
             if listener is not None:
                 threading.Thread(target=self._accept_loop, args=(listener,), name="data-accept", daemon=True).start()
 
     def _accept_loop(self, listener: socket.socket) -> None:
+        short_since = 0.0
         while not self._closed.is_set():
             try:
                 conn, peer = listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn, peer), name="data-stream", daemon=True).start()
+            except OSError as exc:
+                if self._closed.is_set() or exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    return  # closed
+                # Out of descriptors (other connections, other files): wait and accept again,
+                # never stop serving; the connection waits in the listen backlog meanwhile.
+                if time.monotonic() - short_since > 10.0:
+                    short_since = time.monotonic()
+                    log.warning("data port cannot accept a connection: %s; retrying (raise `ulimit -n`?)", exc.strerror)
+                self._closed.wait(0.05)
+                continue
+            where = _peer_name(conn.family, peer)
+            self._admit(conn, where)
+            threading.Thread(target=self._serve, args=(conn, where), name="data-stream", daemon=True).start()
+
+    def _admit(self, conn: socket.socket, where: str) -> None:
+        """Count ``conn`` among the connections in their hello, cutting the oldest beyond PENDING_MAX."""
+        with self._lock:
+            self._conns.add(conn)
+            self._pending[conn] = where
+            if len(self._pending) <= PENDING_MAX:
+                return
+            oldest, who = self._pending.popitem(last=False)
+            self._cut_idle += 1
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)  # its thread's read returns at once and it ends
+        except OSError:
+            pass
+        self._refused(who, "data connection", f"more than {PENDING_MAX} connections had not said who they are; "
+                                              f"the oldest is cut")
+
+    def _said_hello(self, conn: socket.socket) -> bool:
+        """Whether ``conn`` was still pending, i.e. not cut as idle; from now on it is not counted."""
+        with self._lock:
+            return self._pending.pop(conn, None) is not None
 
     def close(self) -> None:
         self._closed.set()
+        if self._cut_idle:
+            log.warning("data port: cut %d connection(s) that said nothing within their turn", self._cut_idle)
         for listener in (self._sock, self._unix):
             if listener is None:
                 continue
@@ -165,10 +222,7 @@ class DataServer:
             except OSError:
                 pass
 
-    def _serve(self, raw: socket.socket, peer) -> None:
-        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "this host (unix socket)"
-        with self._lock:
-            self._conns.add(raw)
+    def _serve(self, raw: socket.socket, where: str) -> None:
         conn = raw
         try:
             _keepalive(conn)
@@ -176,15 +230,17 @@ class DataServer:
             if self._tls is not None:
                 conn = self._tls.wrap_socket(conn, server_side=True)
             ref = self._hello(conn, where)
-            if ref is None:
-                return
+            if not self._said_hello(raw) or ref is None:
+                return  # refused, or cut as idle while it spoke
             conn.settimeout(None)  # a slow reader only slows us; keepalive notices a dead one
             self._stream(conn, ref, where)
         except (OSError, ssl.SSLError) as exc:
-            log.info("data connection from %s ended before it began: %s", where, exc)
+            if self._said_hello(raw):  # still pending: it ended by itself (one cut as idle was counted)
+                log.info("data connection from %s ended before it began: %s", where, exc)
         finally:
             with self._lock:
                 self._conns.discard(raw)
+                self._pending.pop(raw, None)
             conn.close()
 
     def _hello(self, conn: socket.socket, where: str) -> pb.WorkerRef | None:
@@ -192,14 +248,14 @@ class DataServer:
         _recv_exact(conn, head)
         magic, nref, ntoken = _HELLO.unpack(head)
         if magic != MAGIC or nref > 4096 or ntoken > 4096:
-            log.warning("refused data connection from %s: not a collective data stream", where)
+            self._refused(where, "data connection", "not a collective data stream")
             return None
         body = bytearray(nref + ntoken)
         _recv_exact(conn, body)
         given = bytes(body[nref:])
         if self._token is not None and not hmac.compare_digest(given, self._token):
             reason = "no cluster token" if not given else "a wrong cluster token"
-            log.warning("refused FetchRaw from %s: %s", where, reason)
+            self._refused(where, "FetchRaw", reason)
             self._send_error(conn, "UNAUTHENTICATED", f"FetchRaw refused: {reason}")
             return None
         try:
