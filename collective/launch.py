@@ -124,7 +124,7 @@ class Launcher:
             start_new_session=True,  # Ctrl-C reaches us; we stop the children ourselves
         )
         child = Child(label, proc, log_path)
-        log = open(log_path, "w")  # noqa: SIM115 - closed by the last pump to finish
+        log = _private_file(log_path)  # closed by the last pump to finish
         lock = threading.Lock()
         for stream, is_stdout in ((proc.stdout, True), (proc.stderr, False)):
             t = threading.Thread(target=self._pump, args=(child, stream, is_stdout, log, lock), daemon=True)
@@ -189,9 +189,9 @@ class Launcher:
 
     def _claim_run_dir(self) -> None:
         """Take the run directory for this launch and clear the previous run's files from it."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # as the default (mkdtemp) one
         lock = self.run_dir / LOCK_NAME
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -223,7 +223,8 @@ class Launcher:
             if c.log_error is not None:
                 self._cut.append(f"{c.log_path.name}: {c.log_error.strerror or c.log_error}")
         try:
-            (self.run_dir / "result.json").write_text(json.dumps(result))
+            with _private_file(self.run_dir / "result.json") as f:
+                f.write(json.dumps(result))
         except OSError as exc:
             self._cut.append(f"result.json: {exc.strerror or exc}")
         if self._cut:
@@ -399,6 +400,13 @@ def exit_code(result: dict) -> int:
     if result.get("ok"):
         return 0
     return 2 if result.get("failed_processes", {}).get("chief") == 2 else 1
+
+
+def _private_file(path: Path):
+    """``path`` opened for writing text, readable by this user only (0600, whatever the umask):
+    logs name the model's variables, the hosts and their addresses, which other local users
+    have no business reading. (The token is never in them.)"""
+    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")  # noqa: SIM115
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

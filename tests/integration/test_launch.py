@@ -98,6 +98,21 @@ def test_a_reused_run_dir_starts_clean_and_never_reads_the_last_runs_files(tmp_p
     assert [w["replicas"] for w in result["workers"]] == [14, 14]
 
 
+def test_a_run_dir_it_creates_and_every_file_in_it_are_private_whatever_the_umask(tmp_path):
+    # The default run dir (mkdtemp) was 0700 already; one named with --run-dir was 0755 with
+    # 0644 logs (the usual umask): other local users could read variable names and addresses.
+    run_dir = tmp_path / "runs" / "r1"
+    old = os.umask(0o022)
+    try:
+        proc = _launch(run_dir, "--workers", "2", "--quiet", "--join-timeout", "20")
+    finally:
+        os.umask(old)
+    assert proc.returncode == 0, proc.stderr
+    modes = {p.name: p.stat().st_mode & 0o777 for p in run_dir.iterdir()}
+    assert {"chief.log", "worker-0.log", "worker-1.log", "result.json"} <= set(modes), modes
+    assert (run_dir.stat().st_mode & 0o777, set(modes.values())) == (0o700, {0o600}), modes
+
+
 def test_a_run_dir_held_by_another_live_launch_is_refused_naming_it(tmp_path):
     from collective.launch import Launcher
 
