@@ -133,6 +133,7 @@ class _Watched:
 
     def __init__(self, receiver: Receiver, agent: WorkerAgent) -> None:
         self._r, self._agent = receiver, agent
+        self.relay: str | None = None  # the relay worker the bytes come from, if not the chief
 
     @property
     def plan(self) -> pb.Plan:
@@ -151,6 +152,16 @@ class _Watched:
     def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
         try:
             self._r.accept(chunk, placed=placed)
+        except IntegrityError as exc:
+            if self.relay is None:
+                self._agent._report_failure(exc)
+                raise
+            # The plan's digests are the chief's, and the relay's own copy is checked against
+            # them as it lands: bytes that differ here were changed by the relay or its link.
+            blamed = IntegrityError(f"{exc}; the bytes came from {self.relay}: its relay or the link "
+                                    f"from it changed them")
+            self._agent._report_failure(blamed)
+            raise blamed from exc
         except CollectiveError as exc:
             self._agent._report_failure(exc)
             raise
@@ -334,6 +345,7 @@ class WorkerAgent:
             parent = next(w for w in plan.workers if w.rank == me.parent)
             name = f"relay worker {parent.worker_id} (rank {parent.rank})"
             source = self.connect(parent, name)
+            receiver.relay = name
             self._fed_by_chief = False
             with self._beat:
                 self._source = source

@@ -211,6 +211,49 @@ def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
         assert "training started" not in d.output()
 
 
+# A worker whose relay lies: it flips one bit of the first chunk it forwards (its own copy intact).
+_LYING_RELAY = """
+import sys
+from worker import relay
+honest = relay.RelayHandler.stream_views
+def lying(self, refs):
+    for i, (msg, data) in enumerate(honest(self, refs)):
+        if i == 0:
+            data = bytearray(data)
+            data[0] ^= 1
+            data = memoryview(bytes(data))
+        yield msg, data
+relay.RelayHandler.stream_views = lying
+from worker.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(("topology", "liar"), [("chain", 1), ("tree", 0)])
+def test_a_relay_that_forwards_corrupted_bytes_is_named_and_start_is_never_released(cluster, topology, liar):
+    # chain: rank 2 receives from rank 1; tree (binomial): rank 2 from rank 0. Before, the chief
+    # blamed the receiver alone ("worker w2 failed during receive: ... differ").
+    from tests.procs import Proc
+
+    chief = cluster.chief("--workers", "3", "--topology", topology, "--no-shm", "--chunk-bytes", "65536",
+                          "--join-timeout", "60", *HB)
+    workers = []
+    for i in range(3):
+        args = ["--chief", cluster.address, "--worker-id", f"w{i}", "--rank", str(i), "--join-timeout", "60", *HB]
+        if i == liar:
+            workers.append(Proc(["-c", _LYING_RELAY, *args], cluster.tmp / f"w{i}-liar.log"))
+            cluster.procs.append(workers[-1])
+        else:
+            workers.append(cluster.worker(f"w{i}", *args[4:]))
+    assert chief.wait(60) != 0
+    aborted = error_line(chief.output(), "round aborted:")
+    assert "worker w2 (rank 2" in aborted and "differ from the chief's" in aborted, aborted
+    assert f"the bytes came from relay worker w{liar} (rank {liar}): its relay or the link from it changed them" in aborted
+    for w in workers:
+        assert w.wait(30) != 0
+        assert "training started" not in w.output()
+
+
 # A worker whose verification takes long (here: a 60 s sleep), so it is killed between two calls.
 _SLOW_VERIFY = """
 import sys, time
