@@ -29,6 +29,7 @@ from typing import TextIO
 
 from collective.config import Timeouts
 from collective.errors import DeadlineError, UsageError
+from collective.model import available_memory, format_bytes
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Launcher:
             raise UsageError(f"--workers must be at least 1, got {workers}")
         if devices_per_worker < 1:
             raise UsageError(f"--devices-per-worker must be at least 1, got {devices_per_worker}")
+        _check_room(workers)
         self.workers = workers
         self.devices = ",".join(f"cpu:{i}" for i in range(devices_per_worker))
         self.model = model
@@ -189,9 +191,16 @@ class Launcher:
 
     def _claim_run_dir(self) -> None:
         """Take the run directory for this launch and clear the previous run's files from it."""
-        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # as the default (mkdtemp) one
         lock = self.run_dir / LOCK_NAME
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # as the default (mkdtemp) one
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            if isinstance(exc, FileExistsError):
+                exc.strerror = "it exists and is not a directory"
+            raise UsageError(f"cannot use run directory {self.run_dir}: {exc.strerror or exc}"
+                             f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(self.run_dir) else ''}; "
+                             f"pass another --run-dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -400,6 +409,26 @@ def exit_code(result: dict) -> int:
     if result.get("ok"):
         return 0
     return 2 if result.get("failed_processes", {}).get("chief") == 2 else 1
+
+
+# What one local worker process takes before its model: the interpreter, numpy, gRPC and their
+# threads (measured about 56 MiB; see BENCHMARKS.md, "Memory").
+PROCESS_BYTES = 64 << 20
+
+
+def _check_room(workers: int) -> None:
+    """Refuse, before starting anything, more local processes than this host's memory holds:
+    ``--workers 100000`` for 10 must not start processes until the machine swaps or the OOM
+    killer comes. The model's own bytes are checked by the chief and each worker."""
+    room = available_memory()
+    need = (workers + 1) * PROCESS_BYTES
+    if room is not None and need > room:
+        raise UsageError(
+            f"--workers {workers} would start {workers + 1:,} local processes of about "
+            f"{format_bytes(PROCESS_BYTES)} each before the model ({format_bytes(need)}); this host has "
+            f"{format_bytes(room)} available. Use fewer workers, or start workers on other hosts "
+            f"(python -m chief / python -m worker)"
+        )
 
 
 def _private_file(path: Path):

@@ -113,6 +113,28 @@ def test_a_run_dir_it_creates_and_every_file_in_it_are_private_whatever_the_umas
     assert (run_dir.stat().st_mode & 0o777, set(modes.values())) == (0o700, {0o600}), modes
 
 
+@pytest.mark.parametrize(("where", "says"), [("file", "it exists and is not a directory"),
+                                            ("file/run", "Not a directory")])
+def test_a_run_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, where, says):
+    (tmp_path / "file").write_text("not a directory")
+    proc = _launch(tmp_path / where, "--workers", "1", "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot use run directory {tmp_path / where}: {says}; pass another --run-dir" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_more_workers_than_this_hosts_memory_holds_are_refused_before_any_process_starts(tmp_path):
+    # A typo (100000 for 10) used to start processes until the machine gave out.
+    from collective.launch import PROCESS_BYTES
+    from collective.model import available_memory
+
+    n = (available_memory() or 1 << 40) // PROCESS_BYTES + 100  # more than fit, here and on CI
+    proc = _launch(tmp_path / "run", "--workers", str(n), "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert f"--workers {n} would start {n + 1:,} local processes" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
 def test_a_run_dir_held_by_another_live_launch_is_refused_naming_it(tmp_path):
     from collective.launch import Launcher
 
