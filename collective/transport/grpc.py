@@ -17,9 +17,11 @@ health service reports SERVING while the chief serves and NOT_SERVING once it st
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import ipaddress
 import logging
+import socket
 import struct
 import threading
 import time
@@ -613,6 +615,7 @@ class GrpcEndpoint(ChiefEndpoint):
         self._body: _BodyWatch | None = None
 
     def start(self, handler: ChiefHandler) -> str:
+        _check_bindable(self.bind)
         self.max_workers = self.max_workers or pool_size(handler)
         self._warn_if_open()
         self._body = _BodyWatch(self.body_timeout, self._refusals)
@@ -698,6 +701,31 @@ class GrpcEndpoint(ChiefEndpoint):
             self._body.close()
             self._body = None
         self._refusals.flush()
+
+
+def _check_bindable(bind: str) -> None:
+    """Bind ``bind`` once with a plain socket, as gRPC is about to, so a port in use or an
+    address not on this host is one line naming it (gRPC's own failure prints a C-core log line
+    and a message that points at GRPC_VERBOSITY). Port 0 and names that do not resolve are left
+    to gRPC."""
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return
+    for family, kind, proto, _, address in infos[:1]:  # gRPC binds the first (dual-stack for ::)
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is no obstacle
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                why = {errno.EADDRINUSE: "the port is in use (another chief or relay?); pick another port or stop that process",
+                       errno.EADDRNOTAVAIL: "that address is not on this host; bind one of its addresses or 0.0.0.0",
+                       errno.EACCES: "permission denied (ports below 1024 need privileges); pick a port above 1023"}
+                raise E.UsageError(f"cannot listen on {bind}: {why.get(exc.errno, exc.strerror or str(exc))}") from None
 
 
 def is_loopback(host: str) -> bool:

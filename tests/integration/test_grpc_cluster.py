@@ -174,6 +174,24 @@ def test_an_invalid_option_exits_2_without_a_traceback(cluster):
     assert "--workers" in chief.output() and "Traceback" not in chief.output()
 
 
+def test_a_port_in_use_ends_the_chief_with_exit_2_and_one_line_naming_it(cluster):
+    # Before: gRPC's C-core log line ("add_port.cc ... Failed to add port") and a message that
+    # pointed at GRPC_VERBOSITY.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        from tests.procs import Proc
+
+        chief = Proc(["-m", "chief", "--workers", "1", "--bind", f"127.0.0.1:{port}"], cluster.tmp / "chief.log")
+        cluster.procs.append(chief)
+        assert chief.wait(30) == 2
+    errors = [ln for ln in chief.output().splitlines() if " INFO " not in ln and ln.strip()]
+    assert errors == [errors[0]] and errors[0].endswith(
+        f"cannot listen on 127.0.0.1:{port}: the port is in use (another chief or relay?); "
+        f"pick another port or stop that process"), errors
+
+
 def test_an_unreachable_chief_is_named_by_the_worker(cluster):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
