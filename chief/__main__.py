@@ -10,42 +10,17 @@ from pathlib import Path
 
 from collective import logs
 from collective.config import (
-    add_max_model_bytes_option,
-    add_option,
-    add_timeout_options,
-    add_tls_options,
-    byte_size,
     parse_address,
-    parse_bool,
-    positive_int,
     timeouts_from_args,
     tls_from_args,
 )
 from collective.entry import run_main
+from collective.options import chief_parser
 
 log = logging.getLogger("chief")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m chief", description=__doc__)
-    add_option(p, "workers", help="number of workers to wait for", type=positive_int, default=None)
-    add_option(p, "model", help="model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
-    add_option(p, "seed", help="seed for initializer specs (overrides the spec's)", type=int, default=None)
-    add_option(p, "bind", help="HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051")
-    add_option(p, "token", help="cluster token every worker must present", default=None)
-    add_tls_options(p, worker=False)
-    add_option(p, "shm", help="offer the arena to workers on this host through shared memory (--no-shm: network only)",
-               type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
-    add_option(p, "topology", help="who receives from whom: auto (by hosts and size, see README), star, tree, chain",
-               default="auto", choices=["auto", "star", "tree", "chain"])
-    add_option(p, "chunk-bytes", help="bytes per data message; default 4 MiB, 512 KiB for a chain",
-               type=byte_size("--chunk-bytes"), default=None)
-    add_timeout_options(p, "join", "ready", "heartbeat")
-    add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
-    add_max_model_bytes_option(p)
-    add_option(p, "port-file", help="write the bound port here once serving (for launchers)", default=None)
-    add_option(p, "result-file", help="write the round's JSON summary here", default=None)
-    return p
+build_parser = chief_parser  # the flags live in collective.options
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,8 @@ from collective.model import Aggregation, Synchronization, VariableSpec
 from collective.variables import create_variable
 
 if TYPE_CHECKING:
-    from collective._api import SyncResult, join, serve, sync
+    from collective._api import join, serve, sync
+    from collective.replicas import SyncResult
     from collective.sources import load_source as load_model
     from collective.transport.grpc import TlsFiles
 
@@ -93,7 +94,7 @@ _LAZY = {
     "sync": ("collective._api", "sync"),
     "serve": ("collective._api", "serve"),
     "join": ("collective._api", "join"),
-    "SyncResult": ("collective._api", "SyncResult"),
+    "SyncResult": ("collective.replicas", "SyncResult"),
     "load_model": ("collective.sources", "load_source"),
     "TlsFiles": ("collective.transport.grpc", "TlsFiles"),
 }

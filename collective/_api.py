@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,39 +26,14 @@ import numpy as np
 
 from collective import config
 from collective.config import Timeouts, parse_address
-from collective.errors import CollectiveError, IntegrityError, ModelError, UsageError
+from collective.errors import CollectiveError, ModelError, UsageError
 from collective.model import ModelSource, VariableSpec
+from collective.replicas import SyncResult, hold_chief_replicas
 from collective.variables import VariableStore
 
 log = logging.getLogger("collective")
 
 Values = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | ModelSource | str | os.PathLike
-
-
-@dataclass
-class SyncResult:
-    """What a process holds once training may start.
-
-    ``variables``: the mirrored variables; ``var.replicas[i]`` lives on ``devices[i]``.
-    ``rank``/``world_size``: this process's training rank (the chief is rank 0) and the number
-    of training processes. ``digest``: the digest of this process's replicas (every rank's
-    covers the same bytes). ``summary``: on the chief, the round's summary (``collective launch
-    --json``'s object); None elsewhere.
-    """
-
-    rank: int
-    world_size: int
-    devices: list[str]
-    variables: VariableStore = field(repr=False)
-    digest: str = ""
-    summary: dict | None = field(default=None, repr=False)
-
-    def arrays(self, device: int = 0) -> dict[str, np.ndarray]:
-        """Variable name -> the replica on ``devices[device]`` (the array itself, no copy), in
-        model order. Raises IndexError for a device this process does not hold."""
-        if not 0 <= device < len(self.devices):
-            raise IndexError(f"device index {device} is out of range: this process holds {len(self.devices)} device(s)")
-        return {v.name: v.replicas[device] for v in self.variables}
 
 
 # --- values -> a model source ------------------------------------------------------------------
@@ -133,9 +108,9 @@ def _cli_settings(role: str, env: Mapping[str, str], given: Mapping[str, Any] | 
     naming the variable, as on the command line. ``given``: option name -> the caller's value
     (None: not given); the variables of given options are left out, since the argument wins."""
     if role == "chief":
-        from chief.__main__ import build_parser
+        from collective.options import chief_parser as build_parser
     else:
-        from worker.__main__ import build_parser
+        from collective.options import worker_parser as build_parser
     skip = set()
     for option, value in (given or {}).items():
         if value is not None:
@@ -146,34 +121,6 @@ def _cli_settings(role: str, env: Mapping[str, str], given: Mapping[str, Any] | 
 
 
 # --- the chief -----------------------------------------------------------------------------------
-
-
-def hold_chief_replicas(service, devices: Sequence[str], timeout: float) -> tuple[VariableStore, str]:
-    """The chief's own replicas: once the plan is out, one copy of the arena per device, each
-    hashed as a worker's and reported to ``service`` (start waits for them). Any failure fails
-    the round and is raised."""
-    from collective._proto import collective_pb2 as pb
-    from collective.digest import worker_digest
-    from worker.agent import make_replicas, verify_replicas
-
-    try:
-        plan = service.await_plan(timeout)
-        # A copy even for device 0: the chief's arena keeps serving (and may be a sealed mapping).
-        store, arenas = make_replicas(plan, np.array(service.arena, dtype=np.uint8, copy=True), devices)
-        try:
-            digests = verify_replicas(plan, arenas, devices)
-        except IntegrityError as exc:
-            raise IntegrityError(f"the chief's own replicas (training rank 0): {exc}") from exc
-        digest = worker_digest(plan.manifest_digest, [d.chunk_digests for d in digests])
-        service.report_local_ready(pb.ReadyRequest(devices=digests, worker_digest=digest))
-    except CollectiveError as exc:
-        service.fail(exc)
-        raise
-    except Exception as exc:  # MemoryError, a bug: the round must not wait for us
-        err = CollectiveError(f"the chief's own replicas failed: {type(exc).__name__}: {exc}")
-        service.fail(err)
-        raise err from exc
-    return store, digest
 
 
 def write_result(path: Path, result: dict) -> None:

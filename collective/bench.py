@@ -54,7 +54,6 @@ import argparse
 import json
 import math
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -69,6 +68,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from collective.errors import CollectiveError, UsageError
+from collective.sizes import NUMBER_UNIT as _NUMBER_UNIT
+from collective.sizes import parse_size
+from collective.topology import TOPOLOGIES
 
 GiB = 1 << 30
 DEFAULT_WORKERS = "4"
@@ -87,31 +89,6 @@ class BenchError(CollectiveError):
 
 
 # --- option parsing --------------------------------------------------------------------------
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
-}
-_NUMBER_UNIT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str, *, option: str = "--size") -> int:
-    """``256MiB``, ``1MiB``, ``20000KiB``, ``1.5GiB``, ``64MB`` (10^6) or plain bytes -> bytes.
-    Single letters (``K``, ``M``, ``G``) are binary, like ``dd``."""
-    m = _NUMBER_UNIT.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise UsageError(f"{option} {text!r}: expected bytes, optionally with a unit (KiB, MiB, GiB, KB, MB, GB), e.g. 256MiB")
-    value = float(m.group(1)) * _SIZE_UNITS[unit]
-    if value != int(value):
-        raise UsageError(f"{option} {text!r} is not a whole number of bytes")
-    if value < 1:
-        raise UsageError(f"{option} must be at least 1 byte, got {text!r}")
-    return int(value)
-
 
 _RATE_UNITS = {  # tc(8) units, in bits per second
     "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
@@ -167,45 +144,6 @@ def parse_list(values: Sequence[str] | None, option: str) -> list[str]:
     return out
 
 
-# --- what the launch (and chief) command lines offer -------------------------------------------
-
-
-def _option(parser: argparse.ArgumentParser, flag: str) -> argparse.Action | None:
-    return next((a for a in parser._actions if flag in a.option_strings), None)
-
-
-def _launch_parser() -> argparse.ArgumentParser:
-    from collective.cli import build_parser
-
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices["launch"]
-    raise RuntimeError("collective's parser has no launch command")
-
-
-def _chief_parser() -> argparse.ArgumentParser:
-    from chief.__main__ import build_parser
-
-    return build_parser()
-
-
-@dataclass(frozen=True)
-class TopologyOption:
-    """What ``--topology`` the command the bench drives has: none, or one with these choices
-    (``None``: any name, checked by the command itself)."""
-
-    exists: bool
-    choices: tuple[str, ...] | None = None
-
-    @classmethod
-    def of(cls, parser: argparse.ArgumentParser) -> TopologyOption:
-        action = _option(parser, "--topology")
-        if action is None:
-            return cls(False)
-        return cls(True, tuple(str(c) for c in action.choices) if action.choices else None)
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One way of the project's to broadcast: a reported name, a transport and a topology to pass."""
@@ -215,32 +153,18 @@ class Candidate:
     topology: str | None = None  # value for --topology, None: pass none
 
 
-def candidates(transports: Sequence[str], topologies: Sequence[str], option: TopologyOption) -> list[Candidate]:
-    """The project candidates to run. Without a --topology option the gRPC path is the star
-    (``star``), and ``--transport mpi`` is ``mpi``; with one, every requested topology (default:
-    every choice but ``auto``) on gRPC."""
+def candidates(transports: Sequence[str], topologies: Sequence[str]) -> list[Candidate]:
+    """The project candidates to run: every requested topology (default: every one but
+    ``auto``) on gRPC, and ``mpi`` for ``--transport mpi``."""
     out: list[Candidate] = []
     for t in transports:
         if t not in ("grpc", "mpi"):
             raise UsageError(f"--transport {t!r} is not one of grpc, mpi")
     if "grpc" in transports:
-        if not option.exists:
-            for name in topologies:
-                if name != "star":
-                    raise UsageError(
-                        f"unknown topology {name!r}: this build's launch has no --topology option, "
-                        f"so only star (the chief streams to every worker) is available"
-                    )
-            out.append(Candidate("star", "grpc"))
-        elif topologies:
-            for name in topologies:
-                if option.choices is not None and name not in option.choices:
-                    raise UsageError(f"unknown topology {name!r}; use one of: {', '.join(option.choices)}")
-                out.append(Candidate(name, "grpc", name))
-        elif option.choices:
-            out += [Candidate(c, "grpc", c) for c in option.choices if c != "auto"]
-        else:
-            out.append(Candidate("auto", "grpc"))
+        for name in topologies or [c for c in TOPOLOGIES if c != "auto"]:
+            if name not in TOPOLOGIES:
+                raise UsageError(f"unknown topology {name!r}; use one of: {', '.join(TOPOLOGIES)}")
+            out.append(Candidate(name, "grpc", name))
     elif topologies:
         raise UsageError("--topology applies to the grpc transport; add --transport grpc")
     if "mpi" in transports:
@@ -848,13 +772,8 @@ def _check_emulation_available() -> None:
 
 def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], float | None]:
     """Run every configuration; returns the results and link_seconds (None on one host)."""
-    parser = _chief_parser() if settings.emulate else _launch_parser()
-    cands = candidates(settings.transports, settings.topologies, TopologyOption.of(parser))
-    extra: list[str] = []
-    if settings.no_shm:
-        if _option(parser, "--no-shm") is None:
-            raise UsageError("--no-shm: this build has no shared-memory path to switch off (launch has no --no-shm)")
-        extra.append("--no-shm")
+    cands = candidates(settings.transports, settings.topologies)
+    extra: list[str] = ["--no-shm"] if settings.no_shm else []
     chunk: list[str] = [] if settings.chunk_bytes is None else ["--chunk-bytes", str(settings.chunk_bytes)]
     if any(c.transport == "mpi" for c in cands) and (problem := mpi_problem()):
         raise UsageError(f"--transport mpi: {problem}")

@@ -19,6 +19,7 @@ from collective.config import (
     timeouts_from_args,
 )
 from collective.entry import run_main
+from collective.topology import TOPOLOGIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                type=byte_size("--chunk-bytes"), default=None)
     add_timeout_options(launch, "join", "ready", "start", "heartbeat")
     add_option(launch, "topology", help="who receives from whom (gRPC): auto, star, tree, chain",
-               default="auto", choices=["auto", "star", "tree", "chain"])
+               default="auto", choices=list(TOPOLOGIES))
     add_option(launch, "shm", help="same-host workers take the arena through shared memory (--no-shm: network only)",
                type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
     launch.add_argument("--json", action="store_true", help="print the summary as one JSON line last")

@@ -191,10 +191,10 @@ def tls_from_args(args: argparse.Namespace):
 
 
 def byte_size(option: str) -> Callable[[str], int]:
-    """An argparse type for a byte count: ``4MiB``, ``512KiB``, ``65536`` (``bench.parse_size``)."""
+    """An argparse type for a byte count: ``4MiB``, ``512KiB``, ``65536`` (``sizes.parse_size``)."""
 
     def size(text: str) -> int:
-        from collective.bench import parse_size
+        from collective.sizes import parse_size
 
         try:
             return parse_size(text, option=option)

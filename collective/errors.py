@@ -3,6 +3,11 @@
 Every error message is a sentence that names the culprit (worker id and rank, the chief, a
 variable, a file) and the rule it broke. ``exit_code`` is what a command-line entry point exits
 with when the error reaches it: 2 for usage and input mistakes, 1 for run-time failures.
+
+This is also the one error table of the wire: ``code`` is the gRPC status code name an error
+travels under (over gRPC, the raw data path and MPI alike) and the class's name travels with it,
+so a peer raises the very class that was raised (``wire_class``); a status without a name (from
+gRPC itself, or from a foreign server) is read by its code alone (``FROM_CODE``).
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ from __future__ import annotations
 class CollectiveError(Exception):
     """Base class of every error this project raises on purpose."""
 
+    code = "ABORTED"
     exit_code = 1
 
 
 class UsageError(CollectiveError):
     """An invalid option or configuration value given by the user."""
 
+    code = "INVALID_ARGUMENT"
     exit_code = 2
 
 
@@ -27,15 +34,20 @@ class ModelError(UsageError):
 class InvalidVariableError(CollectiveError, ValueError):
     """A variable definition that breaks the variable rules (names the variable)."""
 
+    code = "INVALID_ARGUMENT"
     exit_code = 2
 
 
 class FrozenError(CollectiveError, RuntimeError):
     """A variable was created after training started; the variable set is frozen then."""
 
+    code = "FAILED_PRECONDITION"
+
 
 class TransportError(CollectiveError):
     """A message could not be delivered, or the peer is gone."""
+
+    code = "UNAVAILABLE"
 
 
 class ChiefUnreachableError(TransportError):
@@ -45,44 +57,62 @@ class ChiefUnreachableError(TransportError):
 class AuthError(CollectiveError):
     """The cluster token (or certificate) was refused."""
 
+    code = "UNAUTHENTICATED"
     exit_code = 2
 
 
 class ProtocolError(CollectiveError):
     """A message broke the wire contract: unknown keys, bad offsets, malformed frames."""
 
+    code = "INVALID_ARGUMENT"
+
 
 class IntegrityError(CollectiveError):
     """Received bytes do not match what the chief sent: count or digest mismatch."""
+
+    code = "DATA_LOSS"
 
 
 class JoinTimeoutError(CollectiveError):
     """Not every expected worker joined before the join deadline."""
 
+    code = "DEADLINE_EXCEEDED"
+
 
 class AbortedError(CollectiveError):
     """The round was aborted; the message says by whom and why."""
+
+    code = "ABORTED"
 
 
 class AlreadyExistsError(CollectiveError):
     """A second live process claims a worker id that is taken."""
 
+    code = "ALREADY_EXISTS"
+
 
 class PreconditionError(CollectiveError):
     """The request does not fit the cluster's state (joins closed, not joined, variable lists differ)."""
+
+    code = "FAILED_PRECONDITION"
 
 
 class ResourceExhaustedError(CollectiveError):
     """The cluster is full."""
 
+    code = "RESOURCE_EXHAUSTED"
+
 
 class DeadlineError(CollectiveError):
     """A phase did not finish before its deadline; the message names the phase and who is late."""
+
+    code = "DEADLINE_EXCEEDED"
 
 
 class PermissionDeniedError(CollectiveError):
     """An authenticated peer asked for something its identity does not allow."""
 
+    code = "PERMISSION_DENIED"
     exit_code = 2
 
 
@@ -93,7 +123,36 @@ class RelayError(TransportError):
 class UnimplementedError(ProtocolError):
     """A server was asked for a call it does not serve (e.g. a control call sent to a relay)."""
 
+    code = "UNIMPLEMENTED"
+
 
 class InternalError(CollectiveError):
     """A bug inside the chief or a relay: the message names the call; that process's log has the
     traceback."""
+
+    code = "INTERNAL"
+
+
+# A status that arrives without a class name is read as the one class its code stands for.
+FROM_CODE: dict[str, type[CollectiveError]] = {cls.code: cls for cls in (
+    UnimplementedError, AuthError, PermissionDeniedError, AlreadyExistsError, ResourceExhaustedError,
+    PreconditionError, ProtocolError, DeadlineError, IntegrityError, AbortedError, InternalError,
+)}
+
+
+def family() -> list[type[CollectiveError]]:
+    """Every class of this module's error family, CollectiveError first."""
+    out, todo = [], [CollectiveError]
+    while todo:
+        cls = todo.pop(0)
+        if cls.__module__ == __name__ and cls not in out:
+            out.append(cls)
+        todo += cls.__subclasses__()
+    return out
+
+
+def wire_class(name: str | None, code: str | None) -> type[CollectiveError]:
+    """The class of an error that arrived as ``name`` (a class of this family) and ``code``:
+    by name when it is ours, else by code, else AbortedError (any other failure aborts)."""
+    by_name = {cls.__name__: cls for cls in family()}
+    return by_name.get(name or "") or FROM_CODE.get(code or "", AbortedError)

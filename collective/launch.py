@@ -29,7 +29,8 @@ from typing import TextIO
 
 from collective.config import Timeouts
 from collective.errors import DeadlineError, UsageError
-from collective.model import available_memory, format_bytes
+from collective.model import available_memory
+from collective.sizes import format_bytes
 
 
 @dataclass
@@ -445,14 +446,6 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"
-
-
 def summary_table(result: dict) -> str:
     """The human summary of a round, as ``collective launch`` prints it."""
     workers = result.get("workers", [])
@@ -473,7 +466,7 @@ def summary_table(result: dict) -> str:
         f"  model       {result.get('model', '-')}",
         f"  workers     {len(workers)}",
         f"  variables   {len(result.get('variables', []))}",
-        f"  bytes       {nbytes:,} ({_size(nbytes)})",
+        f"  bytes       {nbytes:,} ({format_bytes(nbytes)})",
     ]
     if ok:  # a failed round has no broadcast time worth showing
         lines += [

@@ -19,6 +19,7 @@ import numpy as np
 
 from collective import dtypes
 from collective.errors import InvalidVariableError, ModelError
+from collective.sizes import format_bytes
 
 
 class _ParsedEnum(enum.Enum):
@@ -118,18 +119,6 @@ MAX_BYTES = (1 << 63) - 1
 """Largest dimension and largest variable: the wire carries them as int64 / uint64."""
 
 _REPLICA_SUFFIX = re.compile(r"(.+)/replica_([1-9][0-9]*)", re.DOTALL)
-
-
-def format_bytes(n: int) -> str:
-    """``3.6 TiB``: binary units, one decimal; exact below 1 KiB."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"):
-        value /= 1024
-        if value < 1024 or unit == "YiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def _shape_text(spec: VariableSpec) -> str:

@@ -128,8 +128,8 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
     """Rank 0's round: ``ChiefService`` behind the MPI driver; with ``devices``, the chief's own
     replicas too. Returns (service, (store, digest) or None); the outcome is ``service.result()``."""
     from chief.service import ChiefService
-    from collective._api import hold_chief_replicas
     from collective.plan import DEFAULT_CHUNK_BYTES
+    from collective.replicas import hold_chief_replicas
     from collective.transport.mpi import MpiChiefDriver
 
     service = ChiefService(
@@ -194,9 +194,9 @@ def sync_over_mpi(source, devices, roles, timeouts=None):
     as the command does, since the others cannot leave their collectives otherwise."""
     from mpi4py import MPI
 
-    from collective._api import SyncResult
     from collective.config import Timeouts
     from collective.errors import AbortedError
+    from collective.replicas import SyncResult
     from collective.transport.mpi import PhaseWatchdog, abort
 
     comm = MPI.COMM_WORLD

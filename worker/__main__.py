@@ -8,34 +8,17 @@ import sys
 
 from collective import logs
 from collective.config import (
-    add_option,
-    add_timeout_options,
-    add_tls_options,
     parse_address,
-    parse_bool,
     timeouts_from_args,
     tls_from_args,
 )
 from collective.entry import run_main
+from collective.options import worker_parser
 
 log = logging.getLogger("worker")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
-    add_option(p, "chief", help="the chief's HOST:PORT", default=None)
-    add_option(p, "devices", help="local devices, one replica each", default="cpu:0")
-    add_option(p, "worker-id", help="this worker's id; default HOSTNAME-PID", default=None)
-    add_option(p, "rank", help="preferred rank (the chief gives another if it is taken)", type=int, default=-1)
-    add_option(p, "token", help="the cluster token", default=None)
-    add_tls_options(p, worker=True)
-    add_option(p, "shm", help="map the arena of the chief or of this host's receiving worker through shared memory when on their host (--no-shm: network only)",
-               type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
-    add_option(p, "expect-model", help="refuse to join unless the chief's variables match this model's "
-               "(preset, spec, .npz, .safetensors; only names, shapes, dtypes and modes are read)", default=None)
-    add_timeout_options(p, "join", "stall", "start", "heartbeat")
-    add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
-    return p
+build_parser = worker_parser  # the flags live in collective.options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from collective._api import join
     from collective.errors import UsageError
-    from worker.api import join_cluster
 
     if not args.chief:
         raise UsageError("the chief's address is required: pass --chief HOST:PORT or set COLLECTIVE_CHIEF")
@@ -68,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
         from collective.sources import load_source
 
         expected = load_source(args.expect_model).specs()
-    result = join_cluster(
+    result = join(
         args.chief,
         devices=args.devices,
         worker_id=args.worker_id,

@@ -22,7 +22,7 @@ import numpy as np
 from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.config import Timeouts
-from collective.digest import chunk_digests, worker_digest
+from collective.digest import worker_digest
 from collective.errors import (
     AbortedError,
     ChiefUnreachableError,
@@ -35,15 +35,13 @@ from collective.keys import parse_devices
 from collective.model import VariableSpec
 from collective.plan import (
     Receiver,
-    culprit,
     declared,
-    differing_chunk,
     new_arena,
-    spec_of,
     validate_plan,
 )
+from collective.replicas import make_replicas, verify_replicas
 from collective.transport.api import ChiefLink
-from collective.variables import VariableStore, variable_over
+from collective.variables import VariableStore
 
 log = logging.getLogger(__name__)
 
@@ -74,54 +72,6 @@ class WorkerResult:
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def make_replicas(plan: pb.Plan, arena: np.ndarray, devices: Sequence[str]) -> tuple[VariableStore, list[np.ndarray]]:
-    """One replica of every variable per device, and the arenas that hold them.
-
-    Replica i of every variable lives in arena i at the plan's offsets: arena 0 is the received
-    arena itself (no copy), each further device gets one copy of it. The store builds each
-    variable's object when it is first used (``VariableStore.defer``), so 20,000 variables cost
-    nothing here.
-    """
-    flat = arena.reshape(-1).view(np.uint8)
-    arenas = [flat] + [flat.copy() for _ in devices[1:]]  # the copy faults its pages in once
-    variables, devices = plan.variables, list(devices)
-
-    def make(i: int):
-        spec = spec_of(variables[i])
-        v = variables[i]
-        views = [a[v.offset : v.offset + v.nbytes].view(spec.np_dtype).reshape(spec.shape) for a in arenas]
-        return variable_over(
-            spec.name, views, devices,
-            synchronization=spec.synchronization, aggregation=spec.aggregation, trainable=spec.trainable,
-        )
-
-    store = VariableStore()
-    store.defer(lambda: [v.name for v in variables], make)
-    return store, arenas
-
-
-def verify_replicas(
-    plan: pb.Plan, arenas: Sequence[np.ndarray], devices: Sequence[str], *, first: Sequence[str] | None = None
-) -> list[pb.DeviceDigests]:
-    """Hash every replica arena chunk by chunk and compare with the plan's chunk digests.
-
-    ``first``: the chunk digests of arena 0 when the Receiver already verified its bytes, so
-    they are not hashed twice. Raises IntegrityError naming the variable and replica of the
-    first difference.
-    """
-    want = list(plan.chunk_digests)
-    out = []
-    for i, (a, device) in enumerate(zip(arenas, devices, strict=True)):
-        got = list(first) if (i == 0 and first is not None) else chunk_digests(a, plan.chunk_bytes)
-        differs = differing_chunk(plan, got, want)
-        if differs is not None:
-            k = differs[0] // plan.chunk_bytes
-            pair = (got[k], want[k]) if k < min(len(got), len(want)) else None
-            raise IntegrityError(culprit(plan, a, *differs, replica=(i, device), digests=pair))
-        out.append(pb.DeviceDigests(device=device, replica=i, chunk_digests=got))
-    return out
 
 
 class _Watched:

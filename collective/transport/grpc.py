@@ -68,29 +68,22 @@ SERVER_OPTIONS = _MESSAGE_OPTIONS + [
     ("grpc.server_handshake_timeout_ms", 20_000),
 ]
 
-# One table, read both ways: the chief's error class <-> the status code on the wire.
-# Subclasses before their bases (UnimplementedError is a ProtocolError).
-_CODES: list[tuple[type[E.CollectiveError], grpc.StatusCode]] = [
-    (E.UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
-    (E.AuthError, grpc.StatusCode.UNAUTHENTICATED),
-    (E.PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (E.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    (E.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (E.PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (E.ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
-    (E.DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (E.IntegrityError, grpc.StatusCode.DATA_LOSS),
-    (E.AbortedError, grpc.StatusCode.ABORTED),
-    (E.InternalError, grpc.StatusCode.INTERNAL),
-]
-_CLASS_OF = {code: cls for cls, code in _CODES}
+# The error table is errors.py's: each class's ``code`` is its status code on the wire, and its
+# name travels in this trailing metadata key, so the client raises the very class.
+ERROR_CLASS_KEY = "collective-error"
 
 
 def status_code(exc: E.CollectiveError) -> grpc.StatusCode:
-    for cls, code in _CODES:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.ABORTED  # any other failure of the round aborts it
+    return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.ABORTED)
+
+
+def _raised_class(exc: grpc.RpcError) -> str | None:
+    """The error class the peer's handler raised, or None for a status gRPC made itself."""
+    try:
+        metadata = exc.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - a cancelled future has none
+        return None
+    return next((v for k, v in metadata if k == ERROR_CLASS_KEY), None)
 
 
 # --- raw frames -------------------------------------------------------------------------------
@@ -280,7 +273,7 @@ def peer_identities(context) -> set[str]:
 class _Servicer(pb_grpc.CollectiveServicer):
     """The service boundary: every handler error becomes a status the client maps back.
 
-    A ``CollectiveError`` keeps its class (``_CODES``); anything else is a bug in this process:
+    A ``CollectiveError`` keeps its class (the ``errors`` table); anything else is a bug in this process:
     INTERNAL naming the method and the exception, with the traceback in this process's log.
     """
 
@@ -320,6 +313,7 @@ class _Servicer(pb_grpc.CollectiveServicer):
             yield
         except E.CollectiveError as exc:
             answered[0] = True
+            context.set_trailing_metadata(((ERROR_CLASS_KEY, type(exc).__name__),))
             context.abort(status_code(exc), str(exc))
         except Exception as exc:
             answered[0] = True
@@ -677,7 +671,7 @@ class GrpcEndpoint(ChiefEndpoint):
             return None
         try:
             return rawtcp.DataServer(
-                self.bind.rpartition(":")[0], handler, token=self.token, status=status_code,
+                self.bind.rpartition(":")[0], handler, token=self.token,
                 tls=rawtcp.server_context(self.tls) if self.tls else None,
                 identities=rawtcp.certificate_names if bind_identity else None, refused=self._refusals.refused,
             )
@@ -822,9 +816,14 @@ class GrpcChiefLink(ChiefLink):
     def _error(self, exc: Exception, phase: str, timeout: float) -> E.CollectiveError:
         if not isinstance(exc, grpc.RpcError):
             return E.ChiefUnreachableError(f"{self.name} at {self.address}: {phase} was cancelled")
-        return self._error_of(exc.code(), exc.details() or "", phase, timeout)
+        return self._error_of(exc.code(), exc.details() or "", phase, timeout, _raised_class(exc))
 
-    def _error_of(self, code: grpc.StatusCode, details: str, phase: str, timeout: float) -> E.CollectiveError:
+    def _error_of(self, code: grpc.StatusCode, details: str, phase: str, timeout: float,
+                  name: str | None = None) -> E.CollectiveError:
+        """The error a failed call stands for: the class the peer raised (``name``), or, for a
+        status gRPC made itself (no name), what its code means here."""
+        if name is not None:
+            return self._raised(E.wire_class(name, code.name), details)
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return E.AuthError(
                 f"{self.name} at {self.address} refused the cluster token during {phase} ({details}); "
@@ -836,7 +835,9 @@ class GrpcChiefLink(ChiefLink):
             return E.ChiefUnreachableError(f"{self.name} at {self.address} did not answer within {timeout:g} s during {phase}")
         if code == grpc.StatusCode.CANCELLED:
             return E.ChiefUnreachableError(f"{self.name} at {self.address}: {phase} was cancelled ({details})")
-        cls = _CLASS_OF.get(code, E.AbortedError)
+        return self._raised(E.wire_class(None, code.name), details)
+
+    def _raised(self, cls: type[E.CollectiveError], details: str) -> E.CollectiveError:
         if cls is not E.AbortedError:
             return cls(f"{self.name} at {self.address}: {details}")
         if self.name == "chief":
@@ -872,7 +873,8 @@ class GrpcChiefLink(ChiefLink):
                 if self._interrupted is not None:
                     raise self._interrupted from None
                 now = time.monotonic()
-                unavailable = isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+                unavailable = (isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+                               and _raised_class(exc) is None)  # gRPC's own status, not the chief's answer
                 if retry and unavailable and now < deadline:
                     down_since = down_since or now
                     if now - down_since < self.retry_window:
@@ -905,7 +907,8 @@ class GrpcChiefLink(ChiefLink):
                 # Fail fast (no wait_for_ready) so a refused handshake shows its real reason.
                 return self._stub.Join(req, timeout=min(left, 5.0), metadata=self._metadata)
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                        and _raised_class(exc) is None):  # not reached yet; an answer is final
                     last = exc.details() or exc.code().name
                     hint = self._tls_hint(last)
                     refusals = refusals + 1 if hint else 0
@@ -1010,8 +1013,8 @@ class GrpcChiefLink(ChiefLink):
             rawtcp.receive(
                 sock, ref, self._token, receiver, stall_timeout=stall_timeout,
                 track=self._track, untrack=self._untrack,
-                fail=lambda code, message: self._error_of(
-                    getattr(grpc.StatusCode, code, grpc.StatusCode.ABORTED), message, "receive", stall_timeout),
+                fail=lambda code, name, message: self._error_of(
+                    getattr(grpc.StatusCode, code, grpc.StatusCode.ABORTED), message, "receive", stall_timeout, name),
             )
         except (OSError, ssl.SSLError) as exc:
             if self._interrupted is not None:

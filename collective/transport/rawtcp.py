@@ -31,7 +31,8 @@ this path as on FetchRaw:
 
 Frames, server to client: ``<BIQ`` (kind, metadata length, data length), the metadata, the data.
 Kind 0: a chunk (metadata a ``Chunk`` without data). Kind 1: an error (metadata
-``<code>\\n<message>``, UTF-8, code a ``grpc.StatusCode`` name), the last frame of the stream.
+``<code> <class>\\n<message>``, UTF-8: the ``errors`` table's status code name and class name;
+the class is absent for a refusal before the stream), the last frame of the stream.
 """
 
 from __future__ import annotations
@@ -126,19 +127,18 @@ def _send_all(sock: socket.socket, parts: list) -> None:
 class DataServer:
     """Serves ``handler.stream_views`` on a TCP port of ``host`` (beside a gRPC endpoint).
 
-    ``status(exc)`` gives the gRPC status code of a CollectiveError; ``tls`` is a server
+    ``tls`` is a server
     ``ssl.SSLContext`` or None; ``identities(sock)`` the names of a TLS client's certificate
     when a worker may only fetch under its own id (mutual TLS), else None; ``refused(peer,
     what, reason)`` logs a refused connection (the endpoint's RefusalLog, so a flood from one
     host is summarised, not logged a line a connection).
     """
 
-    def __init__(self, host: str, handler, *, token: str | None, status: Callable, tls: ssl.SSLContext | None = None,
+    def __init__(self, host: str, handler, *, token: str | None, tls: ssl.SSLContext | None = None,
                  identities: Callable | None = None, refused: Callable[[str, str, str], None] | None = None) -> None:
         self._handler = handler
         self._refused = refused or (lambda peer, what, reason: log.warning("refused %s from %s: %s", what, peer, reason))
         self._token = token.encode() if token else None
-        self._status = status
         self._tls = tls
         self._identities = identities
         host = "" if host in ("", "0.0.0.0", "[::]", "::") else host.strip("[]")
@@ -279,7 +279,7 @@ class DataServer:
                 meta = msg.SerializeToString()
                 _send_all(conn, [_HEAD.pack(CHUNK, len(meta), len(data)), meta, data])
         except E.CollectiveError as exc:
-            self._send_error(conn, self._status(exc).name, str(exc))
+            self._send_error(conn, f"{exc.code} {type(exc).__name__}", str(exc))
         except (OSError, ssl.SSLError) as exc:
             log.info("data stream to %s (%s) cut off: %s", ref.worker_id, where, exc)
             self._handler.lost(ref, "its data stream call was cut off (process gone or connection lost)")
@@ -363,7 +363,7 @@ def receive(sock: socket.socket, ref: pb.WorkerRef, token: str | None, receiver,
             track: Callable, untrack: Callable, fail: Callable[[str, str], E.CollectiveError]) -> None:
     """Ask for the stream on the connected ``sock`` and feed it to ``receiver`` in place.
 
-    ``fail(code, message)`` builds the error of an error frame; ``socket.timeout`` (nothing for
+    ``fail(code, name, message)`` builds the error of an error frame; ``socket.timeout`` (nothing for
     ``stall_timeout`` s), ConnectionError and ssl errors reach the caller as they are.
     """
     cancel = _Cancel(sock)
@@ -382,8 +382,9 @@ def receive(sock: socket.socket, ref: pb.WorkerRef, token: str | None, receiver,
             meta = bytearray(nmeta)
             _recv_exact(sock, meta)
             if kind == ERROR:
-                code, _, message = bytes(meta).decode(errors="replace").partition("\n")
-                raise fail(code, message)
+                head_line, _, message = bytes(meta).decode(errors="replace").partition("\n")
+                code, _, name = head_line.partition(" ")
+                raise fail(code, name or None, message)
             try:
                 msg = pb.Chunk.FromString(bytes(meta))
             except DecodeError as exc:

@@ -12,8 +12,6 @@ import pytest
 
 from collective.bench import (
     Candidate,
-    TopologyOption,
-    _launch_parser,
     candidates,
     parse_rate,
     parse_size,
@@ -55,9 +53,8 @@ def check_entry(entry: dict, *, workers: int, size: int) -> None:
 def test_json_has_one_result_per_project_topology_with_the_asked_bytes_and_workers():
     out = one_json_line(bench(*SMALL, "--json"))
     assert set(out) == {"results", "link_seconds"} and out["link_seconds"] is None
-    option = TopologyOption.of(_launch_parser())
-    expected = [c for c in option.choices if c != "auto"] if option.choices else ["star"]
-    assert [e["name"] for e in out["results"]] == expected  # every topology launch offers; no peers unless asked
+    # every topology launch offers; no peers unless asked
+    assert [e["name"] for e in out["results"]] == ["star", "tree", "chain"]
     for entry in out["results"]:
         check_entry(entry, workers=2, size=MIB)
 
@@ -207,17 +204,14 @@ def test_the_model_spec_has_k_float32_variables_totalling_the_size(tmp_path):
         variable_lengths(10, 1)  # not whole float32s
 
 
-def test_candidates_follow_what_launch_offers():
-    none = TopologyOption(False)
-    assert candidates(["grpc", "mpi"], [], none) == [Candidate("star", "grpc"), Candidate("mpi", "mpi")]
-    assert candidates(["grpc"], ["star"], none) == [Candidate("star", "grpc")]
-    with pytest.raises(UsageError, match="unknown topology 'tree'"):
-        candidates(["grpc"], ["tree"], none)
-    some = TopologyOption(True, ("auto", "star", "tree", "chain"))
-    assert [c.name for c in candidates(["grpc"], [], some)] == ["star", "tree", "chain"]
-    assert candidates(["grpc"], ["tree"], some) == [Candidate("tree", "grpc", "tree")]
+def test_candidates_are_every_topology_but_auto_or_those_asked_and_mpi():
+    assert candidates(["grpc", "mpi"], []) == [Candidate(n, "grpc", n) for n in ("star", "tree", "chain")] + [
+        Candidate("mpi", "mpi")]
+    assert candidates(["grpc"], ["tree"]) == [Candidate("tree", "grpc", "tree")]
     with pytest.raises(UsageError, match="use one of: auto, star, tree, chain"):
-        candidates(["grpc"], ["ring"], some)
+        candidates(["grpc"], ["ring"])
+    with pytest.raises(UsageError, match="applies to the grpc transport"):
+        candidates(["mpi"], ["tree"])
 
 
 def test_the_last_json_object_is_found_even_with_a_log_line_glued_to_it():

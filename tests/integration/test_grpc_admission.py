@@ -2,7 +2,7 @@
 
 Real gRPC servers and channels on loopback; the chief runs in this process (``ChiefService`` behind
 a ``GrpcEndpoint``, as a training script serving it through the Python API would) and its
-workers join through ``worker.api.join_cluster`` in threads.
+workers join through ``collective.join`` in threads.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ pytestmark = pytest.mark.integration
 
 TOKEN = "the-token"
 ROUND = Timeouts(join=30.0, straggler_log=5.0, rpc=10.0, stall=10.0, ready=20.0, start=20.0, linger=2.0)
+
+
+ERROR_FAMILY = E.family()
 
 
 class IdleCalls:
@@ -63,7 +66,7 @@ def serve_round(n: int, *, token: str | None = TOKEN, before=None, **endpoint_op
     """A chief on loopback with ``n`` workers in threads; ``before(address)`` runs once the chief
     listens and before any worker starts. Returns (supervise's error or None, worker results)."""
     from chief.service import ChiefService
-    from worker.api import join_cluster
+    from collective._api import join as join_cluster
 
     service = ChiefService(ArraySource(small_arrays()), n, timeouts=ROUND, chunk_bytes=4096)
     endpoint = GrpcEndpoint("127.0.0.1:0", token=token, **endpoint_options)
@@ -164,8 +167,10 @@ class BrokenHandler:
         raise RuntimeError("stream bug")
         yield  # pragma: no cover
 
+    error: E.CollectiveError = E.AlreadyExistsError("worker id 'w0' is taken")
+
     def join(self, req, peer):
-        raise E.AlreadyExistsError("worker id 'w0' is taken")
+        raise self.error
 
     def lost(self, ref, reason):
         pass
@@ -194,6 +199,23 @@ def test_an_unexpected_exception_in_a_handler_is_internal_with_a_traceback_in_th
 def test_a_collective_error_in_a_handler_keeps_its_class_on_the_client(broken_chief):
     with pytest.raises(E.AlreadyExistsError, match="'w0' is taken"):
         broken_chief.join(pb.JoinRequest(worker_id="w0"), timeout=5)
+
+
+@pytest.mark.parametrize("cls", ERROR_FAMILY, ids=lambda c: c.__name__)
+def test_every_error_class_a_handler_raises_arrives_as_that_class_with_its_exit_code(broken_chief, cls, monkeypatch):
+    monkeypatch.setattr(BrokenHandler, "error", cls("refused for a test"))
+    with pytest.raises(cls, match="refused for a test") as info:
+        broken_chief.join(pb.JoinRequest(worker_id="w0"), timeout=5)
+    assert type(info.value) is cls and info.value.exit_code == cls.exit_code
+
+
+@pytest.mark.parametrize("cls", ERROR_FAMILY, ids=lambda c: c.__name__)
+def test_every_error_class_crosses_the_mpi_codec_as_that_class(cls):
+    from collective.transport.mpi import decode_outcome, encode_error
+
+    with pytest.raises(cls, match="refused for a test") as info:
+        decode_outcome(encode_error(cls("refused for a test")), pb.JoinReply)
+    assert type(info.value) is cls
 
 
 def test_a_relay_answers_unimplemented_to_every_call_but_the_data_stream():

@@ -25,11 +25,15 @@ REF = pb.WorkerRef(worker_id="worker-1", incarnation="i1")
 TOKEN = "s3cret"
 
 
+ERROR_FAMILY = E.family()
+
+
 class Handler:
     """The sending side of one stream: the chief's arena cut by the Chunker, with faults."""
 
-    def __init__(self, plan, arena, *, corrupt_at=None, fail_at=None, hang_at=None):
+    def __init__(self, plan, arena, *, corrupt_at=None, fail_at=None, hang_at=None, error=None):
         self.plan, self.arena = plan, arena
+        self.error = error or E.AbortedError("round aborted: worker-9 (rank 9) failed: test")
         self.corrupt_at, self.fail_at, self.hang_at = corrupt_at, fail_at, hang_at
         self.threads: list[str] = []
         self.lost_reasons: list[str] = []
@@ -40,7 +44,7 @@ class Handler:
         self.threads.append(threading.current_thread().name)
         for i, (msg, data) in enumerate(Chunker(self.plan, self.arena).frames()):
             if i == self.fail_at:
-                raise E.AbortedError("round aborted: worker-9 (rank 9) failed: test")
+                raise self.error
             if i == self.hang_at:
                 self.release.wait(30)
             if i == self.corrupt_at:
@@ -72,7 +76,7 @@ def certs(tmp_path_factory):
 
 def failure(link):
     """How the link turns an error frame into its exception (as for gRPC status codes)."""
-    return lambda code, message: link._error_of(getattr(grpc.StatusCode, code), message, "receive", 5)
+    return lambda code, name, message: link._error_of(getattr(grpc.StatusCode, code), message, "receive", 5, name)
 
 
 def serve(handler, tls=None):
@@ -209,6 +213,20 @@ def test_the_rounds_failure_mid_stream_arrives_as_the_same_class_and_message(mod
     try:
         with pytest.raises(E.AbortedError, match="worker-9 \\(rank 9\\) failed: test"):
             receive(address, plan)
+    finally:
+        endpoint.stop(0.5)
+
+
+@pytest.mark.parametrize("cls", ERROR_FAMILY, ids=lambda c: c.__name__)
+def test_every_error_class_raised_mid_stream_arrives_as_that_class(model, cls):
+    # Before the one error table, 8 of the family's classes (UsageError, ModelError, RelayError,
+    # ...) arrived as AbortedError, so a worker exited 1 for an input error of exit code 2.
+    plan, arena = model
+    endpoint, address = serve(Handler(plan, arena, fail_at=2, error=cls("the sender says no")))
+    try:
+        with pytest.raises(cls, match="the sender says no") as info:
+            receive(address, plan)
+        assert type(info.value) is cls
     finally:
         endpoint.stop(0.5)
 

@@ -48,7 +48,7 @@ def test_replicas_mapped_from_shared_memory_are_private_to_each_worker(tmp_path,
     script.write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from worker.api import join_cluster\n"
+        "from collective import join as join_cluster\n"
         "r = join_cluster(sys.argv[1], worker_id=sys.argv[2], devices='cpu:0,cpu:1')\n"
         "v = r.variables.get('dense_1/kernel')\n"
         "before = float(v.replicas[1][0, 0])\n"
@@ -90,7 +90,7 @@ def test_the_arena_is_a_memfd_gone_from_a_worker_once_it_drops_its_variables(tmp
     script.write_text(
         "import gc, sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from worker.api import join_cluster\n"
+        "from collective import join as join_cluster\n"
         "r = join_cluster(sys.argv[1], worker_id=sys.argv[2])\n"
         "print('JOINED', flush=True)\n"
         "sys.stdin.readline()\n"

@@ -84,9 +84,9 @@ def test_start_waits_for_the_chiefs_own_replicas_and_names_them_when_late():
 
 
 def test_a_corrupt_chief_replica_fails_the_round_for_every_worker_naming_it(monkeypatch):
-    import worker.agent as agent_module
+    import collective.replicas as replicas_module
 
-    real = agent_module.make_replicas
+    real = replicas_module.make_replicas
     chiefs = list(CHIEF_DEVICES)  # only the chief's call gets this very list
 
     def corrupting(plan, arena, devices):
@@ -95,7 +95,7 @@ def test_a_corrupt_chief_replica_fails_the_round_for_every_worker_naming_it(monk
             arenas[1][5] ^= 0xFF
         return store, arenas
 
-    monkeypatch.setattr(agent_module, "make_replicas", corrupting)
+    monkeypatch.setattr(replicas_module, "make_replicas", corrupting)  # hold_chief_replicas's
     service, agents = training_cluster(small_arrays())
     *workers, held, sup = run_threads(
         [a.run for a in agents] + [lambda: hold_chief_replicas(service, chiefs, 5.0), service.supervise]

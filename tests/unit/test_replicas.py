@@ -16,6 +16,7 @@ from collective.errors import (
     IntegrityError,
     InvalidVariableError,
 )
+from collective.replicas import make_replicas, verify_replicas
 from collective.transport.inmemory import InMemoryEndpoint
 from collective.variables import (
     MirroredVariable,
@@ -26,7 +27,7 @@ from collective.variables import (
 )
 from tests.conftest import FAST, ArraySource, inmemory_cluster, run_threads
 from worker import agent as agent_mod
-from worker.agent import WorkerAgent, make_replicas, verify_replicas
+from worker.agent import WorkerAgent
 
 
 def many_small(n: int, seed: int = 3) -> dict[str, np.ndarray]:
