@@ -1,7 +1,7 @@
-# One image for both roles; docker-compose.yml picks `python -m chief` or `python -m worker`.
+# One image for both roles; docker-compose.yml picks `python -m collective.chief` or `python -m collective.worker`.
 #   docker build -t collective:local .
 #   docker run --rm -e COLLECTIVE_WORKERS=1 collective:local                 # the chief
-#   docker run --rm -e COLLECTIVE_CHIEF=host:50051 collective:local python -m worker
+#   docker run --rm -e COLLECTIVE_CHIEF=host:50051 collective:local python -m collective.worker
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -13,8 +13,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY collective ./collective
-COPY chief ./chief
-COPY worker ./worker
 RUN pip install . \
     && cd / && rm -rf /src
 
@@ -25,4 +23,4 @@ USER collective
 WORKDIR /home/collective
 
 EXPOSE 50051
-CMD ["python", "-m", "chief"]
+CMD ["python", "-m", "collective.chief"]

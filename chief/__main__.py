@@ -1,73 +1,8 @@
-"""``python -m chief``: serve one broadcast round over gRPC and exit 0 once start is released."""
+"""``python -m chief`` from a checkout: the same as ``python -m collective.chief``."""
 
-from __future__ import annotations
-
-import argparse
-import logging
-import os
 import sys
-from pathlib import Path
 
-from collective import logs
-from collective.config import (
-    parse_address,
-    timeouts_from_args,
-    tls_from_args,
-)
-from collective.entry import run_main
-from collective.options import chief_parser
-
-log = logging.getLogger("chief")
-
-
-build_parser = chief_parser  # the flags live in collective.options
-
-
-def main(argv: list[str] | None = None) -> int:
-    def go() -> int:
-        from collective.clusterenv import apply_to_environ, role_mismatch
-
-        # TF_CONFIG / torchrun variables become COLLECTIVE_* defaults, before the parser reads them.
-        cluster = apply_to_environ("chief")
-        args = build_parser().parse_args(argv)
-        logs.configure("chief", fmt=args.log_format)
-        if cluster is not None:
-            log.info("cluster from %s", cluster.describe())
-            warning = role_mismatch(cluster, "chief")
-            if warning:
-                log.warning("%s", warning)
-        return _run(args)
-
-    return run_main(go)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from collective._api import run_chief
-    from collective.errors import UsageError
-    from collective.sources import load_source
-
-    if args.workers is None:
-        raise UsageError("the number of workers is required: pass --workers N or set COLLECTIVE_WORKERS")
-    parse_address(args.bind, what="--bind")
-    tls = tls_from_args(args)
-    if tls.enabled:
-        tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
-    source = load_source(args.model, seed=args.seed)
-
-    def on_listening(address: str, port: int) -> None:
-        if args.port_file:
-            tmp = Path(args.port_file + ".tmp")
-            tmp.write_text(str(port))
-            os.replace(tmp, args.port_file)
-
-    run_chief(
-        source, args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
-        shm=args.shm, topology=args.topology, chunk_bytes=args.chunk_bytes, on_listening=on_listening,
-        result_file=args.result_file, max_model_bytes=args.max_model_bytes,
-    )
-    log.info("training started: %d workers hold identical variables", args.workers)
-    return 0
-
+from collective.chief.__main__ import main
 
 if __name__ == "__main__":
     sys.exit(main())

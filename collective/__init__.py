@@ -9,8 +9,8 @@ The Python API (every call reads the same environment as the command line: ``COL
     weights = result.arrays(0)                   # name -> rank 0's array, on this process's device 0
 
 * ``sync``  - SPMD: every training process calls it; rank 0 serves its values and trains too.
-* ``serve`` - be the chief in this process (as ``python -m chief``).
-* ``join``  - be a worker in this process (as ``python -m worker``).
+* ``serve`` - be the chief in this process (as ``python -m collective.chief``).
+* ``join``  - be a worker in this process (as ``python -m collective.worker``).
 * ``create_variable`` / ``Synchronization`` / ``Aggregation`` / ``VariableSpec`` - variables
   with TensorFlow's semantics.
 * ``load_model`` - a preset, spec, ``.npz`` or ``.safetensors`` file as a model source.

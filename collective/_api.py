@@ -149,13 +149,13 @@ def run_chief(
     result_file: str | None = None,
     max_model_bytes: int | None = None,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
-    """One round as ``python -m chief`` runs it: serve over gRPC with a thread pool sized from
+    """One round as ``python -m collective.chief`` runs it: serve over gRPC with a thread pool sized from
     the worker count, supervise the join and ready deadlines, stop. ``devices``: the chief
     trains too and holds replicas there. SIGTERM/SIGINT fail the round (handlers installed only
     on the main thread, restored after). Returns (service, (store, digest) or None); raises the
     round's error."""
 
-    from chief.service import ChiefService
+    from collective.chief.service import ChiefService
     from collective.errors import AbortedError
     from collective.transport.grpc import GrpcEndpoint
 
@@ -224,7 +224,7 @@ def serve(
     spmd: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
 ) -> SyncResult:
-    """Be the chief of one round in this process, as ``python -m chief`` is. Blocks until start
+    """Be the chief of one round in this process, as ``python -m collective.chief`` is. Blocks until start
     is released (every worker, and this process's own replicas if it trains, verified).
 
     Every argument not given comes from the same settings as the command: ``COLLECTIVE_*``
@@ -294,7 +294,7 @@ def join(
     shm: bool | None = None,
     relay_host: str | None = "auto",
 ):
-    """Join the chief as a worker in this process, as ``python -m worker`` does. Blocks until
+    """Join the chief as a worker in this process, as ``python -m collective.worker`` does. Blocks until
     start is released and returns the ``WorkerResult`` (``variables``: the verified replicas,
     ``var.replicas[i]`` on ``devices[i]``; the set is frozen).
 
@@ -309,8 +309,8 @@ def join(
     """
     from collective.config import timeouts_from_args, tls_from_args
     from collective.transport.grpc import GrpcChiefLink, relay_client_tls
-    from worker.agent import WorkerAgent
-    from worker.relay import Relay, host_towards
+    from collective.worker.agent import WorkerAgent
+    from collective.worker.relay import Relay, host_towards
 
     args = _cli_settings("worker", _environ("worker"), {
         "chief": chief, "token": token, "tls": tls, "timeouts": timeouts, "shm": shm, "devices": devices,
@@ -431,11 +431,11 @@ def resolve_roles(
 
 def _alone(source: ModelSource, devices: list[str]) -> tuple[VariableStore, str]:
     """World size 1: the replicas are copies of the values, verified as the chief's are."""
-    from chief.service import materialize
     from collective._proto import collective_pb2 as pb
+    from collective.chief.service import materialize
     from collective.digest import worker_digest
     from collective.plan import DEFAULT_CHUNK_BYTES, build_plan
-    from worker.agent import make_replicas, verify_replicas
+    from collective.worker.agent import make_replicas, verify_replicas
 
     specs, arena, digests = materialize(source)
     plan = build_plan(specs, digests, [pb.WorkerInfo(rank=0, worker_id="local", devices=devices)], arena=arena,

@@ -39,7 +39,7 @@ check nothing.
 private ``/dev/shm`` per host; see ``collective.emulate``) and reports ``link_seconds`` = S/B, the
 time one link needs to carry the model once. ``--hosts H --workers-per-host K`` (instead of
 ``--workers``) puts K workers on each of H worker hosts (ranks in host order), the chief alone on
-its own host. The chief and workers run as ``python -m chief`` / ``python -m worker`` on their
+its own host. The chief and workers run as ``python -m collective.chief`` / ``python -m collective.worker`` on their
 hosts; ``--transport mpi`` and the MPI peer run through MPICH's
 ``mpiexec`` with an rsh-like launcher that enters each host (UCX/libfabric forced onto TCP so no
 same-machine shortcut bypasses the shaped links). Needs root.
@@ -535,7 +535,7 @@ class EmulatedRunner:
         tag = f"{self._serial:03d}-{c.name}"
         result_file = net.workdir / f"result-{tag}.json"
         env = {"COLLECTIVE_TOKEN": secrets.token_hex(16)}
-        chief_argv = ["python", "-m", "chief", "--workers", str(workers), "--model", str(spec),
+        chief_argv = ["python", "-m", "collective.chief", "--workers", str(workers), "--model", str(spec),
                       "--bind", f"0.0.0.0:{CHIEF_PORT}", "--result-file", str(result_file)]
         if c.topology is not None:
             chief_argv += ["--topology", c.topology]
@@ -545,7 +545,7 @@ class EmulatedRunner:
         try:
             chief.wait_for("serving on", 120)
             procs += [
-                net.run(h, ["python", "-m", "worker", "--chief", f"chief:{CHIEF_PORT}", "--worker-id", f"{h}-{i}",
+                net.run(h, ["python", "-m", "collective.worker", "--chief", f"chief:{CHIEF_PORT}", "--worker-id", f"{h}-{i}",
                             "--rank", str(i), *self.extra], env=env, name=f"{h}-{i}-{tag}")
                 for i, h in enumerate(self.placement(workers))
             ]

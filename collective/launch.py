@@ -248,7 +248,7 @@ class Launcher:
         t = self.timeouts
         try:
             chief_args = [
-                "-m", "chief", "--workers", str(self.workers), "--model", self.model,
+                "-m", "collective.chief", "--workers", str(self.workers), "--model", self.model,
                 "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--result-file", str(result_file),
                 "--join-timeout", str(t.join), "--ready-timeout", str(t.ready),
                 "--shm" if self.shm else "--no-shm", "--topology", self.topology,
@@ -265,7 +265,7 @@ class Launcher:
                     self._spawn(
                         f"worker {i}",
                         [
-                            "-m", "worker", "--chief", f"127.0.0.1:{port}", "--worker-id", f"worker-{i}",
+                            "-m", "collective.worker", "--chief", f"127.0.0.1:{port}", "--worker-id", f"worker-{i}",
                             "--rank", str(i), "--devices", self.devices,
                             "--join-timeout", str(t.join), "--start-timeout", str(t.start),
                             "--shm" if self.shm else "--no-shm",
@@ -428,7 +428,7 @@ def _check_room(workers: int) -> None:
             f"--workers {workers} would start {workers + 1:,} local processes of about "
             f"{format_bytes(PROCESS_BYTES)} each before the model ({format_bytes(need)}); this host has "
             f"{format_bytes(room)} available. Use fewer workers, or start workers on other hosts "
-            f"(python -m chief / python -m worker)"
+            f"(python -m collective.chief / python -m collective.worker)"
         )
 
 

@@ -127,7 +127,7 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
                    spmd=False, max_model_bytes=None):
     """Rank 0's round: ``ChiefService`` behind the MPI driver; with ``devices``, the chief's own
     replicas too. Returns (service, (store, digest) or None); the outcome is ``service.result()``."""
-    from chief.service import ChiefService
+    from collective.chief.service import ChiefService
     from collective.plan import DEFAULT_CHUNK_BYTES
     from collective.replicas import hold_chief_replicas
     from collective.transport.mpi import MpiChiefDriver
@@ -154,7 +154,7 @@ def run_worker_rank(comm, watchdog, timeouts, devices, *, split_bytes=None, expe
     is raised as is; any other leaves the ranks out of step and is raised with ``.unannounced``
     set, for the caller to abort the job."""
     from collective.transport.mpi import MpiChiefLink
-    from worker.agent import WorkerAgent
+    from collective.worker.agent import WorkerAgent
 
     watchdog.phase("join", timeouts.join)
     link = MpiChiefLink(comm, watchdog, timeouts, split_bytes=split_bytes)

@@ -1,4 +1,4 @@
-"""The command-line flags of ``python -m chief`` and ``python -m worker``, in one place below
+"""The command-line flags of ``python -m collective.chief`` and ``python -m collective.worker``, in one place below
 both the entry points and the Python API (which reads its defaults from the same flags and
 their ``COLLECTIVE_*`` variables), so neither imports the other.
 """
@@ -18,13 +18,13 @@ from collective.config import (
 )
 from collective.topology import TOPOLOGIES
 
-CHIEF_DESCRIPTION = '``python -m chief``: serve one broadcast round over gRPC and exit 0 once start is released.'
-WORKER_DESCRIPTION = '``python -m worker``: join the chief, receive and verify the variables, wait for start.'
+CHIEF_DESCRIPTION = '``python -m collective.chief``: serve one broadcast round over gRPC and exit 0 once start is released.'
+WORKER_DESCRIPTION = '``python -m collective.worker``: join the chief, receive and verify the variables, wait for start.'
 
 
 def chief_parser() -> argparse.ArgumentParser:
-    """The flags of ``python -m chief`` (the Python API reads its defaults from them too)."""
-    p = argparse.ArgumentParser(prog="python -m chief", description=CHIEF_DESCRIPTION)
+    """The flags of ``python -m collective.chief`` (the Python API reads its defaults from them too)."""
+    p = argparse.ArgumentParser(prog="python -m collective.chief", description=CHIEF_DESCRIPTION)
     add_option(p, "workers", help="number of workers to wait for", type=positive_int, default=None)
     add_option(p, "model", help="model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
     add_option(p, "seed", help="seed for initializer specs (overrides the spec's)", type=int, default=None)
@@ -46,8 +46,8 @@ def chief_parser() -> argparse.ArgumentParser:
 
 
 def worker_parser() -> argparse.ArgumentParser:
-    """The flags of ``python -m worker`` (the Python API reads its defaults from them too)."""
-    p = argparse.ArgumentParser(prog="python -m worker", description=WORKER_DESCRIPTION)
+    """The flags of ``python -m collective.worker`` (the Python API reads its defaults from them too)."""
+    p = argparse.ArgumentParser(prog="python -m collective.worker", description=WORKER_DESCRIPTION)
     add_option(p, "chief", help="the chief's HOST:PORT", default=None)
     add_option(p, "devices", help="local devices, one replica each", default="cpu:0")
     add_option(p, "worker-id", help="this worker's id; default HOSTNAME-PID", default=None)

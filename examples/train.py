@@ -1,6 +1,6 @@
 """A training script's side of the broadcast: join, get verified replicas, train.
 
-Run a chief first (``python -m chief --workers 1 --bind 127.0.0.1:50051``), then
+Run a chief first (``python -m collective.chief --workers 1 --bind 127.0.0.1:50051``), then
 ``python examples/train.py --chief 127.0.0.1:50051``.
 """
 
@@ -23,7 +23,7 @@ def main() -> int:
     p.add_argument("--devices", default="cpu:0,cpu:1")
     args = p.parse_args()
     try:
-        # The token, TLS files and timeouts come from COLLECTIVE_*, as for `python -m worker`.
+        # The token, TLS files and timeouts come from COLLECTIVE_*, as for `python -m collective.worker`.
         result = collective.join(args.chief, devices=args.devices)
     except collective.CollectiveError as exc:
         print(f"error: {exc}", file=sys.stderr)

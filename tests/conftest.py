@@ -46,9 +46,9 @@ def small_arrays(seed: int = 0) -> dict[str, np.ndarray]:
 
 def inmemory_cluster(arrays, devices_per_worker, timeouts=FAST, chunk_bytes=4096):
     """A chief over ``arrays``, its in-memory endpoint, and one agent per device list."""
-    from chief.service import ChiefService
+    from collective.chief.service import ChiefService
     from collective.transport.inmemory import InMemoryEndpoint
-    from worker.agent import WorkerAgent
+    from collective.worker.agent import WorkerAgent
 
     service = ChiefService(ArraySource(arrays), len(devices_per_worker), timeouts=timeouts, chunk_bytes=chunk_bytes)
     endpoint = InMemoryEndpoint()

@@ -113,7 +113,7 @@ class Cluster:
     def chief(self, *args: str, env: dict[str, str] | None = None, wait_port: bool = True,
               wrapper: list[str] | None = None) -> Proc:
         port_file = self.tmp / "chief.port"
-        p = Proc(["-m", "chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
+        p = Proc(["-m", "collective.chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
                   "--result-file", str(self.tmp / "result.json"), *args], self.tmp / "chief.log", env,
                  wrapper=wrapper)
         self.procs.append(p)
@@ -128,7 +128,7 @@ class Cluster:
         while log.exists():  # a second process with the same id (a restart, a twin) gets its own log
             n += 1
             log = self.tmp / f"{name}-{n}.log"
-        p = Proc(["-m", "worker", "--chief", chief or self.address, "--worker-id", name, *args], log, env,
+        p = Proc(["-m", "collective.worker", "--chief", chief or self.address, "--worker-id", name, *args], log, env,
                  sigint_ignored=sigint_ignored)
         self.procs.append(p)
         return p

@@ -3,7 +3,7 @@
     python tests/soak.py --rounds 120 [--seed 1] [--workers 3]      (make soak)
 
 Each round builds a fresh ChiefService behind a real gRPC endpoint on loopback and starts real
-worker processes (python -m worker, shrunk heartbeats). A fault from reliability cases 3-17 and
+worker processes (python -m collective.worker, shrunk heartbeats). A fault from reliability cases 3-17 and
 25 is injected through a thin handler wrapper (the chief is in-process, so it can, for example,
 flip a bit in one worker's stream or SIGKILL a worker after its first chunk). After each round:
 the outcome must be the expected one (success with digests equal to the model's, or a failure
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from chief.service import ChiefService  # noqa: E402
+from collective.chief.service import ChiefService  # noqa: E402
 from collective.config import Timeouts  # noqa: E402
 from collective.digest import array_digest  # noqa: E402
 from collective.errors import AbortedError, CollectiveError  # noqa: E402
@@ -151,7 +151,7 @@ class Soak:
         env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
         env["COLLECTIVE_TOKEN"] = token
         log = open(self.tmp / f"{wid}-{len(self.procs.get(wid, []))}.log", "w")  # noqa: SIM115
-        p = subprocess.Popen([sys.executable, "-m", "worker", "--chief", self.address, "--worker-id", wid, *HB, *extra],
+        p = subprocess.Popen([sys.executable, "-m", "collective.worker", "--chief", self.address, "--worker-id", wid, *HB, *extra],
                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
         log.close()
         self.procs.setdefault(wid, []).append(p)

@@ -1,7 +1,7 @@
 """The transport interface: how a worker talks to its chief, whatever carries the bytes.
 
-Chief logic (``chief.service.ChiefService``) implements ``ChiefHandler``; worker logic
-(``worker.agent``) calls a ``ChiefLink``. A backend provides both ends: a ``ChiefEndpoint`` that
+Chief logic (``collective.chief.service.ChiefService``) implements ``ChiefHandler``; worker logic
+(``collective.worker.agent``) calls a ``ChiefLink``. A backend provides both ends: a ``ChiefEndpoint`` that
 exposes a handler to workers, and the matching ``ChiefLink``. Backends: ``inmemory`` (unit
 tests: a whole cluster in one process), ``grpc`` (across hosts; its bulk data may take the raw
 TCP / unix-socket path of ``rawtcp``), ``mpi`` (under mpiexec: the plan and the values move

@@ -65,8 +65,8 @@ class IdleCalls:
 def serve_round(n: int, *, token: str | None = TOKEN, before=None, **endpoint_options):
     """A chief on loopback with ``n`` workers in threads; ``before(address)`` runs once the chief
     listens and before any worker starts. Returns (supervise's error or None, worker results)."""
-    from chief.service import ChiefService
     from collective._api import join as join_cluster
+    from collective.chief.service import ChiefService
 
     service = ChiefService(ArraySource(small_arrays()), n, timeouts=ROUND, chunk_bytes=4096)
     endpoint = GrpcEndpoint("127.0.0.1:0", token=token, **endpoint_options)
@@ -137,7 +137,7 @@ def test_calls_with_the_token_but_no_body_are_cut_after_the_body_timeout_and_the
 
 
 def test_a_relay_answers_while_more_unauthenticated_calls_than_its_threads_send_no_body():
-    from worker.relay import Relay
+    from collective.worker.relay import Relay
 
     relay = Relay("127.0.0.1:0", token=TOKEN, tls=None, stall_timeout=5.0)
     idle = IdleCalls(f"127.0.0.1:{relay.port}", 16)
@@ -219,7 +219,7 @@ def test_every_error_class_crosses_the_mpi_codec_as_that_class(cls):
 
 
 def test_a_relay_answers_unimplemented_to_every_call_but_the_data_stream():
-    from worker.relay import Relay
+    from collective.worker.relay import Relay
 
     relay = Relay("127.0.0.1:0", token=TOKEN, tls=None, stall_timeout=5.0)
     link = GrpcChiefLink(f"127.0.0.1:{relay.port}", token=TOKEN, name="relay")
@@ -244,7 +244,7 @@ def test_a_relay_answers_unimplemented_to_every_call_but_the_data_stream():
 
 
 def test_report_ready_before_the_plan_is_answered_without_aborting_the_round():
-    from chief.service import ChiefService
+    from collective.chief.service import ChiefService
 
     service = ChiefService(ArraySource(small_arrays()), 2, timeouts=ROUND, chunk_bytes=4096)
     endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
@@ -263,7 +263,7 @@ def test_report_ready_before_the_plan_is_answered_without_aborting_the_round():
 
 
 def test_a_worker_declaring_a_variable_with_a_bad_dtype_is_refused_by_name_not_by_a_crash():
-    from chief.service import ChiefService
+    from collective.chief.service import ChiefService
 
     service = ChiefService(ArraySource(small_arrays()), 1, timeouts=ROUND, chunk_bytes=4096)
     endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
@@ -399,7 +399,7 @@ def test_a_workers_relay_listens_only_on_the_interface_that_reaches_a_loopback_c
 
 
 def test_a_worker_id_host_and_failure_message_with_newlines_and_escapes_are_logged_escaped(caplog):
-    from chief.service import ChiefService
+    from collective.chief.service import ChiefService
 
     caplog.set_level(logging.INFO)
     evil = "w0\nFORGED ERROR line\x1b[2J"

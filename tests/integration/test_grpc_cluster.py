@@ -183,7 +183,7 @@ def test_a_port_in_use_ends_the_chief_with_exit_2_and_one_line_naming_it(cluster
         port = holder.getsockname()[1]
         from tests.procs import Proc
 
-        chief = Proc(["-m", "chief", "--workers", "1", "--bind", f"127.0.0.1:{port}"], cluster.tmp / "chief.log")
+        chief = Proc(["-m", "collective.chief", "--workers", "1", "--bind", f"127.0.0.1:{port}"], cluster.tmp / "chief.log")
         cluster.procs.append(chief)
         assert chief.wait(30) == 2
     errors = [ln for ln in chief.output().splitlines() if " INFO " not in ln and ln.strip()]

@@ -214,7 +214,7 @@ def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
 # A worker whose relay lies: it flips one bit of the first chunk it forwards (its own copy intact).
 _LYING_RELAY = """
 import sys
-from worker import relay
+from collective.worker import relay
 honest = relay.RelayHandler.stream_views
 def lying(self, refs):
     for i, (msg, data) in enumerate(honest(self, refs)):
@@ -224,7 +224,7 @@ def lying(self, refs):
             data = memoryview(bytes(data))
         yield msg, data
 relay.RelayHandler.stream_views = lying
-from worker.__main__ import main
+from collective.worker.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -257,14 +257,14 @@ def test_a_relay_that_forwards_corrupted_bytes_is_named_and_start_is_never_relea
 # A worker whose verification takes long (here: a 60 s sleep), so it is killed between two calls.
 _SLOW_VERIFY = """
 import sys, time
-from worker import agent
+from collective.worker import agent
 real = agent.make_replicas
 def slow(*args):
     print('VERIFYING', flush=True)
     time.sleep(60)
     return real(*args)
 agent.make_replicas = slow
-from worker.__main__ import main
+from collective.worker.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -37,7 +37,7 @@ def _round(tmp_path, hosts: list[str], workers_per_host: int, *, worker_options:
     n = len(hosts) * workers_per_host
     with Topology(["chief", *hosts], tmp_path) as net:
         before = {h: (_counter(net, h, "rx_bytes"), _counter(net, h, "tx_bytes")) for h in ["chief", *hosts]}
-        chief = net.run("chief", ["python", "-m", "chief", "--workers", str(n), "--model", str(spec),
+        chief = net.run("chief", ["python", "-m", "collective.chief", "--workers", str(n), "--model", str(spec),
                                   "--bind", "0.0.0.0:50051", "--result-file", str(result_file),
                                   "--ready-timeout", "60", "--join-timeout", "60"], env=env, name="chief")
         chief.wait_for("serving on", 60)
@@ -46,7 +46,7 @@ def _round(tmp_path, hosts: list[str], workers_per_host: int, *, worker_options:
             host = hosts[rank % len(hosts)]
             name = f"{host}-w{rank}"
             extra = (worker_options or {}).get(name, [])
-            procs.append(net.run(host, ["python", "-m", "worker", "--chief", "chief:50051", "--worker-id", name,
+            procs.append(net.run(host, ["python", "-m", "collective.worker", "--chief", "chief:50051", "--worker-id", name,
                                         "--rank", str(rank), "--join-timeout", "60", *extra], env=env, name=name))
         codes = wait_all([chief, *procs], 150)
         outputs = {p.name: p.output() for p in [chief, *procs]}
@@ -102,14 +102,14 @@ def test_a_host_leader_killed_mid_stream_is_named_and_its_peers_and_the_next_hos
     env = {"COLLECTIVE_TOKEN": uuid.uuid4().hex}
     with Topology(["chief", "host-a", "host-b"], tmp_path) as net:
         net.shape("host-a", "20mbit")  # 16 MiB take about 7 s to reach host-a's leader
-        chief = net.run("chief", ["python", "-m", "chief", "--workers", "4", "--model", str(spec), "--bind",
+        chief = net.run("chief", ["python", "-m", "collective.chief", "--workers", "4", "--model", str(spec), "--bind",
                                   "0.0.0.0:50051", "--result-file", str(result_file), "--ready-timeout", "120"],
                         env=env, name="chief")
         chief.wait_for("serving on", 60)
         procs = {}
         for rank, host in enumerate(["host-a", "host-b", "host-a", "host-b"]):
             name = f"{host}-w{rank}"
-            procs[name] = net.run(host, ["python", "-m", "worker", "--chief", "chief:50051", "--worker-id", name,
+            procs[name] = net.run(host, ["python", "-m", "collective.worker", "--chief", "chief:50051", "--worker-id", name,
                                          "--rank", str(rank)], env=env, name=name)
         leader = procs["host-a-w0"]
         leader.wait_for("relaying to worker host-b-w1", 60)  # the stream runs: host-a feeds host-b

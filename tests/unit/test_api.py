@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import collective
-from chief.service import ChiefService, Phase
 from collective._api import (
     ArraysSource,
     SyncResult,
@@ -19,6 +18,7 @@ from collective._api import (
     hold_chief_replicas,
     resolve_roles,
 )
+from collective.chief.service import ChiefService, Phase
 from collective.errors import (
     AbortedError,
     DeadlineError,
@@ -28,9 +28,9 @@ from collective.errors import (
     UsageError,
 )
 from collective.transport.inmemory import InMemoryEndpoint
+from collective.worker.agent import WorkerAgent
 from tests.conftest import FAST, ArraySource, run_threads, small_arrays
 from tests.procs import ROOT
-from worker.agent import WorkerAgent
 
 CHIEF_DEVICES = ["cpu:0", "cpu:1"]
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from chief.service import Phase
+from collective.chief.service import Phase
 from collective.errors import (
     AbortedError,
     AlreadyExistsError,

@@ -202,8 +202,8 @@ def test_apply_to_environ_sets_only_unset_or_empty_variables():
 
 def test_precedence_option_then_collective_variable_then_tf_config_then_default(monkeypatch):
     """Wired as intended (apply_to_environ before the parser is built), on the real parsers."""
-    from chief.__main__ import build_parser as chief_parser
-    from worker.__main__ import build_parser as worker_parser
+    from collective.chief.__main__ import build_parser as chief_parser
+    from collective.worker.__main__ import build_parser as worker_parser
 
     for name in ("COLLECTIVE_WORKERS", "COLLECTIVE_BIND", "COLLECTIVE_CHIEF", "COLLECTIVE_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from chief.service import materialize
 from collective import dtypes
 from collective._proto import collective_pb2 as pb
+from collective.chief.service import materialize
 from collective.digest import array_digest, chunk_digests
 from collective.errors import IntegrityError, ProtocolError
 from collective.plan import Chunker, Receiver, build_plan, validate_plan

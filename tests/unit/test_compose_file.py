@@ -43,8 +43,8 @@ def docker_compose(*args: str, env: dict[str, str]) -> subprocess.CompletedProce
 
 
 def cli_parsers():
-    from chief.__main__ import build_parser as chief_parser
-    from worker.__main__ import build_parser as worker_parser
+    from collective.chief.__main__ import build_parser as chief_parser
+    from collective.worker.__main__ import build_parser as worker_parser
 
     return {"chief": chief_parser, "worker": worker_parser}
 
@@ -88,9 +88,9 @@ def test_chief_and_worker_services_run_the_clis_configured_only_by_variables_the
     assert set(services) == {"chief", "worker"}
     for name, parser in cli_parsers().items():
         svc = services[name]
-        assert svc.command == ["python", "-m", name]
+        assert svc.command == ["python", "-m", f"collective.{name}"]  # installed, not a checkout's shim
         unknown = set(svc.environment) - env_names(parser())
-        assert not unknown, f"{name}: variables python -m {name} does not read: {sorted(unknown)}"
+        assert not unknown, f"{name}: variables python -m collective.{name} does not read: {sorted(unknown)}"
         assert svc.config["stop_grace_period"]
         assert svc.config["init"] is True  # SIGTERM reaches python, which is not PID 1
         assert svc.config["image"] == services["chief"].config["image"]

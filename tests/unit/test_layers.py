@@ -15,7 +15,7 @@ import pytest
 
 from tests.procs import ROOT
 
-PACKAGES = ("collective", "chief", "worker")
+PACKAGES = ("collective",)
 
 # Lowest first. A name covers the module and everything under it.
 LAYERS: list[tuple[str, ...]] = [
@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Settings: flags, environment variables, cluster conventions.
     ("collective.config", "collective.options", "collective.clusterenv"),
     # The two roles, written once against the transport interface.
-    ("chief.service", "worker.agent", "worker.relay"),
+    ("collective.chief.service", "collective.worker.agent", "collective.worker.relay"),
     # Round runners: the local launcher and the MPI round.
     ("collective.launch", "collective.mpi"),
     # The public Python API.
@@ -40,8 +40,8 @@ LAYERS: list[tuple[str, ...]] = [
     # Framework hand-offs, on top of the API.
     ("collective.torch", "collective.jax", "collective.tf"),
     # Command lines and tools.
-    ("collective.cli", "collective.bench", "collective.doctor", "collective.emulate", "chief.__main__",
-     "worker.__main__", "chief", "worker"),
+    ("collective.cli", "collective.bench", "collective.doctor", "collective.emulate", "collective.chief",
+     "collective.worker"),
 ]
 
 
@@ -58,7 +58,7 @@ def _layer_of(module: str) -> int:
 
 @pytest.fixture(scope="module")
 def graph():
-    sys.path.insert(0, str(ROOT))  # chief and worker are found from the checkout
+    sys.path.insert(0, str(ROOT))  # the checkout's package, whatever is installed
     try:
         return grimp.build_graph(*PACKAGES, cache_dir=None)
     finally:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from chief.service import ChiefService, Phase
+from collective.chief.service import ChiefService, Phase
 from collective.errors import (
     AbortedError,
     DeadlineError,
@@ -25,9 +25,9 @@ from collective.variables import (
     create_variable,
     variable_over,
 )
+from collective.worker import agent as agent_mod
+from collective.worker.agent import WorkerAgent
 from tests.conftest import FAST, ArraySource, inmemory_cluster, run_threads
-from worker import agent as agent_mod
-from worker.agent import WorkerAgent
 
 
 def many_small(n: int, seed: int = 3) -> dict[str, np.ndarray]:

@@ -153,7 +153,7 @@ def test_a_plan_whose_parents_loop_or_lack_a_relay_is_refused():
 
 
 def test_chunk_bytes_takes_a_size_with_a_unit_on_the_chief_and_launch_as_bench_does(capsys):
-    from chief.__main__ import build_parser as chief_parser
+    from collective.chief.__main__ import build_parser as chief_parser
     from collective.cli import build_parser as cli_parser
 
     assert chief_parser().parse_args(["--chunk-bytes", "256KiB"]).chunk_bytes == 256 << 10

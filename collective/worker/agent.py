@@ -142,7 +142,7 @@ class WorkerAgent:
         relay=None,
         connect=None,
     ) -> None:
-        """``relay``: this worker's relay server (``worker.relay.Relay``) for tree and chain
+        """``relay``: this worker's relay server (``collective.worker.relay.Relay``) for tree and chain
         topologies; ``connect(parent, name)``: a ChiefLink to the relay of ``parent`` (the plan's
         WorkerInfo of the worker this one receives from). Without them (MPI, in-memory) the
         chief streams to this worker itself."""
