@@ -414,6 +414,6 @@ def test_a_worker_id_host_and_failure_message_with_newlines_and_escapes_are_logg
         link.close()
         endpoint.stop(grace=0.5)
         service.close()
-    messages = [r.getMessage() for r in caplog.records if r.name.startswith("chief")]
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("collective.chief")]
     assert any("joined" in m for m in messages) and any("disk\\x0afull" in m for m in messages), messages
     assert not [m for m in messages if any(c in m for c in "\n\r\x1b")], messages

@@ -1,0 +1,194 @@
+"""Helpers every model source shares: checks of names, shapes, seeds and dtypes; exact reads."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import warnings
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from collective import dtypes as dtypemod
+from collective.errors import ModelError
+from collective.model import VariableSpec
+
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+NPZ_SUFFIX = ".npz"
+SAFETENSORS_SUFFIX = ".safetensors"
+
+RANDOM_BLOCK_ELEMENTS = 1 << 20
+"""Random values are generated this many elements at a time (part of the determinism contract)."""
+
+_IO_CHUNK_BYTES = 1 << 20
+_SAFETENSORS_MAX_HEADER = 100_000_000  # the limit the safetensors library enforces
+
+_KINDS_HINT = dtypemod.KINDS_HINT
+_dtype_problem = dtypemod.problem
+
+
+# --------------------------------------------------------------------------------------------
+# Shared validation helpers
+# --------------------------------------------------------------------------------------------
+
+
+class _Problem(Exception):
+    """A validation problem; the caller prefixes the file and entry to make a ModelError."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
+def _check_seed(value: object, *, where: str) -> int:
+    if not _is_int(value) or int(value) < 0:  # type: ignore[call-overload]
+        raise ModelError(f"{where} must be a non-negative integer, not {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _parse_dtype(value: object) -> np.dtype:
+    if not isinstance(value, str) or not value.strip():
+        raise _Problem(f"dtype must be a numpy dtype name such as 'float32', not {value!r}")
+    extended = dtypemod.by_name(value.strip())
+    if extended is not None:
+        return extended
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # deprecated aliases count as unknown
+            dtype = np.dtype(value.strip())
+    except (TypeError, ValueError, Warning) as exc:
+        if dtypemod.is_ml_dtypes_name(value.strip()):  # numpy knows it only once ml_dtypes is imported
+            raise _Problem(f"unsupported dtype {value.strip()!r}; {_KINDS_HINT}") from exc
+        raise _Problem(f"unknown dtype {value!r}; {_KINDS_HINT}") from exc
+    problem = _dtype_problem(dtype)
+    if problem:
+        raise _Problem(problem)
+    return dtype
+
+
+def _parse_shape(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple):
+        raise _Problem(f"shape must be a list of non-negative integers ([] for a scalar), not {value!r}")
+    for dim in value:
+        if not _is_int(dim) or int(dim) < 0:
+            raise _Problem(f"shape {list(value)!r}: dimension {dim!r} is not a non-negative integer")
+    return tuple(int(d) for d in value)
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise _Problem(f"name must be a non-empty string, not {name!r}")
+    if not name:
+        raise _Problem("empty variable name")
+    return name
+
+
+def _check_out(label: str, spec: VariableSpec, out: np.ndarray) -> None:
+    """The buffer contract of ``fill``; a violation is a programming error (ValueError)."""
+    if not isinstance(out, np.ndarray):
+        raise ValueError(f"{label}: variable {spec.name!r}: out must be a numpy array")
+    if out.shape != spec.shape or out.dtype != spec.np_dtype:
+        raise ValueError(
+            f"{label}: variable {spec.name!r}: out is {out.shape} {dtypemod.wire(out.dtype)}, "
+            f"expected {spec.shape} {spec.dtype}"
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{label}: variable {spec.name!r}: out must be C-contiguous and writeable")
+
+
+def _byte_view(out: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (works for 0-d arrays and any byte order)."""
+    return out.reshape(-1).view(np.uint8)
+
+
+def _no_duplicate_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _Problem(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+# --------------------------------------------------------------------------------------------
+# Stored values: .npz and .safetensors
+# --------------------------------------------------------------------------------------------
+
+
+def _readinto_exact(f: BinaryIO, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            raise EOFError(f"data is truncated: expected {len(view)} more bytes, got {got}")
+        got += n
+
+
+def _read_exact(f: BinaryIO, size: int) -> bytearray:
+    buf = bytearray(size)
+    _readinto_exact(f, memoryview(buf))
+    return buf
+
+
+def _read_c_order(f: BinaryIO, out: np.ndarray) -> None:
+    """Read ``out.nbytes`` raw bytes from ``f`` into ``out`` in bounded chunks."""
+    dest = _byte_view(out)
+    for start in range(0, dest.size, _IO_CHUNK_BYTES):
+        _readinto_exact(f, memoryview(dest[start : start + _IO_CHUNK_BYTES]))
+
+
+def _read_fortran_order(f: BinaryIO, out: np.ndarray) -> None:
+    """Read Fortran-ordered data: it is C-ordered data of ``out.T``, read a few rows at a time."""
+    target = out.T
+    row_shape = target.shape[1:]
+    row_bytes = math.prod(row_shape) * out.dtype.itemsize
+    rows = max(1, _IO_CHUNK_BYTES // row_bytes)
+    for k in range(0, target.shape[0], rows):
+        m = min(rows, target.shape[0] - k)
+        buf = _read_exact(f, m * row_bytes)
+        target[k : k + m] = np.frombuffer(buf, dtype=out.dtype).reshape((m, *row_shape))
+
+
+class StoredSource:
+    """A model file whose values are stored (.npz, .safetensors): its index is read once, on
+    first use (``_read()``: variable name -> entry with a ``spec``), and ``fill`` finds the
+    entry and checks ``out`` before the subclass reads the values (``_fill(entry, spec, out)``)."""
+
+    what = "array"  # what the file calls a variable, for messages
+
+    def __init__(self, path: str | os.PathLike[str], *, label: str | None = None) -> None:
+        self.path = Path(path)
+        self.label = label if label is not None else os.fspath(path)
+        self.description = self.label
+        self._entries: dict | None = None
+
+    def _parsed(self) -> dict:
+        if self._entries is None:
+            self._entries = self._read()
+        return self._entries
+
+    def _read(self) -> dict:
+        raise NotImplementedError
+
+    def specs(self) -> list[VariableSpec]:
+        return [entry.spec for entry in self._parsed().values()]
+
+    def fill(self, spec: VariableSpec, out: np.ndarray) -> None:
+        entry = self._parsed().get(spec.name)
+        if entry is None:
+            raise ValueError(f"{self.label}: no {self.what} {spec.name!r}")
+        _check_out(self.label, entry.spec, out)
+        self._fill(entry, spec, out)
+
+    def _fill(self, entry, spec: VariableSpec, out: np.ndarray) -> None:
+        raise NotImplementedError

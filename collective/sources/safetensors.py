@@ -1,0 +1,169 @@
+"""``.safetensors`` files: the header is checked, the values are read in bounded blocks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from collective import dtypes as dtypemod
+from collective.errors import ModelError
+from collective.model import VariableSpec
+from collective.sources._common import (
+    _SAFETENSORS_MAX_HEADER,
+    StoredSource,
+    _is_int,
+    _no_duplicate_pairs,
+    _one_line,
+    _parse_shape,
+    _Problem,
+    _read_c_order,
+)
+
+_SAFETENSORS_DTYPES: dict[str, str] = {
+    "BOOL": "|b1",
+    "U8": "|u1",
+    "I8": "|i1",
+    "U16": "<u2",
+    "I16": "<i2",
+    "F16": "<f2",
+    "U32": "<u4",
+    "I32": "<i4",
+    "F32": "<f4",
+    "U64": "<u8",
+    "I64": "<i8",
+    "F64": "<f8",
+    "C64": "<c8",
+    **dtypemod.SAFETENSORS_CODES,
+}
+
+
+@dataclass(frozen=True)
+class _TensorEntry:
+    start: int  # absolute file offset
+    spec: VariableSpec
+
+
+class SafetensorsSource(StoredSource):
+    """Tensors of a ``.safetensors`` file; names are kept exactly (dots and slashes included).
+
+    ``specs()`` parses and validates the JSON header; ``fill()`` reads one tensor's bytes
+    straight into ``out``. ``__metadata__`` is ignored.
+    """
+
+    what = "tensor"
+
+    def _read(self) -> dict[str, _TensorEntry]:
+        label = self.label
+        try:
+            with open(self.path, "rb") as f:
+                file_size = os.fstat(f.fileno()).st_size
+                prefix = f.read(8)
+                if len(prefix) < 8:
+                    raise ModelError(
+                        f"{label}: not a safetensors file: {file_size} bytes is too short for a header"
+                    )
+                header_len = int.from_bytes(prefix, "little")
+                if header_len > _SAFETENSORS_MAX_HEADER:
+                    raise ModelError(
+                        f"{label}: not a safetensors file: header length {header_len} exceeds "
+                        f"the {_SAFETENSORS_MAX_HEADER}-byte limit"
+                    )
+                if 8 + header_len > file_size:
+                    raise ModelError(
+                        f"{label}: corrupt safetensors header: header length {header_len} exceeds "
+                        f"the file size {file_size} (truncated?)"
+                    )
+                raw = f.read(header_len)
+        except OSError as exc:
+            raise ModelError(f"{label}: cannot read: {exc.strerror or exc}") from exc
+        try:
+            text = raw.decode("utf-8")
+            if not text.startswith("{"):
+                raise _Problem("header is not a JSON object")
+            header = json.loads(text, object_pairs_hook=_no_duplicate_pairs)
+        except (UnicodeDecodeError, json.JSONDecodeError, _Problem, RecursionError) as exc:
+            raise ModelError(f"{label}: corrupt safetensors header ({_one_line(str(exc))})") from exc
+        if not isinstance(header, dict):
+            raise ModelError(f"{label}: corrupt safetensors header (not a JSON object)")
+
+        base = 8 + header_len
+        data_size = file_size - base
+        entries: dict[str, _TensorEntry] = {}
+        spans: list[tuple[int, int, str]] = []
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            where = f"{label}: tensor {name!r}"
+            if not name:
+                raise ModelError(f"{label}: empty tensor name")
+            try:
+                spec, begin, end = self._parse_tensor(name, info)
+            except _Problem as exc:
+                raise ModelError(f"{where}: {exc}") from exc
+            if end > data_size:
+                raise ModelError(
+                    f"{where}: data_offsets end at {end} but the file holds {data_size} data bytes "
+                    f"(truncated?)"
+                )
+            entries[name] = _TensorEntry(base + begin, spec)
+            spans.append((begin, end, name))
+        if not entries:
+            raise ModelError(f"{label}: the file holds no tensors")
+        # As the safetensors library: the data buffer is covered exactly, without overlaps or holes.
+        expected = 0
+        for begin, end, name in sorted(spans):
+            if begin != expected:
+                raise ModelError(
+                    f"{label}: tensor {name!r}: data_offsets start at {begin}, expected {expected} "
+                    f"(overlapping tensors or a hole)"
+                )
+            expected = end
+        if expected != data_size:
+            raise ModelError(
+                f"{label}: corrupt safetensors file: tensors cover {expected} data bytes but the "
+                f"file holds {data_size}"
+            )
+        return entries
+
+    @staticmethod
+    def _parse_tensor(name: str, info: object) -> tuple[VariableSpec, int, int]:
+        if not isinstance(info, dict):
+            raise _Problem(f"expected a mapping with dtype, shape and data_offsets, not {info!r}")
+        code = info.get("dtype")
+        if not isinstance(code, str):
+            raise _Problem(f"missing or invalid dtype {code!r}")
+        if code not in _SAFETENSORS_DTYPES:
+            raise _Problem(f"dtype {code!r} is not supported; use one of {', '.join(_SAFETENSORS_DTYPES)}")
+        if "shape" not in info:
+            raise _Problem("missing shape")
+        shape = _parse_shape(info["shape"])
+        offsets = info.get("data_offsets")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_int(o) and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            raise _Problem(f"invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        dtype = dtypemod.from_wire(_SAFETENSORS_DTYPES[code])
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes:
+            raise _Problem(
+                f"data_offsets {offsets!r} span {end - begin} bytes but shape {list(shape)} {code} "
+                f"needs {nbytes}"
+            )
+        return VariableSpec(name, shape, dtypemod.wire(dtype)), begin, end
+
+    def _fill(self, entry: _TensorEntry, spec: VariableSpec, out: np.ndarray) -> None:
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(entry.start)
+                _read_c_order(f, out)
+        except (OSError, EOFError) as exc:
+            message = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ModelError(f"{self.label}: tensor {spec.name!r}: cannot read ({message})") from exc

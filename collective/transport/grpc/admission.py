@@ -1,0 +1,184 @@
+"""Admission at the gRPC server: the token checked from headers, bodies that never come cut, refusals logged without flooding."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from collective.logs import printable
+from collective.transport.grpc.wire import SERVICE, TOKEN_HEADER
+
+log = logging.getLogger(__name__)
+
+
+# --- admission -----------------------------------------------------------------------------
+
+# A pool thread must never wait on a peer. gRPC Python hands a call to a pool thread as soon as
+# its headers arrive, and a unary handler's thread then waits for the request body; so a peer
+# that sends headers and no body holds a thread for as long as it likes, and 4N+8 such calls
+# take every thread of the chief. Hence every Collective RPC is admitted here, in the server's
+# own polling thread, from its headers alone: a call without the right token gets a handler
+# that never reads its body (refused at once, its body never decoded); an admitted call reads
+# its one request under a deadline (BODY_TIMEOUT: a member sends it with the headers), after
+# which the call is cancelled and its thread is free again.
+BODY_TIMEOUT = 10.0
+REFUSAL_WINDOW = 10.0
+
+
+def _peer_host(peer: str) -> str:
+    """``ipv4:10.0.0.5:41234`` -> ``10.0.0.5``; refusals are counted per host, not per port."""
+    kind, _, rest = peer.partition(":")
+    host = rest.rpartition(":")[0] if kind in ("ipv4", "ipv6") else rest
+    return printable(host or peer, limit=80)
+
+
+class RefusalLog:
+    """Refused calls logged without flooding: the first from a host at WARNING, then one line per
+    ``window`` s saying how many more came from it. Thread-safe; remembers at most 1024 hosts."""
+
+    def __init__(self, window: float = REFUSAL_WINDOW, clock=time.monotonic) -> None:
+        self._window, self._clock = window, clock
+        self._lock = threading.Lock()
+        self._hosts: dict[str, list] = {}  # host -> [window start, calls held back, last reason]
+
+    def refused(self, peer: str, method: str, reason: str) -> None:
+        host, now = _peer_host(peer), self._clock()
+        ended = []
+        with self._lock:
+            entry = self._hosts.get(host)
+            if entry is not None and now - entry[0] < self._window:
+                entry[1], entry[2] = entry[1] + 1, reason
+                return
+            if entry is not None:
+                ended.append((host, self._hosts.pop(host)))
+            if len(self._hosts) >= 1024:  # forget the oldest host, saying what it did
+                oldest = next(iter(self._hosts))
+                ended.append((oldest, self._hosts.pop(oldest)))
+            self._hosts[host] = [now, 0, reason]
+        for other, held in ended:
+            self._summarise(other, *held)
+        log.warning("refused %s from %s: %s", method, printable(peer), reason)
+
+    def _summarise(self, host: str, since: float, count: int, reason: str) -> None:
+        if count:
+            log.warning("%d more refused call(s) from %s in the last %.0f s (last: %s)",
+                        count, host, max(self._clock() - since, 0.0), reason)
+
+    def flush(self) -> None:
+        with self._lock:
+            held, self._hosts = self._hosts, {}
+        for host, entry in held.items():
+            self._summarise(host, *entry)
+
+
+class _BodyWatch:
+    """Cancels admitted calls whose request has not arrived within ``timeout`` s (one thread)."""
+
+    def __init__(self, timeout: float, refusals: RefusalLog) -> None:
+        self.timeout = timeout
+        self._refusals = refusals
+        self._cond = threading.Condition()
+        self._waiting: dict[int, tuple[float, object, str]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="rpc-body-watch", daemon=True)
+        self._thread.start()
+
+    def read(self, requests: Iterator, context, method: str):
+        """The call's one request, or None once the call is over without one."""
+        key = id(context)
+        with self._cond:
+            self._waiting[key] = (time.monotonic() + self.timeout, context, method)
+            self._cond.notify()
+        try:
+            return next(requests, None)
+        except grpc.RpcError:  # cancelled: by the peer, or by us for its missing body
+            return None
+        finally:
+            with self._cond:
+                self._waiting.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                late = [(k, c, m) for k, (t, c, m) in self._waiting.items() if t <= now]
+                for key, _, _ in late:
+                    del self._waiting[key]
+                if not late:
+                    nxt = min((t for t, _, _ in self._waiting.values()), default=now + 3600.0)
+                    self._cond.wait(max(nxt - now, 0.01))
+                    continue
+            for _, context, method in late:
+                self._refusals.refused(context.peer(), method, f"no request within {self.timeout:g} s of its headers")
+                context.cancel()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(2.0)
+
+
+class _Admission(grpc.ServerInterceptor):
+    """Admits every Collective RPC from its headers (see BODY_TIMEOUT above).
+
+    Without the right ``token`` (when there is one) the call gets UNAUTHENTICATED at once and its
+    body is never read or decoded (constant-time comparison; the log names the peer, rate-limited
+    by ``RefusalLog``, never the token). An admitted call reads and decodes its request itself:
+    an undecodable one gets INVALID_ARGUMENT and a log line, not a traceback.
+    """
+
+    def __init__(self, token: str | None, refusals: RefusalLog, body: _BodyWatch) -> None:
+        self._token = token.encode() if token else None
+        self._refusals = refusals
+        self._body = body
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE}/"):
+            return handler  # the health service answers without a token
+        method = details.method.rsplit("/", 1)[-1]
+        if self._token is not None:
+            given = dict(details.invocation_metadata).get(TOKEN_HEADER, "")
+            if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._token):
+                reason = "no cluster token" if not given else "a wrong cluster token"
+                return self._refuse(handler, method, reason)
+        return self._admit(handler, method)
+
+    def _refuse(self, handler, method: str, reason: str):
+        def refuse(requests, context):
+            self._refusals.refused(context.peer(), method, reason)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} refused: {reason}")
+
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse, None, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(refuse, None, handler.response_serializer)
+
+    def _admit(self, handler, method: str):
+        behavior = handler.unary_stream or handler.unary_unary
+        decode = handler.request_deserializer
+
+        def admitted(requests, context):
+            raw = self._body.read(requests, context, method)
+            if raw is None:
+                context.abort(grpc.StatusCode.CANCELLED, f"{method}: the call ended before its request arrived")
+            try:
+                request = decode(raw) if decode is not None else raw
+            except DecodeError:
+                self._refusals.refused(context.peer(), method, "an undecodable request")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
+            return behavior(request, context)
+
+        if handler.request_streaming:
+            return handler  # the service has no client streams; left as gRPC serves them
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(admitted, None, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(admitted, None, handler.response_serializer)

@@ -1,0 +1,330 @@
+"""The gRPC server: the servicer over a ``ChiefHandler`` and the endpoint that runs it (with the raw data port)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import logging
+import socket
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from collective import errors as E
+from collective._proto import collective_pb2 as pb
+from collective._proto import collective_pb2_grpc as pb_grpc
+from collective.logs import printable
+from collective.plan import from_pieces, to_pieces
+from collective.transport.api import ChiefEndpoint, ChiefHandler
+from collective.transport.grpc.admission import BODY_TIMEOUT, RefusalLog, _Admission, _BodyWatch
+from collective.transport.grpc.tls import TlsFiles, peer_identities
+from collective.transport.grpc.wire import (
+    ERROR_CLASS_KEY,
+    SERVER_OPTIONS,
+    SERVICE,
+    frame,
+    status_code,
+)
+
+log = logging.getLogger(__name__)
+
+
+# --- server ------------------------------------------------------------------------------
+
+
+class _Servicer(pb_grpc.CollectiveServicer):
+    """The service boundary: every handler error becomes a status the client maps back.
+
+    A ``CollectiveError`` keeps its class (the ``errors`` table); anything else is a bug in this process:
+    INTERNAL naming the method and the exception, with the traceback in this process's log.
+    """
+
+    def __init__(self, handler: ChiefHandler, *, bind_identity: bool = False, name: str = "chief") -> None:
+        self._h = handler
+        self._bind_identity = bind_identity
+        self._plan_lock = threading.Lock()
+        self._plan_bytes: tuple[pb.Plan | None, bytes] = (None, b"")
+        self._name = name
+
+    def _identity(self, context, worker_id: str) -> None:
+        """With mutual TLS, a worker may only act under the id its certificate names."""
+        if not self._bind_identity:
+            return
+        names = peer_identities(context)
+        if worker_id not in names:
+            log.warning("refused worker id %s from %s: its certificate names %s",
+                        printable(repr(worker_id)), printable(context.peer()), printable(sorted(names)))
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"worker id {worker_id!r} refused: the client certificate names {', '.join(sorted(names)) or 'nobody'}",
+            )
+
+    @contextlib.contextmanager
+    def _boundary(self, context, method: str, ref: pb.WorkerRef | None = None, what: str = ""):
+        """Map what the handler raises to a status. With ``ref``, a call that ends before it was
+        answered (process gone, link cut) is reported to the handler as lost."""
+        answered = [ref is None]
+        if ref is not None:
+
+            def on_end() -> None:
+                if not answered[0]:
+                    self._h.lost(ref, f"its {what} call was cut off (process gone or connection lost)")
+
+            context.add_callback(on_end)
+        try:
+            yield
+        except E.CollectiveError as exc:
+            answered[0] = True
+            context.set_trailing_metadata(((ERROR_CLASS_KEY, type(exc).__name__),))
+            context.abort(status_code(exc), str(exc))
+        except Exception as exc:
+            answered[0] = True
+            log.exception("%s from %s failed inside the %s", method, printable(context.peer()), self._name)
+            context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"{method} failed inside the {self._name} ({type(exc).__name__}: {printable(exc)}); "
+                f"this is a bug: the {self._name}'s log has the traceback",
+            )
+        finally:
+            answered[0] = True
+
+    def _call(self, context, method: str, fn, *args):
+        with self._boundary(context, method):
+            return fn(*args)
+
+    def _long_call(self, context, method: str, ref, what: str, fn, *args):
+        with self._boundary(context, method, ref, what):
+            return fn(*args, _remaining(context))
+
+    def Join(self, request, context):  # noqa: N802 - gRPC method names
+        self._identity(context, request.worker_id)
+        return self._call(context, "Join", self._h.join, request, context.peer())
+
+    def GetPlan(self, request, context):  # noqa: N802
+        """The plan in pieces (``collective.plan.to_pieces``): a plan of any size fits."""
+        self._identity(context, request.worker_id)
+        plan = self._long_call(context, "GetPlan", request, "plan", self._h.get_plan, request)
+        yield from to_pieces(self._serialized(plan))
+
+    def _serialized(self, plan: pb.Plan) -> bytes:
+        """Every worker gets the same plan: serialize it once (20 MiB of names take 0.1 s)."""
+        with self._plan_lock:
+            if self._plan_bytes[0] is not plan:
+                self._plan_bytes = (plan, plan.SerializeToString())
+            return self._plan_bytes[1]
+
+    def AwaitPrepared(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
+        return self._long_call(context, "AwaitPrepared", request, "prepared", self._h.await_prepared, request)
+
+    def FetchRaw(self, request, context):  # noqa: N802
+        """Fetch as raw frames (see ``frame``): the chunk's bytes are copied once, into the frame."""
+        self._identity(context, request.worker_id)
+        with self._boundary(context, "FetchRaw", request, "data stream"):
+            for msg, data in self._h.stream_views([request]):
+                yield frame(msg, data)
+
+    def Fetch(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
+        with self._boundary(context, "Fetch", request, "data stream"):
+            yield from self._h.fetch(request)
+
+    def ReportReady(self, request_iterator, context):  # noqa: N802
+        """A ReadyRequest in pieces: every device's chunk digests of a model of any size fit."""
+        request = self._call(context, "ReportReady", from_pieces, pb.ReadyRequest, request_iterator, f"worker at {context.peer()}")
+        self._identity(context, request.worker.worker_id)
+        return self._call(context, "ReportReady", self._h.report_ready, request)
+
+    def AwaitStart(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
+        return self._long_call(context, "AwaitStart", request, "start", self._h.await_start, request)
+
+    def Heartbeat(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
+        return self._call(context, "Heartbeat", self._h.heartbeat, request)
+
+    def ReportFailure(self, request, context):  # noqa: N802
+        self._identity(context, request.worker.worker_id)
+        return self._call(context, "ReportFailure", self._h.report_failure, request)
+
+    def Status(self, request, context):  # noqa: N802
+        return self._call(context, "Status", self._h.status)
+
+    def Presence(self, request, context):  # noqa: N802
+        self._identity(context, request.worker_id)
+        return self._long_call(context, "Presence", request, "presence", self._h.await_outcome, request)
+
+
+def _remaining(context) -> float:
+    """Seconds until the caller's deadline, less a margin so our answer beats it."""
+    left = context.time_remaining()
+    return 3600.0 if left is None else max(0.0, left - 0.5)
+
+
+def pool_size(handler) -> int:
+    """Threads a server needs for ``handler``: a worker holds at most CALLS_PER_WORKER calls at
+    once (a long-poll or stream on its data connection, Heartbeat and Presence on its own, and
+    ReportFailure), plus 8 for Status and what arrives while calls end."""
+    return CALLS_PER_WORKER * max(int(getattr(handler, "num_workers", 0)), 0) + 8
+
+
+CALLS_PER_WORKER = 4
+
+
+class GrpcEndpoint(ChiefEndpoint):
+    """Serves ``handler`` on ``bind`` (``HOST:PORT``; port 0 picks a free one).
+
+    The thread pool is sized from the handler (``pool_size``) unless ``max_workers`` is given;
+    ``name`` says who serves (chief, relay) in statuses and logs.
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        *,
+        token: str | None = None,
+        max_workers: int | None = None,
+        tls: TlsFiles | None = None,
+        name: str = "chief",
+        body_timeout: float = BODY_TIMEOUT,
+    ) -> None:
+        self.bind = bind
+        self.token = token
+        self.tls = tls if tls is not None and tls.enabled else None
+        self._credentials = self.tls.server_credentials() if self.tls else None  # refuse bad setups early
+        self.max_workers = max_workers
+        self.name = name
+        self.body_timeout = body_timeout
+        self.port = 0
+        self._server: grpc.Server | None = None
+        self._data = None
+        self._pool: futures.ThreadPoolExecutor | None = None
+        self._health: health.HealthServicer | None = None
+        self._refusals = RefusalLog()
+        self._body: _BodyWatch | None = None
+
+    def start(self, handler: ChiefHandler) -> str:
+        _check_bindable(self.bind)
+        self.max_workers = self.max_workers or pool_size(handler)
+        self._warn_if_open()
+        self._body = _BodyWatch(self.body_timeout, self._refusals)
+        self._pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"{self.name}-rpc")
+        server = grpc.server(
+            self._pool,
+            interceptors=[_Admission(self.token, self._refusals, self._body)],
+            options=SERVER_OPTIONS,
+        )
+        bind_identity = bool(self.tls and self.tls.has("ca"))
+        servicer = _Servicer(handler, bind_identity=bind_identity, name=self.name)
+        pb_grpc.add_CollectiveServicer_to_server(servicer, server)
+        raw = grpc.unary_stream_rpc_method_handler(
+            servicer.FetchRaw, request_deserializer=pb.WorkerRef.FromString, response_serializer=None
+        )
+        self._data = self._data_server(handler, bind_identity)
+        port_answer = f"{self._data.port} {self._data.unix_name or ''}".strip().encode() if self._data else b""
+        data_path = grpc.unary_unary_rpc_method_handler(
+            lambda request, context: port_answer, request_deserializer=None, response_serializer=None
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"FetchRaw": raw, "DataPath": data_path}),)
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            if self._credentials is not None:
+                port = server.add_secure_port(self.bind, self._credentials)
+            else:
+                port = server.add_insecure_port(self.bind)
+        except RuntimeError as exc:
+            self._body.close()
+            raise E.UsageError(f"cannot listen on {self.bind}: {exc}; is the port in use?") from exc
+        if not port:
+            self._body.close()
+            raise E.UsageError(f"cannot listen on {self.bind}: the port is in use or the address is not local")
+        server.start()
+        for name in ("", SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server, self.port = server, port
+        host = self.bind.rpartition(":")[0]
+        return f"{host}:{port}"
+
+    def _warn_if_open(self) -> None:
+        """Anyone who can reach a non-loopback address may join a server without a token."""
+        host = self.bind.rpartition(":")[0].strip("[]")
+        if self.token or is_loopback(host):
+            return
+        log.warning(
+            "the %s listens on %s WITHOUT a cluster token: anyone who can reach this address can join "
+            "and read the model; set COLLECTIVE_TOKEN (or --token) or bind 127.0.0.1", self.name, self.bind,
+        )
+
+    def _data_server(self, handler: ChiefHandler, bind_identity: bool):
+        """The raw TCP data path beside this server (None with COLLECTIVE_DATA_PATH=grpc)."""
+        from collective.transport import rawtcp
+
+        if not rawtcp.enabled():
+            return None
+        try:
+            return rawtcp.DataServer(
+                self.bind.rpartition(":")[0], handler, token=self.token,
+                tls=rawtcp.server_context(self.tls) if self.tls else None,
+                identities=rawtcp.certificate_names if bind_identity else None, refused=self._refusals.refused,
+            )
+        except OSError as exc:  # the stream still works, over gRPC
+            log.warning("no raw data port on %s (%s): workers receive over gRPC", self.bind, exc)
+            return None
+
+    def stop(self, grace: float) -> None:
+        if getattr(self, "_data", None) is not None:
+            self._data.close()
+            self._data = None
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()  # NOT_SERVING for every service
+        if self._server is not None:
+            self._server.stop(grace).wait(grace + 1.0)
+            self._server = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)  # grpc does not own its pool
+            self._pool = None
+        if self._body is not None:
+            self._body.close()
+            self._body = None
+        self._refusals.flush()
+
+
+def _check_bindable(bind: str) -> None:
+    """Bind ``bind`` once with a plain socket, as gRPC is about to, so a port in use or an
+    address not on this host is one line naming it (gRPC's own failure prints a C-core log line
+    and a message that points at GRPC_VERBOSITY). Port 0 and names that do not resolve are left
+    to gRPC."""
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return
+    for family, kind, proto, _, address in infos[:1]:  # gRPC binds the first (dual-stack for ::)
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is no obstacle
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                why = {errno.EADDRINUSE: "the port is in use (another chief or relay?); pick another port or stop that process",
+                       errno.EADDRNOTAVAIL: "that address is not on this host; bind one of its addresses or 0.0.0.0",
+                       errno.EACCES: "permission denied (ports below 1024 need privileges); pick a port above 1023"}
+                raise E.UsageError(f"cannot listen on {bind}: {why.get(exc.errno, exc.strerror or str(exc))}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and ``localhost``: addresses no other host can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
