@@ -10,8 +10,6 @@ what every worker is told.
 
 from __future__ import annotations
 
-import bisect
-import enum
 import logging
 import os
 import socket
@@ -19,14 +17,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from collective import logs
 from collective._proto import collective_pb2 as pb
+from collective.chief import reports
+from collective.chief.members import Member, Phase, _ChiefReplicas, materialize, report_problem
 from collective.config import Timeouts
-from collective.digest import array_digest, worker_digest
 from collective.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -41,100 +39,18 @@ from collective.errors import (
     UsageError,
 )
 from collective.keys import parse_devices
-from collective.model import ModelSource, VariableSpec, check_fits, validate_model
+from collective.model import ModelSource
 from collective.plan import (
     MAX_CHUNK_BYTES,
     Chunker,
     build_plan,
     check_declared,
     declaration_differences,
-    differing_chunk,
-    layout,
-    overlapping,
     with_bytes,
 )
 from collective.topology import Layout, arrange, choose, chunk_bytes_for
-from collective.variables import replica_name
 
 log = logging.getLogger(__name__)
-
-
-class Phase(enum.Enum):
-    JOINING = "joining"
-    BROADCASTING = "broadcasting"
-    STARTED = "started"
-    FAILED = "failed"
-
-
-@dataclass
-class Member:
-    rank: int
-    worker_id: str
-    incarnation: str
-    host: str
-    devices: list[str]
-    peer: str
-    pid: int
-    phase: str = "joined"
-    bytes_sent: int = 0
-    worker_digest: str = ""
-    prepared: bool = False
-    told: bool = False
-    joined_at: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
-    relay_port: int = 0
-    relay_cert: bytes = b""  # server-only TLS: the certificate its relay serves
-    bytes_reported: int = 0  # what its heartbeats say it holds, from whichever sender
-
-    def received(self) -> int:
-        """Bytes of the arena this worker holds: what the chief sent it, or what its heartbeats
-        report (a relay-fed worker gets nothing from the chief)."""
-        return max(self.bytes_sent, self.bytes_reported)
-
-    def relay_address(self) -> str:
-        """Where this worker relays: the address it connected from, with its relay port."""
-        if not self.relay_port:
-            return ""
-        kind, _, rest = self.peer.partition(":")
-        host = rest.rpartition(":")[0] if kind in ("ipv4", "ipv6") else ""
-        return f"{host}:{self.relay_port}" if host else ""
-
-    def name(self) -> str:
-        return f"worker {logs.printable(self.worker_id)} (rank {self.rank}, host {logs.printable(self.host)})"
-
-    def replica_names(self, variable: str) -> list[str]:
-        return [replica_name(variable, i) for i in range(len(self.devices))]
-
-
-class _ChiefReplicas(Member):
-    """The chief's own replicas when the chief trains too: checked as a worker's are, but never
-    a member of the plan (no rank among the workers, no stream, no heartbeat)."""
-
-    def name(self) -> str:
-        return f"the chief's own replicas (training rank 0, host {self.host})"
-
-
-def materialize(
-    source: ModelSource, allocate=lambda n: np.zeros(n, dtype=np.uint8), *, max_bytes: int | None = None
-) -> tuple[list[VariableSpec], np.ndarray, list[str]]:
-    """Fill every initial value straight into one arena; return specs, arena and digests.
-
-    ``allocate(nbytes)`` makes the arena (a memfd mapping for the shared-memory path). Callable
-    and seeded initializers run here, on the chief only. Before anything is allocated, raises
-    ModelError for invalid variables and for an arena larger than ``max_bytes`` or than the
-    memory available (``collective.model.check_fits``).
-    """
-    specs = source.specs()
-    validate_model(specs, label=source.description)
-    offsets, total = layout(specs)
-    check_fits(specs, total, label=source.description, max_bytes=max_bytes)
-    arena = allocate(total)
-    digests = []
-    for spec, off in zip(specs, offsets, strict=True):
-        view = arena[off : off + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
-        source.fill(spec, view)
-        digests.append(array_digest(view))
-    return specs, arena, digests
 
 
 class ChiefService:
@@ -490,7 +406,7 @@ class ChiefService:
             if self._plan is None:
                 raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
                                         f"ReportReady comes after GetPlan and the data stream")
-            problem = self._check_digests(m, req)
+            problem = report_problem(self._plan, m, req)
             if problem is not None:
                 err = IntegrityError(f"{m.name()}: {problem}")
                 self.fail(err)  # the lock is reentrant
@@ -543,7 +459,7 @@ class ChiefService:
                 raise PreconditionError("this chief does not train: it holds no replicas of its own")
             if self._phase is Phase.FAILED:
                 raise AbortedError(str(self._error))
-            problem = self._check_digests(m, req)
+            problem = report_problem(self._plan, m, req)
             if problem is not None:
                 err = IntegrityError(f"{m.name()}: {problem}")
                 self.fail(err)
@@ -551,44 +467,6 @@ class ChiefService:
             m.phase, m.worker_digest = "ready", req.worker_digest
             log.info("%s verified with digest %s", m.name(), req.worker_digest[:12])
             self._maybe_start()
-
-    def _check_digests(self, m: Member, req: pb.ReadyRequest) -> str | None:
-        """The first difference between the worker's replicas and the chief's, or None.
-
-        Every replica arena (one per device) must have the plan's chunk digests. A chunk that
-        differs is named by the variables it holds: one variable's replica exactly, several as
-        the range of their names.
-        """
-        plan = self._plan
-        want = list(plan.chunk_digests)
-        if [(d.replica, d.device) for d in req.devices] != list(enumerate(m.devices)):
-            return (
-                f"ready report covers devices {[d.device for d in req.devices]}; "
-                f"the worker joined with {list(m.devices)}"
-            )
-        for d in req.devices:
-            got = list(d.chunk_digests)
-            differs = differing_chunk(plan, got, want)
-            if differs is None:
-                continue
-            if len(got) != len(want):
-                return f"replicas on {d.device}: {len(got)} chunk digests, the plan has {len(want)}"
-            start, end = differs
-            k = start // plan.chunk_bytes
-            names = [v.name for v in overlapping(plan, start, end)]
-            if len(names) == 1:
-                what = f"variable {names[0]!r}: replica {replica_name(names[0], d.replica)!r}"
-            elif names:
-                what = (f"one of the {len(names)} variables {names[0]!r}..{names[-1]!r}: replicas "
-                        f"{replica_name(names[0], d.replica)!r}..{replica_name(names[-1], d.replica)!r}")
-            else:
-                what = "padding between variables"
-            return (f"{what} on {d.device}: bytes {start}..{end} have digest {got[k]}, "
-                    f"the chief's are {want[k]}")
-        expected = worker_digest(plan.manifest_digest, [want] * len(m.devices))
-        if req.worker_digest != expected:
-            return f"worker digest {req.worker_digest} differs from the chief's {expected}"
-        return None
 
     def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
         """A barrier before the first byte: every worker has checked the plan and prepared its
@@ -703,30 +581,7 @@ class ChiefService:
 
     def status(self) -> pb.StatusReply:
         """Who has joined, each worker's phase and progress, and whom the chief waits for."""
-        with self._cond:
-            now = time.monotonic()
-            total = int(self.arena.nbytes)
-            ends = sorted(v.offset + v.nbytes for v in self._plan.variables) if self._plan else []
-            return pb.StatusReply(
-                phase=self._phase.value,
-                expected=self.num_workers,
-                joined=len(self._members),
-                chief_incarnation=self.incarnation,
-                seconds_in_phase=now - self._phase_at,
-                model=self.source.description,
-                waiting_for="" if self._phase in (Phase.STARTED, Phase.FAILED) else self._waiting_for(),
-                workers=[
-                    pb.WorkerStatus(
-                        rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices,
-                        phase=m.phase, bytes_received=m.received(), bytes_total=total,
-                        variables_received=bisect.bisect_right(ends, m.received()),
-                        variables_total=len(self.specs),
-                        seconds_since_heartbeat=now - m.last_seen,
-                    )
-                    for m in sorted(self._members.values(), key=lambda m: m.rank)
-                ],
-                error=str(self._error or ""),
-            )
+        return reports.status_reply(self)
 
     # --- supervision (the chief process's main loop) ---------------------------------------
 
@@ -815,38 +670,4 @@ class ChiefService:
 
     def result(self) -> dict:
         """The summary of a round, as ``collective launch --json`` prints it."""
-        with self._cond:
-            plan = self._plan
-            members = sorted(self._members.values(), key=lambda m: m.rank)
-            return {
-                "ok": self._phase is Phase.STARTED,
-                "transport": self.transport,
-                "seconds": round(self.broadcast_seconds(), 6),
-                "bytes": int(self.arena.nbytes),
-                "model": self.source.description,
-                "error": str(self._error) if self._error else None,
-                "workers": [
-                    {
-                        "rank": m.rank,
-                        "id": m.worker_id,
-                        "host": m.host,
-                        "devices": list(m.devices),
-                        "replicas": [n for s in self.specs for n in m.replica_names(s.name)],
-                        "digest": m.worker_digest,
-                    }
-                    for m in members
-                ],
-                "variables": [
-                    {
-                        "name": v.name,
-                        "shape": list(v.shape),
-                        "dtype": v.dtype,
-                        "group_key": v.group_key,
-                        "instance_key": v.instance_key,
-                        "digest": v.digest,
-                    }
-                    for v in (plan.variables if plan is not None else [])
-                ],
-                **({"chief_replicas": {"devices": list(self._local.devices), "digest": self._local.worker_digest}}
-                   if self._local is not None else {}),
-            }
+        return reports.summary(self)

@@ -84,15 +84,18 @@ def test_status_shows_the_bytes_of_workers_fed_by_a_relay(cluster):
     link = GrpcChiefLink(cluster.address)
     try:
         deadline = time.monotonic() + 60
-        while True:  # rank 0 (fed by the chief) a quarter of the way through
+        while True:  # rank 0 (fed by the chief) a quarter of the way through, the chain flowing
             st = link.status(timeout=5)
             head = [w for w in st.workers if w.rank == 0]
-            if head and head[0].bytes_total and head[0].bytes_received > head[0].bytes_total // 4:
+            relaying = all(f"relaying to worker w{r + 1}" in workers[r].output() for r in (0, 1))
+            if relaying and head and head[0].bytes_total and head[0].bytes_received > head[0].bytes_total // 4:
                 break
             assert time.monotonic() < deadline and all(w.proc.poll() is None for w in workers), st
             time.sleep(0.05)
+        # (Under load, rank 0 may be a quarter through before the others have even connected to
+        # its relay: freezing it then left them with nothing to report.)
         workers[0].signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 4  # a few progress beats, well inside the lease
+        deadline = time.monotonic() + 10  # progress beats every second, well inside the 30 s lease
         while True:  # ranks 1 and 2 hold what rank 0 relayed before it froze, and say so
             st = link.status(timeout=5)
             fed = {w.rank: w for w in st.workers if w.rank > 0}

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Settings: flags, environment variables, cluster conventions.
     ("collective.config", "collective.options", "collective.clusterenv"),
     # The two roles, written once against the transport interface.
-    ("collective.chief.service", "collective.worker.agent", "collective.worker.relay"),
+    ("collective.chief", "collective.worker"),
     # Round runners: the local launcher and the MPI round.
     ("collective.launch", "collective.mpi"),
     # The public Python API.
@@ -40,8 +40,8 @@ LAYERS: list[tuple[str, ...]] = [
     # Framework hand-offs, on top of the API.
     ("collective.torch", "collective.jax", "collective.tf"),
     # Command lines and tools.
-    ("collective.cli", "collective.bench", "collective.doctor", "collective.emulate", "collective.chief",
-     "collective.worker"),
+    ("collective.cli", "collective.bench", "collective.doctor", "collective.emulate", "collective.chief.__main__",
+     "collective.worker.__main__"),
 ]
 
 

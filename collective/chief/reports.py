@@ -1,0 +1,78 @@
+"""What the chief tells about a round: the Status RPC's answer (``collective status``) and the
+summary of a finished round (``collective launch --json``, ``--result-file``). Read-only views
+of a ``ChiefService``, taken under its lock."""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+from collective._proto import collective_pb2 as pb
+from collective.chief.members import Phase
+
+
+def status_reply(svc) -> pb.StatusReply:
+    """Who has joined, each worker's phase and progress, and whom the chief waits for."""
+    with svc._cond:
+        now = time.monotonic()
+        total = int(svc.arena.nbytes)
+        ends = sorted(v.offset + v.nbytes for v in svc._plan.variables) if svc._plan else []
+        return pb.StatusReply(
+            phase=svc._phase.value,
+            expected=svc.num_workers,
+            joined=len(svc._members),
+            chief_incarnation=svc.incarnation,
+            seconds_in_phase=now - svc._phase_at,
+            model=svc.source.description,
+            waiting_for="" if svc._phase in (Phase.STARTED, Phase.FAILED) else svc._waiting_for(),
+            workers=[
+                pb.WorkerStatus(
+                    rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices,
+                    phase=m.phase, bytes_received=m.received(), bytes_total=total,
+                    variables_received=bisect.bisect_right(ends, m.received()),
+                    variables_total=len(svc.specs),
+                    seconds_since_heartbeat=now - m.last_seen,
+                )
+                for m in sorted(svc._members.values(), key=lambda m: m.rank)
+            ],
+            error=str(svc._error or ""),
+        )
+
+
+def summary(svc) -> dict:
+    """The summary of a round, as ``collective launch --json`` prints it."""
+    with svc._cond:
+        plan = svc._plan
+        members = sorted(svc._members.values(), key=lambda m: m.rank)
+        return {
+            "ok": svc._phase is Phase.STARTED,
+            "transport": svc.transport,
+            "seconds": round(svc.broadcast_seconds(), 6),
+            "bytes": int(svc.arena.nbytes),
+            "model": svc.source.description,
+            "error": str(svc._error) if svc._error else None,
+            "workers": [
+                {
+                    "rank": m.rank,
+                    "id": m.worker_id,
+                    "host": m.host,
+                    "devices": list(m.devices),
+                    "replicas": [n for s in svc.specs for n in m.replica_names(s.name)],
+                    "digest": m.worker_digest,
+                }
+                for m in members
+            ],
+            "variables": [
+                {
+                    "name": v.name,
+                    "shape": list(v.shape),
+                    "dtype": v.dtype,
+                    "group_key": v.group_key,
+                    "instance_key": v.instance_key,
+                    "digest": v.digest,
+                }
+                for v in (plan.variables if plan is not None else [])
+            ],
+            **({"chief_replicas": {"devices": list(svc._local.devices), "digest": svc._local.worker_digest}}
+               if svc._local is not None else {}),
+        }
