@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from collective import logs
 from collective.config import (
@@ -19,6 +20,7 @@ from collective.config import (
     timeouts_from_args,
 )
 from collective.entry import run_main
+from collective.errors import UsageError
 from collective.topology import TOPOLOGIES
 
 
@@ -58,9 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only this phase (join, broadcast, receive, verify, ready, start, started, failed)")
     lg.add_argument("--json", action="store_true", help="one JSON object per line")
 
-    from collective.bench import add_bench_parser
-
-    add_bench_parser(sub)
+    bench = _bench_tools()
+    if bench is not None:
+        bench.add_bench_parser(sub)
+    else:  # an installed package without its checkout: say where the benchmark lives
+        sub.add_parser("bench", help="benchmark (needs the source checkout: tools/bench)", add_help=False,
+                       prefix_chars="\0").add_argument("rest", nargs="*")
 
     dr = sub.add_parser("doctor", help="pre-flight checks: versions, cluster env, and the path to a chief")
     add_option(dr, "chief", help="the chief's HOST:PORT", default=None)
@@ -105,10 +110,27 @@ def _launch(args: argparse.Namespace) -> int:
     return exit_code(result)
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from collective.bench import run_bench
+def _bench_tools():
+    """``tools.bench`` of the checkout this package runs from (an editable install), or None.
 
-    return run_bench(args)
+    The benchmark and its emulated-hosts harness need root, tc and matplotlib, so they are not
+    part of the installed package; ``collective bench`` finds them beside ``collective/``."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if Path(root, "tools", "bench", "__init__.py").is_file() and root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        import tools.bench
+    except ImportError:
+        return None
+    return tools.bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    bench = _bench_tools()
+    if bench is None:
+        raise UsageError("collective bench runs from a source checkout (tools/bench is not installed): "
+                         "clone the repository, `make install`, and run it there")
+    return bench.run_bench(args)
 
 
 def _logs(args: argparse.Namespace) -> int:

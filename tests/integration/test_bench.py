@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from collective.bench import (
+from collective.errors import UsageError
+from tests.procs import ROOT
+from tools.bench import (
     Candidate,
     candidates,
     parse_rate,
@@ -19,8 +21,6 @@ from collective.bench import (
     variable_lengths,
     write_spec,
 )
-from collective.errors import UsageError
-from tests.procs import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +91,7 @@ def test_without_json_it_prints_a_table():
 
 
 def test_the_copy_free_path_is_never_given_a_ratio_to_the_copying_peers():
-    from collective.bench import Result, table
+    from tools.bench import Result, table
 
     results = [
         Result("chain", 4, MIB, [0.1], path="mapped"),
@@ -151,7 +151,7 @@ def test_emulated_hosts_need_root(monkeypatch, capsys):
 
 @pytest.mark.multihost
 def test_emulated_hosts_report_link_seconds_and_every_figure(tmp_path):
-    from collective.emulate import unavailable_reason
+    from tools.bench.emulate import unavailable_reason
 
     reason = unavailable_reason("emulated-hosts bench")
     if reason:
@@ -215,8 +215,25 @@ def test_candidates_are_every_topology_but_auto_or_those_asked_and_mpi():
 
 
 def test_the_last_json_object_is_found_even_with_a_log_line_glued_to_it():
-    from collective.bench import _last_json
+    from tools.bench import _last_json
 
     text = 'noise\n{"ok": false}\n{"ok": true, "seconds": 1.5}2026-12-02T14:34:40Z INFO worker: started\nmore\n'
     assert _last_json(text, "ok") == {"ok": True, "seconds": 1.5}
     assert _last_json("nothing here", "ok") is None
+
+
+def test_without_the_checkouts_tools_collective_bench_says_where_it_lives(monkeypatch, capsys):
+    # An installed package has no tools/bench: the command must say so, not crash on an import.
+    import logging
+
+    from collective import cli
+
+    monkeypatch.setattr(cli, "_bench_tools", lambda: None)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        code = cli.main(["bench", "--workers", "2"])
+    finally:
+        root.handlers[:], root.level = handlers, level
+    assert code == 2
+    assert "collective bench runs from a source checkout (tools/bench is not installed)" in capsys.readouterr().err

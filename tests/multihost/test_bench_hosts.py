@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from collective.bench import EmulatedRunner
+from tools.bench import EmulatedRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Framework hand-offs, on top of the API.
     ("collective.torch", "collective.jax", "collective.tf"),
     # Command lines and tools.
-    ("collective.cli", "collective.bench", "collective.doctor", "collective.emulate", "collective.chief.__main__",
+    ("collective.cli", "collective.doctor", "collective.chief.__main__",
      "collective.worker.__main__"),
 ]
 

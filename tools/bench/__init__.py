@@ -36,7 +36,7 @@ check nothing.
 
 ``--emulate-hosts --rate 200mbit`` runs everything on emulated hosts instead (network namespaces
 ``chief``, ``worker-1`` ... on one bridge, every host's link shaped both ways with ``tc tbf``, a
-private ``/dev/shm`` per host; see ``collective.emulate``) and reports ``link_seconds`` = S/B, the
+private ``/dev/shm`` per host; see ``tools.bench.emulate``) and reports ``link_seconds`` = S/B, the
 time one link needs to carry the model once. ``--hosts H --workers-per-host K`` (instead of
 ``--workers``) puts K workers on each of H worker hosts (ranks in host order), the chief alone on
 its own host. The chief and workers run as ``python -m collective.chief`` / ``python -m collective.worker`` on their
@@ -501,7 +501,7 @@ class EmulatedRunner:
         return [f"worker-{r // self.per_host + 1}" for r in range(workers)]
 
     def _network(self, workers: int):
-        from collective.emulate import Topology
+        from tools.bench.emulate import Topology
 
         hosts = self._hosts(workers)
         if self.net is not None and self.workers == workers:
@@ -528,7 +528,7 @@ class EmulatedRunner:
     def project(self, c: Candidate, workers: int, spec: Path, size: int) -> float:
         if c.transport == "mpi":
             return self._project_mpi(c, workers, spec, size)
-        from collective.emulate import HostProcessError, wait_all
+        from tools.bench.emulate import HostProcessError, wait_all
 
         net = self._network(workers)
         self._serial += 1
@@ -567,7 +567,7 @@ class EmulatedRunner:
         return float(result["seconds"])
 
     def _mpiexec(self, workers: int, argv: list[str], name: str, timeout: float, env: dict[str, str] | None = None) -> str:
-        from collective.emulate import HostProcessError, wait_all
+        from tools.bench.emulate import HostProcessError, wait_all
 
         net = self._network(workers)
         self._serial += 1
@@ -610,7 +610,7 @@ class EmulatedRunner:
         return _samples(result)
 
     def gloo(self, workers: int, size: int, repeat: int) -> list[float]:
-        from collective.emulate import HostProcessError, wait_all
+        from tools.bench.emulate import HostProcessError, wait_all
 
         net = self._network(workers)
         self._serial += 1
@@ -759,7 +759,7 @@ def _check_plot_available() -> None:
 
 
 def _check_emulation_available() -> None:
-    from collective.emulate import unavailable_reason
+    from tools.bench.emulate import unavailable_reason
 
     if os.geteuid() != 0:
         raise UsageError("--emulate-hosts needs root (it creates network namespaces and shapes links with tc)")

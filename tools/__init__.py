@@ -1,0 +1,1 @@
+"""Tools of the checkout that are not part of the installed package (see tools/bench)."""
