@@ -6,7 +6,11 @@ their ``COLLECTIVE_*`` variables), so neither imports the other.
 from __future__ import annotations
 
 import argparse
+import logging
+from collections.abc import Callable
 
+from collective import logs
+from collective.clusterenv import apply_to_environ, role_mismatch
 from collective.config import (
     add_max_model_bytes_option,
     add_option,
@@ -16,7 +20,10 @@ from collective.config import (
     parse_bool,
     positive_int,
 )
+from collective.entry import run_main
 from collective.topology import TOPOLOGIES
+
+log = logging.getLogger("collective")
 
 CHIEF_DESCRIPTION = '``python -m collective.chief``: serve one broadcast round over gRPC and exit 0 once start is released.'
 WORKER_DESCRIPTION = '``python -m collective.worker``: join the chief, receive and verify the variables, wait for start.'
@@ -61,3 +68,23 @@ def worker_parser() -> argparse.ArgumentParser:
     add_timeout_options(p, "join", "stall", "start", "heartbeat")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
     return p
+
+
+def role_main(role: str, run: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
+    """The start of ``python -m collective.chief`` / ``collective.worker``: TF_CONFIG and torchrun
+    variables become ``COLLECTIVE_*`` defaults before the parser reads them, logs are set up,
+    the cluster is described (and a role it gives to another process is warned about), then
+    ``run(args)``; errors become one line and an exit code (``entry.run_main``)."""
+
+    def go() -> int:
+        cluster = apply_to_environ(role)
+        args = (chief_parser if role == "chief" else worker_parser)().parse_args(argv)
+        logs.configure(role, fmt=args.log_format)
+        if cluster is not None:
+            log.info("cluster from %s", cluster.describe())
+            warning = role_mismatch(cluster, role)
+            if warning:
+                log.warning("%s", warning)
+        return run(args)
+
+    return run_main(go)

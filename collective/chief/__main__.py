@@ -8,14 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-from collective import logs
 from collective.config import (
     parse_address,
     timeouts_from_args,
     tls_from_args,
 )
-from collective.entry import run_main
-from collective.options import chief_parser
+from collective.options import chief_parser, role_main
 
 log = logging.getLogger("chief")
 
@@ -24,21 +22,7 @@ build_parser = chief_parser  # the flags live in collective.options
 
 
 def main(argv: list[str] | None = None) -> int:
-    def go() -> int:
-        from collective.clusterenv import apply_to_environ, role_mismatch
-
-        # TF_CONFIG / torchrun variables become COLLECTIVE_* defaults, before the parser reads them.
-        cluster = apply_to_environ("chief")
-        args = build_parser().parse_args(argv)
-        logs.configure("chief", fmt=args.log_format)
-        if cluster is not None:
-            log.info("cluster from %s", cluster.describe())
-            warning = role_mismatch(cluster, "chief")
-            if warning:
-                log.warning("%s", warning)
-        return _run(args)
-
-    return run_main(go)
+    return role_main("chief", _run, argv)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -6,14 +6,12 @@ import argparse
 import logging
 import sys
 
-from collective import logs
 from collective.config import (
     parse_address,
     timeouts_from_args,
     tls_from_args,
 )
-from collective.entry import run_main
-from collective.options import worker_parser
+from collective.options import role_main, worker_parser
 
 log = logging.getLogger("worker")
 
@@ -22,21 +20,7 @@ build_parser = worker_parser  # the flags live in collective.options
 
 
 def main(argv: list[str] | None = None) -> int:
-    def go() -> int:
-        from collective.clusterenv import apply_to_environ, role_mismatch
-
-        # TF_CONFIG / torchrun variables become COLLECTIVE_* defaults, before the parser reads them.
-        cluster = apply_to_environ("worker")
-        args = build_parser().parse_args(argv)
-        logs.configure("worker", fmt=args.log_format)
-        if cluster is not None:
-            log.info("cluster from %s", cluster.describe())
-            warning = role_mismatch(cluster, "worker")
-            if warning:
-                log.warning("%s", warning)
-        return _run(args)
-
-    return run_main(go)
+    return role_main("worker", _run, argv)
 
 
 def _run(args: argparse.Namespace) -> int:
