@@ -18,13 +18,13 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from collective import config
+from collective.clusterenv import resolve_roles
 from collective.config import Timeouts, parse_address
 from collective.errors import CollectiveError, ModelError, UsageError
 from collective.model import ModelSource, VariableSpec
@@ -349,84 +349,6 @@ def join(
 
 
 # --- SPMD: every rank calls sync ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Roles:
-    """Where this process stands: training rank, number of training processes, the chief's
-    address (None under MPI or alone) and where that came from."""
-
-    rank: int
-    world_size: int
-    chief: str | None
-    source: str
-    mpi: bool = False
-
-
-_MPI_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", "PMI_SIZE"))
-
-
-def _int_var(env: Mapping[str, str], name: str) -> int:
-    raw = env[name].strip()
-    try:
-        return int(raw)
-    except ValueError:
-        raise UsageError(f"environment variable {name}={raw!r} is not a whole number") from None
-
-
-def resolve_roles(
-    rank: int | None, world_size: int | None, chief: str | None, env: Mapping[str, str] | None = None
-) -> Roles:
-    """Arguments, else COLLECTIVE_RANK + COLLECTIVE_WORLD_SIZE (+ COLLECTIVE_CHIEF), else TF_CONFIG,
-    else torchrun, else MPI's launcher variables, else a single process. Raises UsageError
-    naming the setting that is missing or out of range."""
-    from collective.clusterenv import from_environment
-
-    env = os.environ if env is None else env
-
-    def given(name: str) -> bool:
-        return bool((env.get(name) or "").strip())
-
-    chief = chief or (env.get("COLLECTIVE_CHIEF") or "").strip() or None
-    source, mpi = "arguments", False
-    if rank is None or world_size is None:
-        # torchrun with one process: nothing to broadcast (clusterenv wants a chief and a worker).
-        alone = not given("TF_CONFIG") and given("MASTER_ADDR") and (env.get("WORLD_SIZE") or "").strip() == "1"
-        cluster = None if given("COLLECTIVE_WORLD_SIZE") or alone else from_environment(env)
-        if given("COLLECTIVE_WORLD_SIZE"):
-            source = "COLLECTIVE_*"
-            world_size = world_size if world_size is not None else _int_var(env, "COLLECTIVE_WORLD_SIZE")
-            if rank is None:
-                if not given("COLLECTIVE_RANK"):
-                    raise UsageError("COLLECTIVE_WORLD_SIZE is set but COLLECTIVE_RANK is not: set this process's rank")
-                rank = _int_var(env, "COLLECTIVE_RANK")
-        elif cluster is not None:
-            source = cluster.source
-            rank = cluster.rank if rank is None else rank
-            world_size = cluster.world_size if world_size is None else world_size
-            chief = chief or cluster.chief_address
-        elif alone:
-            source, rank, world_size = "torchrun", 0 if rank is None else rank, 1 if world_size is None else world_size
-        else:
-            pair = next(((r, s) for r, s in _MPI_VARS if given(r) and given(s)), None)
-            if pair is not None:
-                source, mpi = f"MPI ({pair[0]})", True
-                rank = _int_var(env, pair[0]) if rank is None else rank
-                world_size = _int_var(env, pair[1]) if world_size is None else world_size
-            else:
-                source = "no cluster settings: a single process"
-                rank = 0 if rank is None else rank
-                world_size = 1 if world_size is None else world_size
-    if world_size < 1:
-        raise UsageError(f"world size {world_size} (from {source}) must be at least 1")
-    if not 0 <= rank < world_size:
-        raise UsageError(f"rank {rank} (from {source}) is out of range: must be 0..{world_size - 1}")
-    if world_size > 1 and not mpi and not chief:
-        raise UsageError(
-            f"rank {rank} of {world_size} (from {source}) needs the chief's address: pass chief='HOST:PORT' "
-            "or set COLLECTIVE_CHIEF on every rank"
-        )
-    return Roles(rank, world_size, chief, source, mpi)
 
 
 def _alone(source: ModelSource, devices: list[str]) -> tuple[VariableStore, str]:

@@ -62,7 +62,9 @@ def _on_interrupt(signum, frame) -> None:
     exits 9, not 130), so every rank waits the same short moment before exiting: rank 0's line
     gets out, and the ranks still end together.
     """
-    if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":
+    from collective.clusterenv import mpi_rank
+
+    if mpi_rank(os.environ) in (None, 0):
         print("interrupted", file=sys.stderr, flush=True)
     time.sleep(0.2)
     os._exit(130)
