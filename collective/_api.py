@@ -157,11 +157,11 @@ def run_chief(
 
     from collective.chief.service import ChiefService
     from collective.errors import AbortedError
-    from collective.transport.grpc import GrpcEndpoint
+    from collective.transport.grpc import GrpcEndpoint, server_credentials
 
     parse_address(bind, what="bind address")
     if tls is not None and tls.enabled:
-        tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
+        server_credentials(tls)  # refuse a half-configured TLS setup before loading a big model
     service = ChiefService(
         source, num_workers, timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology,
         local_devices=devices or None, spmd=spmd, max_model_bytes=max_model_bytes,

@@ -182,9 +182,52 @@ def add_tls_options(parser: argparse.ArgumentParser, *, worker: bool) -> None:
         add_option(parser, "tls-ca", help="CA (PEM) of worker certificates: mutual TLS, client certificates required")
 
 
-def tls_from_args(args: argparse.Namespace):
-    from collective.transport.grpc import TlsFiles
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files. Chief: cert+key (its own), ca (clients' CA: mutual TLS, client auth required).
+    Worker: ca (the CA of the chief's certificate), cert+key (its client certificate, for mTLS).
 
+    ``*_pem``: the same in memory instead of a file (a relay's own certificate, see
+    ``relay_server_tls``); a value here wins over the path."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    server_name: str | None = None  # worker: the name the chief's certificate must carry
+    cert_pem: bytes | None = None
+    key_pem: bytes | None = None
+    ca_pem: bytes | None = None
+
+    def has(self, which: str) -> bool:
+        return bool(getattr(self, which) or getattr(self, which + "_pem"))
+
+    @property
+    def enabled(self) -> bool:
+        return any(self.has(w) for w in ("cert", "key", "ca"))
+
+    @property
+    def mutual(self) -> bool:
+        """A worker with a certificate of its own and the CA: mutual TLS."""
+        return self.has("cert") and self.has("ca")
+
+    def read(self, which: str) -> bytes | None:
+        inline = getattr(self, which + "_pem")
+        if inline:
+            return inline
+        path = getattr(self, which)
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise UsageError(f"--tls-{which} {path}: cannot read it ({exc.strerror})") from None
+        if b"-----BEGIN" not in data:
+            raise UsageError(f"--tls-{which} {path}: not a PEM file")
+        return data
+
+
+def tls_from_args(args: argparse.Namespace) -> TlsFiles:
     return TlsFiles(
         cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=getattr(args, "tls_server_name", None)
     )

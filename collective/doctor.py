@@ -79,10 +79,12 @@ def local_checks(environ: Mapping[str, str] | None = None, tls=None) -> list[Che
 
 
 def _tls_check(tls) -> Check:
+    from collective.transport.grpc import channel_credentials
+
     if tls is None or not tls.enabled:
         return Check("tls", None, "TLS: not configured (plaintext); use --tls-ca (and --tls-cert/--tls-key) for a TLS chief")
     try:
-        tls.channel_credentials()
+        channel_credentials(tls)
     except UsageError as exc:
         return Check("tls", False, str(exc))
     mode = "mutual TLS (client certificate " + tls.cert + ")" if tls.cert else "TLS (server verified with " + tls.ca + ")"
@@ -246,11 +248,11 @@ def _health(address: str, timeout: float, tls=None) -> Check:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from collective.transport.grpc import SERVICE
+    from collective.transport.grpc import SERVICE, channel_credentials
 
     if tls is not None and tls.enabled:
         options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-        channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
+        channel = grpc.secure_channel(address, channel_credentials(tls), options=options)
     else:
         channel = grpc.insecure_channel(address)
     try:

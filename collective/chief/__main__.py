@@ -29,13 +29,14 @@ def _run(args: argparse.Namespace) -> int:
     from collective._api import run_chief
     from collective.errors import UsageError
     from collective.sources import load_source
+    from collective.transport.grpc import server_credentials
 
     if args.workers is None:
         raise UsageError("the number of workers is required: pass --workers N or set COLLECTIVE_WORKERS")
     parse_address(args.bind, what="--bind")
     tls = tls_from_args(args)
     if tls.enabled:
-        tls.server_credentials()  # refuse a half-configured TLS setup before loading a big model
+        server_credentials(tls)  # refuse a half-configured TLS setup before loading a big model
     source = load_source(args.model, seed=args.seed)
 
     def on_listening(address: str, port: int) -> None:

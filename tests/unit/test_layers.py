@@ -23,14 +23,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("collective.errors", "collective.dtypes", "collective.digest", "collective.sizes", "collective.logs",
      "collective.entry", "collective.keys", "collective.status", "collective.logmerge", "collective._proto",
      "collective._protogen"),
+    # Settings: timeouts, TLS files, COLLECTIVE_* and the clusters' own variables.
+    ("collective.config", "collective.clusterenv"),
     # Models: variables and where their initial values come from.
     ("collective.model", "collective.variables", "collective.sources"),
     # The plan (the arena's layout, chunks, receivers), who feeds whom, and replicas of it.
     ("collective.plan", "collective.topology", "collective.replicas"),
     # Transports: the interface and its backends.
     ("collective.transport",),
-    # Settings: flags, environment variables, cluster conventions.
-    ("collective.config", "collective.options", "collective.clusterenv"),
+    # The command-line flags of the two roles, and their start.
+    ("collective.options",),
     # The two roles, written once against the transport interface.
     ("collective.chief", "collective.worker"),
     # Round runners: the local launcher and the MPI round.

@@ -16,6 +16,8 @@ health service reports SERVING while the chief serves and NOT_SERVING once it st
 
 from __future__ import annotations
 
+from collective.config import TlsFiles
+
 # The modules, in the order they build on each other: wire (names, limits, frames, errors),
 # tls, admission (the token interceptor), server (servicer, endpoint), client (the link).
 from collective.transport.grpc.admission import BODY_TIMEOUT, RefusalLog
@@ -23,11 +25,12 @@ from collective.transport.grpc.client import GrpcChiefLink
 from collective.transport.grpc.server import CALLS_PER_WORKER, GrpcEndpoint, is_loopback, pool_size
 from collective.transport.grpc.tls import (
     RELAY_NAME,
-    TlsFiles,
+    channel_credentials,
     peer_identities,
     relay_client_tls,
     relay_server_tls,
     self_signed_certificate,
+    server_credentials,
 )
 from collective.transport.grpc.wire import (
     CLIENT_OPTIONS,
@@ -47,5 +50,6 @@ __all__ = [
     "BODY_TIMEOUT", "CALLS_PER_WORKER", "CLIENT_OPTIONS", "DATA_PATH", "ERROR_CLASS_KEY", "MAX_MESSAGE",
     "RAW_FETCH", "RELAY_NAME", "SERVER_OPTIONS", "SERVICE", "TOKEN_HEADER", "GrpcChiefLink", "GrpcEndpoint",
     "RefusalLog", "TlsFiles", "frame", "is_loopback", "peer_identities", "pool_size", "relay_client_tls",
-    "relay_server_tls", "self_signed_certificate", "split_frame", "status_code",
+    "relay_server_tls", "self_signed_certificate", "split_frame", "status_code", "server_credentials",
+    "channel_credentials",
 ]

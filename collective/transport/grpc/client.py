@@ -14,10 +14,11 @@ import numpy as np
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
+from collective.config import TlsFiles
 from collective.logs import printable
 from collective.plan import from_pieces, to_pieces
 from collective.transport.api import ChiefLink
-from collective.transport.grpc.tls import TlsFiles
+from collective.transport.grpc.tls import channel_credentials
 from collective.transport.grpc.wire import (
     CLIENT_OPTIONS,
     DATA_PATH,
@@ -92,7 +93,7 @@ class GrpcChiefLink(ChiefLink):
             return grpc.insecure_channel(self.address, options=options)
         if self.tls.server_name:
             options.append(("grpc.ssl_target_name_override", self.tls.server_name))
-        return grpc.secure_channel(self.address, self.tls.channel_credentials(), options=options)
+        return grpc.secure_channel(self.address, channel_credentials(self.tls), options=options)
 
     def interrupt(self, error: E.CollectiveError) -> None:
         with self._lock:

@@ -16,11 +16,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
+from collective.config import TlsFiles
 from collective.logs import printable
 from collective.plan import from_pieces, to_pieces
 from collective.transport.api import ChiefEndpoint, ChiefHandler
 from collective.transport.grpc.admission import BODY_TIMEOUT, RefusalLog, _Admission, _BodyWatch
-from collective.transport.grpc.tls import TlsFiles, peer_identities
+from collective.transport.grpc.tls import peer_identities, server_credentials
 from collective.transport.grpc.wire import (
     ERROR_CLASS_KEY,
     SERVER_OPTIONS,
@@ -194,7 +195,7 @@ class GrpcEndpoint(ChiefEndpoint):
         self.bind = bind
         self.token = token
         self.tls = tls if tls is not None and tls.enabled else None
-        self._credentials = self.tls.server_credentials() if self.tls else None  # refuse bad setups early
+        self._credentials = server_credentials(self.tls) if self.tls else None  # refuse bad setups early
         self.max_workers = max_workers
         self.name = name
         self.body_timeout = body_timeout

@@ -2,82 +2,39 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import grpc
 
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.config import TlsFiles
 
 # --- TLS -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TlsFiles:
-    """PEM files. Chief: cert+key (its own), ca (clients' CA: mutual TLS, client auth required).
-    Worker: ca (the CA of the chief's certificate), cert+key (its client certificate, for mTLS).
-
-    ``*_pem``: the same in memory instead of a file (a relay's own certificate, see
-    ``relay_server_tls``); a value here wins over the path."""
-
-    cert: str | None = None
-    key: str | None = None
-    ca: str | None = None
-    server_name: str | None = None  # worker: the name the chief's certificate must carry
-    cert_pem: bytes | None = None
-    key_pem: bytes | None = None
-    ca_pem: bytes | None = None
-
-    def has(self, which: str) -> bool:
-        return bool(getattr(self, which) or getattr(self, which + "_pem"))
-
-    @property
-    def enabled(self) -> bool:
-        return any(self.has(w) for w in ("cert", "key", "ca"))
-
-    @property
-    def mutual(self) -> bool:
-        """A worker with a certificate of its own and the CA: mutual TLS."""
-        return self.has("cert") and self.has("ca")
-
-    def read(self, which: str) -> bytes | None:
-        inline = getattr(self, which + "_pem")
-        if inline:
-            return inline
-        path = getattr(self, which)
-        if not path:
-            return None
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read()
-        except OSError as exc:
-            raise E.UsageError(f"--tls-{which} {path}: cannot read it ({exc.strerror})") from None
-        if b"-----BEGIN" not in data:
-            raise E.UsageError(f"--tls-{which} {path}: not a PEM file")
-        return data
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        """Refuses a half-configured chief: cert without key, or a client CA without a cert."""
-        if self.has("cert") != self.has("key"):
-            raise E.UsageError("--tls-cert and --tls-key go together: give the chief's certificate and its key")
-        if self.has("ca") and not self.has("cert"):
-            raise E.UsageError(
-                "--tls-ca (the CA of client certificates) needs the chief's own --tls-cert and --tls-key"
-            )
-        return grpc.ssl_server_credentials(
-            [(self.read("key"), self.read("cert"))],
-            root_certificates=self.read("ca"),
-            require_client_auth=self.has("ca"),  # a client CA always means client auth is required
+def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
+    """Refuses a half-configured chief: cert without key, or a client CA without a cert."""
+    if tls.has("cert") != tls.has("key"):
+        raise E.UsageError("--tls-cert and --tls-key go together: give the chief's certificate and its key")
+    if tls.has("ca") and not tls.has("cert"):
+        raise E.UsageError(
+            "--tls-ca (the CA of client certificates) needs the chief's own --tls-cert and --tls-key"
         )
+    return grpc.ssl_server_credentials(
+        [(tls.read("key"), tls.read("cert"))],
+        root_certificates=tls.read("ca"),
+        require_client_auth=tls.has("ca"),  # a client CA always means client auth is required
+    )
 
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        if self.has("cert") != self.has("key"):
-            raise E.UsageError("--tls-cert and --tls-key go together: give this worker's certificate and its key")
-        if not self.has("ca"):
-            raise E.UsageError("--tls-ca is required with TLS: the CA that signed the chief's certificate")
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.read("ca"), private_key=self.read("key"), certificate_chain=self.read("cert")
-        )
+def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
+    if tls.has("cert") != tls.has("key"):
+        raise E.UsageError("--tls-cert and --tls-key go together: give this worker's certificate and its key")
+    if not tls.has("ca"):
+        raise E.UsageError("--tls-ca is required with TLS: the CA that signed the chief's certificate")
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.read("ca"), private_key=tls.read("key"), certificate_chain=tls.read("cert")
+    )
 
 
 # How a worker's relay is served and verified (children dial it by IP address, which no
