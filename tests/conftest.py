@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from collective import dtypes
+from collective._api import ArraysSource
 from collective.config import Timeouts
-from collective.model import VariableSpec
 
-
-@dataclass
-class ArraySource:
-    """A ModelSource over given arrays (the chief-side fill path, without files)."""
-
-    arrays: dict[str, np.ndarray]
-    description: str = "test arrays"
-
-    def specs(self) -> list[VariableSpec]:
-        return [VariableSpec(n, tuple(a.shape), dtypes.wire(a.dtype)) for n, a in self.arrays.items()]
-
-    def fill(self, spec: VariableSpec, out: np.ndarray) -> None:
-        out[...] = self.arrays[spec.name]
+# The chief-side fill path over given arrays, without files: the Python API's own source.
+ArraySource = ArraysSource
 
 
 FAST = Timeouts(join=5.0, straggler_log=1.0, rpc=5.0, stall=5.0, ready=10.0, start=10.0, linger=2.0)

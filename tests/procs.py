@@ -103,7 +103,12 @@ def error_line(output: str, marker: str = " ERROR ") -> str:
 
 
 class Cluster:
-    """Start a chief and workers by hand; ``close`` kills whatever is still running."""
+    """Start a chief and workers by hand; ``close`` kills whatever is still running.
+
+    Every process gets ``--join-timeout JOIN_TIMEOUT`` unless its arguments name one: long
+    enough for a loaded machine, short enough that a broken test fails within a minute."""
+
+    JOIN_TIMEOUT = "60"
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -114,7 +119,7 @@ class Cluster:
               wrapper: list[str] | None = None) -> Proc:
         port_file = self.tmp / "chief.port"
         p = Proc(["-m", "collective.chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
-                  "--result-file", str(self.tmp / "result.json"), *args], self.tmp / "chief.log", env,
+                  "--result-file", str(self.tmp / "result.json"), *self._defaults(args)], self.tmp / "chief.log", env,
                  wrapper=wrapper)
         self.procs.append(p)
         if wait_port:
@@ -128,10 +133,14 @@ class Cluster:
         while log.exists():  # a second process with the same id (a restart, a twin) gets its own log
             n += 1
             log = self.tmp / f"{name}-{n}.log"
-        p = Proc(["-m", "collective.worker", "--chief", chief or self.address, "--worker-id", name, *args], log, env,
-                 sigint_ignored=sigint_ignored)
+        p = Proc(["-m", "collective.worker", "--chief", chief or self.address, "--worker-id", name,
+                  *self._defaults(args)], log, env, sigint_ignored=sigint_ignored)
         self.procs.append(p)
         return p
+
+    def _defaults(self, args: tuple[str, ...]) -> list[str]:
+        given = any(a == "--join-timeout" or a.startswith("--join-timeout=") for a in args)
+        return [*args] if given else [*args, "--join-timeout", self.JOIN_TIMEOUT]
 
     def close(self) -> None:
         for p in self.procs:

@@ -204,8 +204,8 @@ def test_an_unreachable_chief_is_named_by_the_worker(cluster):
 
 def test_a_chief_killed_while_workers_wait_is_named_by_them(cluster):
     hb = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5"]
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *hb)
-    worker = cluster.worker("waiting", "--join-timeout", "60", *hb)
+    chief = cluster.chief("--workers", "2", *hb)
+    worker = cluster.worker("waiting", *hb)
     wait_for(worker, "waiting for the plan")
     chief.signal(signal.SIGKILL)
     assert worker.wait(30) != 0

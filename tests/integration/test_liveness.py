@@ -22,9 +22,9 @@ HB = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5"]
 
 def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster):
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
-                          "--join-timeout", "60", "--no-shm", *HB)  # the network stream, cut off mid-way
-    victim = cluster.worker("victim", "--join-timeout", "60", *HB)
-    other = cluster.worker("other", "--join-timeout", "60", *HB)
+                          "--no-shm", *HB)  # the network stream, cut off mid-way
+    victim = cluster.worker("victim", *HB)
+    other = cluster.worker("other", *HB)
     wait_for(victim, "phase=receive")
     victim.signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -39,12 +39,12 @@ def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster
 
 
 def test_a_frozen_worker_is_caught_by_the_lease_and_learns_of_the_abort_after_sigcont(cluster):
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
-    frozen = cluster.worker("frozen", "--join-timeout", "60", *HB)
+    chief = cluster.chief("--workers", "2", *HB)
+    frozen = cluster.worker("frozen", *HB)
     wait_for(frozen, "waiting for the plan")
     frozen.signal(signal.SIGSTOP)
     try:
-        other = cluster.worker("other", "--join-timeout", "60", *HB)
+        other = cluster.worker("other", *HB)
         assert chief.wait(30) != 0
         aborted = error_line(chief.output(), "round aborted:")
         assert "worker frozen (rank" in aborted and "no heartbeat" in aborted, aborted
@@ -56,21 +56,21 @@ def test_a_frozen_worker_is_caught_by_the_lease_and_learns_of_the_abort_after_si
 
 
 def test_a_worker_killed_before_the_broadcast_frees_its_slot_for_its_restart(cluster):
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
-    first = cluster.worker("w0", "--join-timeout", "60", *HB)
+    chief = cluster.chief("--workers", "2", *HB)
+    first = cluster.worker("w0", *HB)
     wait_for(first, "waiting for the plan")
     first.signal(signal.SIGKILL)
     wait_for(chief, "its slot is free again")
-    restarted = cluster.worker("w0", "--join-timeout", "60", *HB)
-    other = cluster.worker("w1", "--join-timeout", "60", *HB)
+    restarted = cluster.worker("w0", *HB)
+    other = cluster.worker("w1", *HB)
     assert restarted.wait(60) == 0, restarted.output()
     assert other.wait(60) == 0, other.output()
     assert chief.wait(30) == 0, chief.output()
 
 
 def test_a_frozen_chief_is_named_by_its_workers_within_the_lease(cluster):
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
-    worker = cluster.worker("patient", "--join-timeout", "60", *HB)
+    chief = cluster.chief("--workers", "2", *HB)
+    worker = cluster.worker("patient", *HB)
     wait_for(worker, "waiting for the plan")
     chief.signal(signal.SIGSTOP)
     try:
@@ -84,8 +84,8 @@ def test_a_frozen_chief_is_named_by_its_workers_within_the_lease(cluster):
 
 
 def test_sigterm_to_the_chief_tells_every_worker_it_is_shutting_down(cluster):
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
-    worker = cluster.worker("w0", "--join-timeout", "60", *HB)
+    chief = cluster.chief("--workers", "2", *HB)
+    worker = cluster.worker("w0", *HB)
     wait_for(worker, "waiting for the plan")
     chief.signal(signal.SIGTERM)
     assert chief.wait(30) != 0
@@ -96,8 +96,8 @@ def test_sigterm_to_the_chief_tells_every_worker_it_is_shutting_down(cluster):
 
 def test_a_chief_killed_mid_broadcast_fails_every_worker_fast(cluster):
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
-                          "--join-timeout", "60", "--no-shm", *HB)
-    workers = [cluster.worker(f"w{i}", "--join-timeout", "60", *HB) for i in range(2)]
+                          "--no-shm", *HB)
+    workers = [cluster.worker(f"w{i}", *HB) for i in range(2)]
     wait_for(workers[0], "phase=receive")
     chief.signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -109,14 +109,14 @@ def test_a_chief_killed_mid_broadcast_fails_every_worker_fast(cluster):
 
 
 def test_a_restarted_chief_makes_connected_workers_abort_naming_the_restart(cluster, tmp_path):
-    first = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
+    first = cluster.chief("--workers", "2", *HB)
     port = cluster.address.rsplit(":", 1)[1]
-    worker = cluster.worker("loyal", "--join-timeout", "60", *HB)
+    worker = cluster.worker("loyal", *HB)
     wait_for(worker, "waiting for the plan")
     first.signal(signal.SIGKILL)
     first.wait(10)
     (tmp_path / "chief.port").unlink()
-    cluster.chief("--workers", "2", "--join-timeout", "60", "--bind", f"127.0.0.1:{port}", *HB)
+    cluster.chief("--workers", "2", "--bind", f"127.0.0.1:{port}", *HB)
     assert worker.wait(30) != 0
     out = worker.output()
     assert "restarted" in out, out
@@ -124,23 +124,23 @@ def test_a_restarted_chief_makes_connected_workers_abort_naming_the_restart(clus
 
 
 def test_a_late_joiner_inside_the_join_window_still_makes_the_round(cluster):
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
-    early = cluster.worker("early", "--join-timeout", "60", *HB)
+    chief = cluster.chief("--workers", "2", *HB)
+    early = cluster.worker("early", *HB)
     wait_for(early, "waiting for the plan")
     time.sleep(1.0)  # the scenario (lateness: several heartbeats pass), not a synchronisation
-    late = cluster.worker("late", "--join-timeout", "60", *HB)
+    late = cluster.worker("late", *HB)
     assert late.wait(60) == 0 and early.wait(60) == 0
     assert chief.wait(30) == 0
 
 
 def test_two_live_processes_claiming_one_id_the_second_is_refused_and_the_first_keeps_its_rank(cluster):
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *HB)
-    first = cluster.worker("twin", "--rank", "1", "--join-timeout", "60", *HB)
+    chief = cluster.chief("--workers", "2", *HB)
+    first = cluster.worker("twin", "--rank", "1", *HB)
     wait_for(first, "as rank 1 of 2")
-    second = cluster.worker("twin", "--join-timeout", "60", *HB)
+    second = cluster.worker("twin", *HB)
     assert second.wait(30) != 0
     assert "worker id 'twin' is held by incarnation" in second.output()
-    other = cluster.worker("other", "--join-timeout", "60", *HB)
+    other = cluster.worker("other", *HB)
     assert first.wait(60) == 0 and other.wait(60) == 0
     assert chief.wait(30) == 0
     assert "as rank 1 of 2" in first.output()
@@ -148,13 +148,13 @@ def test_two_live_processes_claiming_one_id_the_second_is_refused_and_the_first_
 
 def test_a_worker_restarted_after_the_broadcast_began_aborts_the_round_naming_it(cluster):
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
-                          "--join-timeout", "60", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
-    old = cluster.worker("phoenix", "--join-timeout", "60", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
-    other = cluster.worker("other", "--join-timeout", "60", *HB)
+                          "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
+    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
+    other = cluster.worker("other", *HB)
     wait_for(old, "phase=receive")
     old.signal(signal.SIGSTOP)  # frozen, its connection still open: only the restart can tell
     try:
-        reborn = cluster.worker("phoenix", "--join-timeout", "60", *HB)
+        reborn = cluster.worker("phoenix", *HB)
         assert chief.wait(30) != 0
         aborted = error_line(chief.output(), "round aborted:")
         assert "worker phoenix (rank" in aborted and "restarted" in aborted, aborted
@@ -168,8 +168,8 @@ def test_sigterm_mid_broadcast_tells_everyone_and_releases_the_port(cluster):
     import socket
 
     chief = cluster.chief("--workers", "1", "--model", "transformer-100m", "--chunk-bytes", "65536",
-                          "--join-timeout", "60", "--no-shm", *HB)
-    worker = cluster.worker("w0", "--join-timeout", "60", *HB)
+                          "--no-shm", *HB)
+    worker = cluster.worker("w0", *HB)
     wait_for(worker, "phase=receive")
     chief.signal(signal.SIGTERM)
     assert chief.wait(30) != 0
@@ -184,8 +184,8 @@ def test_sigterm_mid_broadcast_tells_everyone_and_releases_the_port(cluster):
 @pytest.mark.parametrize("topology", ["chain", "tree"])
 def test_relay_topologies_deliver_bit_exact_replicas(cluster, topology):
     chief = cluster.chief("--workers", "3", "--topology", topology, "--no-shm", "--chunk-bytes", "65536",
-                          "--join-timeout", "60", *HB)
-    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--join-timeout", "60", *HB) for i in range(3)]
+                          *HB)
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), *HB) for i in range(3)]
     for w in workers:
         assert w.wait(60) == 0, w.output()
     assert chief.wait(30) == 0, chief.output()
@@ -198,9 +198,9 @@ def test_relay_topologies_deliver_bit_exact_replicas(cluster, topology):
 
 def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
     chief = cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
-                          "--chunk-bytes", "65536", "--join-timeout", "60", *HB)
-    relay = cluster.worker("relay", "--rank", "0", "--join-timeout", "60", *HB)
-    downstream = [cluster.worker(f"d{i}", "--rank", str(i), "--join-timeout", "60", *HB) for i in (1, 2)]
+                          "--chunk-bytes", "65536", *HB)
+    relay = cluster.worker("relay", "--rank", "0", *HB)
+    downstream = [cluster.worker(f"d{i}", "--rank", str(i), *HB) for i in (1, 2)]
     wait_for(relay, "relaying to worker d1")
     relay.signal(signal.SIGKILL)
     assert chief.wait(30) != 0
@@ -236,7 +236,7 @@ def test_a_relay_that_forwards_corrupted_bytes_is_named_and_start_is_never_relea
     from tests.procs import Proc
 
     chief = cluster.chief("--workers", "3", "--topology", topology, "--no-shm", "--chunk-bytes", "65536",
-                          "--join-timeout", "60", *HB)
+                          *HB)
     workers = []
     for i in range(3):
         args = ["--chief", cluster.address, "--worker-id", f"w{i}", "--rank", str(i), "--join-timeout", "60", *HB]
@@ -273,13 +273,13 @@ def test_a_worker_killed_between_two_calls_is_named_through_its_presence_call(cl
     """No call of the victim is open when it dies (its stream ended, its ready report has not
     started) and the lease is 60 s: only the presence call can tell the chief in time."""
     lease = ["--heartbeat-interval", "1", "--heartbeat-timeout", "60"]
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60", *lease)
+    chief = cluster.chief("--workers", "2", *lease)
     from tests.procs import Proc
 
     victim = Proc(["-c", _SLOW_VERIFY, "--chief", cluster.address, "--worker-id", "victim", "--join-timeout", "60",
                    *lease], cluster.tmp / "victim-slow.log")
     cluster.procs.append(victim)
-    other = cluster.worker("other", "--join-timeout", "60", *lease)
+    other = cluster.worker("other", *lease)
     wait_for(victim, "VERIFYING")
     victim.signal(signal.SIGKILL)
     assert chief.wait(30) != 0
@@ -291,8 +291,8 @@ def test_a_worker_killed_between_two_calls_is_named_through_its_presence_call(cl
 
 def test_ctrl_c_on_the_chief_tells_every_worker_at_once_and_blames_no_worker(cluster):
     # Default heartbeats (lease 15 s): a worker that exits within 10 s heard it from the chief.
-    chief = cluster.chief("--workers", "2", "--join-timeout", "60")
-    worker = cluster.worker("w0", "--join-timeout", "60")
+    chief = cluster.chief("--workers", "2")
+    worker = cluster.worker("w0")
     wait_for(worker, "waiting for the plan")
     wait_for(chief, "worker w0 (rank 0")
     chief.signal(signal.SIGINT)
@@ -309,8 +309,8 @@ def test_ctrl_c_on_the_chief_tells_every_worker_at_once_and_blames_no_worker(clu
 def test_ctrl_c_on_a_worker_ends_it_with_one_line_and_exit_130(cluster, started):
     # A script's `worker &` (and CI's own runner) hands SIGINT down as SIG_IGN; the worker
     # must still hear the SIGINT a user or a launcher sends it.
-    cluster.chief("--workers", "2", "--join-timeout", "60")
-    worker = cluster.worker("w0", "--join-timeout", "60", sigint_ignored=started != "in the foreground")
+    cluster.chief("--workers", "2")
+    worker = cluster.worker("w0", sigint_ignored=started != "in the foreground")
     wait_for(worker, "waiting for the plan")
     worker.signal(signal.SIGINT)
     assert worker.wait(10) == 130
@@ -321,10 +321,10 @@ def test_ctrl_c_on_a_worker_ends_it_with_one_line_and_exit_130(cluster, started)
 
 def test_a_worker_beyond_workers_is_refused_and_the_chief_logs_it(cluster):
     chief = cluster.chief("--workers", "1", "--model", "transformer-100m", "--chunk-bytes", "65536",
-                          "--join-timeout", "60", "--no-shm", *HB)
-    member = cluster.worker("member", "--join-timeout", "60", *HB)
+                          "--no-shm", *HB)
+    member = cluster.worker("member", *HB)
     wait_for(member, "phase=receive")
-    extra = cluster.worker("extra", "--join-timeout", "60", *HB)
+    extra = cluster.worker("extra", *HB)
     assert extra.wait(30) != 0
     assert "worker 'extra'" in extra.output() and "joins are closed" in extra.output()
     assert member.wait(60) == 0, member.output()
@@ -337,8 +337,8 @@ def test_a_frozen_chief_mid_broadcast_is_named_by_every_worker_of_a_chain_within
     """Each worker watches the chief through its own heartbeats, whoever feeds it data: a
     relay-fed worker must not wait for its parent to notice first (one lease per hop)."""
     chief = cluster.chief("--workers", "4", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
-                          "--chunk-bytes", "65536", "--join-timeout", "60", *HB)
-    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", "--join-timeout", "60", *HB) for i in range(4)]
+                          "--chunk-bytes", "65536", *HB)
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *HB) for i in range(4)]
     wait_for(workers[2], "relaying to worker w3")  # bytes are moving down the whole chain
     chief.signal(signal.SIGSTOP)
     t0 = time.monotonic()
@@ -362,8 +362,8 @@ def test_a_frozen_relay_parent_is_named_by_its_children_not_the_chief(cluster):
     """A relay worker frozen mid-broadcast: the chief's lease names it, and the workers below
     it hear that at once (their stream from the frozen relay is cut), naming the parent."""
     chief = cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
-                          "--chunk-bytes", "65536", "--join-timeout", "60", *HB)
-    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", "--join-timeout", "60", *HB) for i in range(3)]
+                          "--chunk-bytes", "65536", *HB)
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *HB) for i in range(3)]
     wait_for(workers[1], "relaying to worker w2")
     workers[0].signal(signal.SIGSTOP)
     t0 = time.monotonic()

@@ -21,7 +21,7 @@ def status(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_status_names_the_joined_worker_and_who_is_still_missing(cluster):
-    cluster.chief("--workers", "2", "--join-timeout", "60", env={"COLLECTIVE_TOKEN": "t0k"})
+    cluster.chief("--workers", "2", env={"COLLECTIVE_TOKEN": "t0k"})
     w = cluster.worker("early-bird", "--devices", "cpu:0,cpu:1", env={"COLLECTIVE_TOKEN": "t0k"})
     wait_until(lambda: "waiting for the plan" in w.output(), "the worker's join")
     proc = status("--chief", cluster.address, "--token", "t0k", "--json")
@@ -41,14 +41,14 @@ def test_status_names_the_joined_worker_and_who_is_still_missing(cluster):
 
 
 def test_status_with_a_wrong_token_is_refused_with_exit_2(cluster):
-    cluster.chief("--workers", "1", "--join-timeout", "60", env={"COLLECTIVE_TOKEN": "right"})
+    cluster.chief("--workers", "1", env={"COLLECTIVE_TOKEN": "right"})
     proc = status("--chief", cluster.address, "--token", "wrong")
     assert proc.returncode == 2
     assert "refused the cluster token" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_status_watch_follows_the_round_until_start(cluster, tmp_path):
-    cluster.chief("--workers", "1", "--join-timeout", "60")
+    cluster.chief("--workers", "1")
     out_path = tmp_path / "watch.out"
     with open(out_path, "w") as out_fh:
         watcher = subprocess.Popen(
@@ -79,8 +79,8 @@ def test_status_shows_the_bytes_of_workers_fed_by_a_relay(cluster):
     # The default 5 s between heartbeats: while relay-fed, a worker beats every second anyway.
     hb = ["--heartbeat-interval", "5", "--heartbeat-timeout", "30"]
     cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
-                  "--chunk-bytes", "65536", "--join-timeout", "60", *hb)
-    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", "--join-timeout", "60", *hb) for i in range(3)]
+                  "--chunk-bytes", "65536", *hb)
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *hb) for i in range(3)]
     link = GrpcChiefLink(cluster.address)
     try:
         deadline = time.monotonic() + 60

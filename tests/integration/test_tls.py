@@ -107,7 +107,7 @@ def _chain_round(cluster, chief_args, worker_args):
     """A chain of three workers over the network: rank 0 from the chief, 1 from 0's relay, 2 from 1's."""
     chief = cluster.chief(*CHAIN, *chief_args)
     ids = ["worker-1", "worker-2", "worker-3"]
-    workers = [cluster.worker(w, "--rank", str(i), "--no-shm", "--join-timeout", "60", *worker_args(w))
+    workers = [cluster.worker(w, "--rank", str(i), "--no-shm", *worker_args(w))
                for i, w in enumerate(ids)]
     for w in workers:
         assert w.wait(90) == 0, w.output()
