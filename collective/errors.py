@@ -14,10 +14,24 @@ from __future__ import annotations
 
 
 class CollectiveError(Exception):
-    """Base class of every error this project raises on purpose."""
+    """Base class of every error this project raises on purpose.
+
+    ``culprit``: who is at fault when one party is (a worker id, ``chief``), else None;
+    ``phase``: the round's phase it happened in (``join``, ``receive``, ``ready``...), else
+    None. Both travel with the error over every transport, so a worker's error names the
+    culprit the chief named, and tests (and callers) read them instead of the message."""
 
     code = "ABORTED"
     exit_code = 1
+
+    def __init__(self, *args: object, culprit: str | None = None, phase: str | None = None) -> None:
+        super().__init__(*args)
+        self.culprit = culprit
+        self.phase = phase
+
+    def same_round(self, message: str | None = None) -> AbortedError:
+        """This error as every other member hears it: AbortedError, same culprit and phase."""
+        return AbortedError(str(self) if message is None else message, culprit=self.culprit, phase=self.phase)
 
 
 class UsageError(CollectiveError):
@@ -156,3 +170,15 @@ def wire_class(name: str | None, code: str | None) -> type[CollectiveError]:
     by name when it is ours, else by code, else AbortedError (any other failure aborts)."""
     by_name = {cls.__name__: cls for cls in family()}
     return by_name.get(name or "") or FROM_CODE.get(code or "", AbortedError)
+
+
+def describe(exc: CollectiveError) -> dict[str, str | None]:
+    """What travels beside an error's message: its class name, culprit and phase."""
+    return {"class": type(exc).__name__, "culprit": exc.culprit, "phase": exc.phase}
+
+
+def rebuild(info: dict | None, code: str | None, message: str) -> CollectiveError:
+    """The error ``describe`` described (its class by name, else by ``code``), with ``message``."""
+    info = info or {}
+    cls = wire_class(info.get("class"), code)
+    return cls(message, culprit=info.get("culprit"), phase=info.get("phase"))

@@ -223,14 +223,16 @@ class HeartbeatReply(_message.Message):
     def __init__(self, chief_incarnation: _Optional[str] = ..., phase: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("worker", "phase", "message")
+    __slots__ = ("worker", "phase", "message", "culprit")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CULPRIT_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerRef
     phase: str
     message: str
-    def __init__(self, worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., phase: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    culprit: str
+    def __init__(self, worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., phase: _Optional[str] = ..., message: _Optional[str] = ..., culprit: _Optional[str] = ...) -> None: ...
 
 class FailureReply(_message.Message):
     __slots__ = ()

@@ -154,7 +154,7 @@ class ChiefService:
             if m is not None and m.incarnation == ref.incarnation:
                 m.told = True
                 self._cond.notify_all()  # supervise() lingers until every worker has heard
-            raise AbortedError(str(self._error))
+            raise self._error.same_round()
         m = self._members.get(ref.worker_id)
         if m is None:
             raise PreconditionError(
@@ -200,7 +200,7 @@ class ChiefService:
     def _admit(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
         """The body of ``join`` (the lock held): admit the worker or raise why not."""
         if self._phase is Phase.FAILED:
-            raise AbortedError(str(self._error))
+            raise self._error.same_round()
         if not req.worker_id:
             raise ProtocolError(f"join from {peer} has no worker id")
         try:
@@ -215,7 +215,8 @@ class ChiefService:
             if self._phase is not Phase.JOINING:
                 err = AbortedError(
                     f"{existing.name()} restarted (incarnation {req.incarnation}, was "
-                    f"{existing.incarnation}) after the broadcast began; the round cannot go on"
+                    f"{existing.incarnation}) after the broadcast began; the round cannot go on",
+                    culprit=existing.worker_id, phase="broadcast",
                 )
                 self.fail(err)
                 raise err
@@ -366,7 +367,7 @@ class ChiefService:
                 with self._cond:
                     for m in members:
                         m.told = True
-                raise AbortedError(str(self._error))
+                raise self._error.same_round()
             yield chunk, data
             for m in members:
                 m.bytes_sent += len(data)
@@ -408,10 +409,10 @@ class ChiefService:
                                         f"ReportReady comes after GetPlan and the data stream")
             problem = report_problem(self._plan, m, req)
             if problem is not None:
-                err = IntegrityError(f"{m.name()}: {problem}")
+                err = IntegrityError(f"{m.name()}: {problem}", culprit=m.worker_id, phase="ready")
                 self.fail(err)  # the lock is reentrant
                 m.told = True
-                raise AbortedError(str(err))
+                raise err.same_round()
             m.phase, m.worker_digest = "ready", req.worker_digest
             m.bytes_reported = int(self.arena.nbytes)  # its digests prove it holds every byte
             ready = sum(1 for x in self._members.values() if x.phase == "ready")
@@ -445,7 +446,7 @@ class ChiefService:
         with self._cond:
             self._wait(lambda: self._phase is not Phase.JOINING, timeout)
             if self._phase is Phase.FAILED:
-                raise AbortedError(str(self._error))
+                raise self._error.same_round()
             if self._plan is None:
                 raise DeadlineError(f"plan not released within {timeout:g} s: {self._joined_summary()}")
             return self._plan
@@ -458,10 +459,10 @@ class ChiefService:
             if m is None:
                 raise PreconditionError("this chief does not train: it holds no replicas of its own")
             if self._phase is Phase.FAILED:
-                raise AbortedError(str(self._error))
+                raise self._error.same_round()
             problem = report_problem(self._plan, m, req)
             if problem is not None:
-                err = IntegrityError(f"{m.name()}: {problem}")
+                err = IntegrityError(f"{m.name()}: {problem}", culprit=m.worker_id, phase="ready")
                 self.fail(err)
                 raise err
             m.phase, m.worker_digest = "ready", req.worker_digest
@@ -485,7 +486,7 @@ class ChiefService:
             self._wait(lambda: self._phase is not Phase.BROADCASTING or all(x.prepared for x in members), timeout)
             if self._phase is Phase.FAILED:
                 m.told = True
-                raise AbortedError(str(self._error))
+                raise self._error.same_round()
             if not all(x.prepared for x in members):
                 late = ", ".join(x.name() for x in members if not x.prepared)
                 raise DeadlineError(f"not every worker prepared within {timeout:g} s; waiting for: {late}")
@@ -516,7 +517,9 @@ class ChiefService:
         with self._cond:
             m = self._member(req.worker)
             m.phase, m.told = "failed", True
-            self.fail(AbortedError(f"{m.name()} failed during {logs.printable(req.phase or 'the round')}: {logs.printable(req.message, limit=4000)}"))
+            self.fail(AbortedError(f"{m.name()} failed during {logs.printable(req.phase or 'the round')}: "
+                                   f"{logs.printable(req.message, limit=4000)}",
+                                   culprit=req.culprit or m.worker_id, phase=req.phase or None))
             return pb.FailureReply()
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
@@ -567,7 +570,8 @@ class ChiefService:
                 # A process that is gone cannot be told; one that is only silent (frozen, link
                 # cut) may come back within the linger time and hear the outcome.
                 m.told = "no heartbeat" not in reason
-                self.fail(AbortedError(f"{m.name()} was lost during the broadcast: {reason}"))
+                self.fail(AbortedError(f"{m.name()} was lost during the broadcast: {reason}",
+                                       culprit=m.worker_id, phase="broadcast"))
 
     def _check_leases(self) -> None:
         if not self.heartbeats or self._phase not in (Phase.JOINING, Phase.BROADCASTING):
@@ -632,7 +636,7 @@ class ChiefService:
                     ranks = ",".join(str(r) for r in range(self.num_workers) if r not in taken)
                     err = JoinTimeoutError(
                         f"{self._joined_summary()}; missing: {missing} worker(s) for rank(s) {ranks} "
-                        f"after the {t.join:g} s join timeout"
+                        f"after the {t.join:g} s join timeout", phase="join"
                     )
                     self.fail(err)  # the lock is reentrant
                     break
@@ -643,7 +647,9 @@ class ChiefService:
             while self._phase is Phase.BROADCASTING:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    err = DeadlineError(f"not every worker was ready within {t.ready:g} s; not ready: {self._waiting_for()}")
+                    late = [m.worker_id for m in self._members.values() if m.phase not in ("ready", "started")]
+                    err = DeadlineError(f"not every worker was ready within {t.ready:g} s; not ready: {self._waiting_for()}",
+                                        culprit=late[0] if len(late) == 1 else None, phase="broadcast")
                     self.fail(err)  # the lock is reentrant
                     break
                 self._check_leases()

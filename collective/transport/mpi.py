@@ -60,7 +60,7 @@ def encode_outcome(fn: Callable[[], object]) -> bytes:
 
 
 def encode_error(exc: E.CollectiveError) -> bytes:
-    return bytes([_ERR]) + json.dumps({"class": type(exc).__name__, "code": exc.code, "message": str(exc)}).encode()
+    return bytes([_ERR]) + json.dumps({**E.describe(exc), "code": exc.code, "message": str(exc)}).encode()
 
 
 def decode_outcome(data: bytes, cls):
@@ -70,8 +70,7 @@ def decode_outcome(data: bytes, cls):
     if data[0] == _OK:
         return cls.FromString(data[1:])
     info = json.loads(data[1:].decode())
-    err_cls = E.wire_class(info.get("class"), info.get("code"))
-    raise err_cls(info.get("message", "the chief reported an error"))
+    raise E.rebuild(info, info.get("code"), info.get("message", "the chief reported an error"))
 
 
 def pack(items: list[bytes]) -> bytes:

@@ -31,8 +31,9 @@ this path as on FetchRaw:
 
 Frames, server to client: ``<BIQ`` (kind, metadata length, data length), the metadata, the data.
 Kind 0: a chunk (metadata a ``Chunk`` without data). Kind 1: an error (metadata
-``<code> <class>\\n<message>``, UTF-8: the ``errors`` table's status code name and class name;
-the class is absent for a refusal before the stream), the last frame of the stream.
+``<code> <raised>\\n<message>``, UTF-8: the ``errors`` table's status code name and, as JSON,
+``errors.describe`` (class, culprit, phase; absent for a refusal before the stream)), the last
+frame of the stream.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from __future__ import annotations
 import collections
 import errno
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -279,14 +281,15 @@ class DataServer:
                 meta = msg.SerializeToString()
                 _send_all(conn, [_HEAD.pack(CHUNK, len(meta), len(data)), meta, data])
         except E.CollectiveError as exc:
-            self._send_error(conn, f"{exc.code} {type(exc).__name__}", str(exc))
+            self._send_error(conn, exc.code, str(exc), E.describe(exc))
         except (OSError, ssl.SSLError) as exc:
             log.info("data stream to %s (%s) cut off: %s", ref.worker_id, where, exc)
             self._handler.lost(ref, "its data stream call was cut off (process gone or connection lost)")
 
     @staticmethod
-    def _send_error(conn: socket.socket, code: str, message: str) -> None:
-        body = f"{code}\n{message}".encode()
+    def _send_error(conn: socket.socket, code: str, message: str, raised: dict | None = None) -> None:
+        head = f"{code} {json.dumps(raised)}" if raised else code
+        body = f"{head}\n{message}".encode()
         try:
             _send_all(conn, [_HEAD.pack(ERROR, len(body), 0), body])
         except (OSError, ssl.SSLError):
@@ -363,7 +366,7 @@ def receive(sock: socket.socket, ref: pb.WorkerRef, token: str | None, receiver,
             track: Callable, untrack: Callable, fail: Callable[[str, str], E.CollectiveError]) -> None:
     """Ask for the stream on the connected ``sock`` and feed it to ``receiver`` in place.
 
-    ``fail(code, name, message)`` builds the error of an error frame; ``socket.timeout`` (nothing for
+    ``fail(code, raised, message)`` builds the error of an error frame; ``socket.timeout`` (nothing for
     ``stall_timeout`` s), ConnectionError and ssl errors reach the caller as they are.
     """
     cancel = _Cancel(sock)
@@ -383,8 +386,12 @@ def receive(sock: socket.socket, ref: pb.WorkerRef, token: str | None, receiver,
             _recv_exact(sock, meta)
             if kind == ERROR:
                 head_line, _, message = bytes(meta).decode(errors="replace").partition("\n")
-                code, _, name = head_line.partition(" ")
-                raise fail(code, name or None, message)
+                code, _, raised = head_line.partition(" ")
+                try:
+                    info = json.loads(raised) if raised else None
+                except ValueError:
+                    info = None
+                raise fail(code, info if isinstance(info, dict) else None, message)
             try:
                 msg = pb.Chunk.FromString(bytes(meta))
             except DecodeError as exc:

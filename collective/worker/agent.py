@@ -83,7 +83,7 @@ class _Watched:
 
     def __init__(self, receiver: Receiver, agent: WorkerAgent) -> None:
         self._r, self._agent = receiver, agent
-        self.relay: str | None = None  # the relay worker the bytes come from, if not the chief
+        self.relay: tuple[str, str] | None = None  # (name, worker id) of the relay feeding it, if any
 
     @property
     def plan(self) -> pb.Plan:
@@ -108,8 +108,9 @@ class _Watched:
                 raise
             # The plan's digests are the chief's, and the relay's own copy is checked against
             # them as it lands: bytes that differ here were changed by the relay or its link.
-            blamed = IntegrityError(f"{exc}; the bytes came from {self.relay}: its relay or the link "
-                                    f"from it changed them")
+            name, relay_id = self.relay
+            blamed = IntegrityError(f"{exc}; the bytes came from {name}: its relay or the link "
+                                    f"from it changed them", culprit=relay_id, phase="receive")
             self._agent._report_failure(blamed)
             raise blamed from exc
         except CollectiveError as exc:
@@ -295,7 +296,7 @@ class WorkerAgent:
             parent = next(w for w in plan.workers if w.rank == me.parent)
             name = f"relay worker {parent.worker_id} (rank {parent.rank})"
             source = self.connect(parent, name)
-            receiver.relay = name
+            receiver.relay = (name, parent.worker_id)
             self._fed_by_chief = False
             with self._beat:
                 self._source = source
@@ -305,7 +306,7 @@ class WorkerAgent:
             try:
                 source.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
             except (ChiefUnreachableError, AbortedError, DeadlineError) as exc:
-                raise self._relay_failed(name, exc) from exc
+                raise self._relay_failed(name, parent.worker_id, exc) from exc
             finally:
                 with self._beat:
                     self._source = None
@@ -317,7 +318,7 @@ class WorkerAgent:
         del receiver  # the last view of the writable mapping: the seal needs it gone
         return served.complete(), digests
 
-    def _relay_failed(self, name: str, exc: CollectiveError) -> CollectiveError:
+    def _relay_failed(self, name: str, relay_id: str, exc: CollectiveError) -> CollectiveError:
         """The relay this worker receives from failed: find who is to blame.
 
         A parent fails when the chief is gone as well (it found out first) or when the round
@@ -337,7 +338,8 @@ class WorkerAgent:
             )
             if self._verdict is not None:
                 return self._verdict
-        return RelayError(f"{name}, which this worker receives from, failed during receive: {exc}")
+        return RelayError(f"{name}, which this worker receives from, failed during receive: {exc}",
+                          culprit=relay_id, phase="receive")
 
     def _prepared(self, plan: pb.Plan) -> None:
         """Once: tell the chief this worker is ready for bytes, and wait until every worker is."""
@@ -351,7 +353,8 @@ class WorkerAgent:
             return
         self._reported = True
         self.link.report_failure(
-            pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc)),
+            pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc),
+                             culprit=exc.culprit or ""),
             timeout=min(5.0, self.timeouts.rpc),
         )
 

@@ -203,10 +203,11 @@ def test_a_collective_error_in_a_handler_keeps_its_class_on_the_client(broken_ch
 
 @pytest.mark.parametrize("cls", ERROR_FAMILY, ids=lambda c: c.__name__)
 def test_every_error_class_a_handler_raises_arrives_as_that_class_with_its_exit_code(broken_chief, cls, monkeypatch):
-    monkeypatch.setattr(BrokenHandler, "error", cls("refused for a test"))
+    monkeypatch.setattr(BrokenHandler, "error", cls("refused for a test", culprit="wörker-7", phase="join"))
     with pytest.raises(cls, match="refused for a test") as info:
         broken_chief.join(pb.JoinRequest(worker_id="w0"), timeout=5)
     assert type(info.value) is cls and info.value.exit_code == cls.exit_code
+    assert (info.value.culprit, info.value.phase) == ("wörker-7", "join")  # not ASCII: the -bin key
 
 
 @pytest.mark.parametrize("cls", ERROR_FAMILY, ids=lambda c: c.__name__)
@@ -214,8 +215,8 @@ def test_every_error_class_crosses_the_mpi_codec_as_that_class(cls):
     from collective.transport.mpi import decode_outcome, encode_error
 
     with pytest.raises(cls, match="refused for a test") as info:
-        decode_outcome(encode_error(cls("refused for a test")), pb.JoinReply)
-    assert type(info.value) is cls
+        decode_outcome(encode_error(cls("refused for a test", culprit="mpi-rank-2", phase="ready")), pb.JoinReply)
+    assert type(info.value) is cls and (info.value.culprit, info.value.phase) == ("mpi-rank-2", "ready")
 
 
 def test_a_relay_answers_unimplemented_to_every_call_but_the_data_stream():

@@ -5,6 +5,7 @@ Heartbeats are shrunk (every 0.3 s, dead after 1.5 s) so every case ends in seco
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -32,6 +33,8 @@ def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster
     detected = time.monotonic() - t0
     aborted = error_line(chief.output(), "round aborted:")  # the join line names every worker too
     assert "worker victim (rank" in aborted and "lost during the broadcast" in aborted, aborted
+    result = json.loads((cluster.tmp / "result.json").read_text())
+    assert (result["culprit"], result["error_phase"]) == ("victim", "broadcast"), result
     assert other.wait(30) != 0
     assert "victim" in error_line(other.output())
     assert "training started" not in chief.output() + other.output()
@@ -249,6 +252,9 @@ def test_a_relay_that_forwards_corrupted_bytes_is_named_and_start_is_never_relea
     aborted = error_line(chief.output(), "round aborted:")
     assert "worker w2 (rank 2" in aborted and "differ from the chief's" in aborted, aborted
     assert f"the bytes came from relay worker w{liar} (rank {liar}): its relay or the link from it changed them" in aborted
+    # The culprit is the relay, not the worker that found the bad bytes.
+    result = json.loads((cluster.tmp / "result.json").read_text())
+    assert (result["culprit"], result["error_phase"]) == (f"w{liar}", "receive"), result
     for w in workers:
         assert w.wait(30) != 0
         assert "training started" not in w.output()

@@ -76,7 +76,7 @@ def certs(tmp_path_factory):
 
 def failure(link):
     """How the link turns an error frame into its exception (as for gRPC status codes)."""
-    return lambda code, name, message: link._error_of(getattr(grpc.StatusCode, code), message, "receive", 5, name)
+    return lambda code, raised, message: link._error_of(getattr(grpc.StatusCode, code), message, "receive", 5, raised)
 
 
 def serve(handler, tls=None):
@@ -222,11 +222,13 @@ def test_every_error_class_raised_mid_stream_arrives_as_that_class(model, cls):
     # Before the one error table, 8 of the family's classes (UsageError, ModelError, RelayError,
     # ...) arrived as AbortedError, so a worker exited 1 for an input error of exit code 2.
     plan, arena = model
-    endpoint, address = serve(Handler(plan, arena, fail_at=2, error=cls("the sender says no")))
+    endpoint, address = serve(Handler(plan, arena, fail_at=2, error=cls("the sender says no", culprit="w7",
+                                                                        phase="receive")))
     try:
         with pytest.raises(cls, match="the sender says no") as info:
             receive(address, plan)
         assert type(info.value) is cls
+        assert (info.value.culprit, info.value.phase) == ("w7", "receive")
     finally:
         endpoint.stop(0.5)
 

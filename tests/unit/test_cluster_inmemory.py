@@ -116,6 +116,7 @@ def test_a_corrupted_chunk_is_caught_naming_the_variable_and_start_is_never_rele
     assert isinstance(r, IntegrityError) and "'b'" in str(r)
     # The worker told the chief, so the chief aborted at once rather than at its ready deadline.
     assert isinstance(sup, AbortedError) and "w0" in str(sup) and "'b'" in str(sup)
+    assert (sup.culprit, sup.phase) == ("w0", "receive")  # fed by the chief itself: the link is to blame, w0 found it
     assert service.phase is Phase.FAILED
 
 
@@ -147,8 +148,9 @@ def _report(ref, plan, second, digest=None):
 
 def test_the_chief_refuses_a_ready_report_whose_digest_differs_naming_worker_variable_and_replica():
     service, link, ref, plan = _forger({"a": np.arange(4, dtype=np.float32)})
-    with pytest.raises(AbortedError, match=r"forger.*'a'.*'a/replica_1' on cpu:1"):
+    with pytest.raises(AbortedError, match=r"forger.*'a'.*'a/replica_1' on cpu:1") as info:
         link.report_ready(_report(ref, plan, ["0" * 32]), 1)
+    assert (info.value.culprit, info.value.phase) == ("forger", "ready")
     assert service.phase is Phase.FAILED
     with pytest.raises(AbortedError):
         link.await_start(ref, 1)

@@ -35,7 +35,7 @@ from collective.transport.grpc.tls import (
 from collective.transport.grpc.wire import (
     CLIENT_OPTIONS,
     DATA_PATH,
-    ERROR_CLASS_KEY,
+    ERROR_KEY,
     MAX_MESSAGE,
     RAW_FETCH,
     SERVER_OPTIONS,
@@ -47,7 +47,7 @@ from collective.transport.grpc.wire import (
 )
 
 __all__ = [
-    "BODY_TIMEOUT", "CALLS_PER_WORKER", "CLIENT_OPTIONS", "DATA_PATH", "ERROR_CLASS_KEY", "MAX_MESSAGE",
+    "BODY_TIMEOUT", "CALLS_PER_WORKER", "CLIENT_OPTIONS", "DATA_PATH", "ERROR_KEY", "MAX_MESSAGE",
     "RAW_FETCH", "RELAY_NAME", "SERVER_OPTIONS", "SERVICE", "TOKEN_HEADER", "GrpcChiefLink", "GrpcEndpoint",
     "RefusalLog", "TlsFiles", "frame", "is_loopback", "peer_identities", "pool_size", "relay_client_tls",
     "relay_server_tls", "self_signed_certificate", "split_frame", "status_code", "server_credentials",

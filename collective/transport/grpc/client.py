@@ -119,11 +119,13 @@ class GrpcChiefLink(ChiefLink):
         return self._error_of(exc.code(), exc.details() or "", phase, timeout, _raised_class(exc))
 
     def _error_of(self, code: grpc.StatusCode, details: str, phase: str, timeout: float,
-                  name: str | None = None) -> E.CollectiveError:
-        """The error a failed call stands for: the class the peer raised (``name``), or, for a
-        status gRPC made itself (no name), what its code means here."""
-        if name is not None:
-            return self._raised(E.wire_class(name, code.name), details)
+                  raised: dict | None = None) -> E.CollectiveError:
+        """The error a failed call stands for: what the peer raised (``raised``: its class,
+        culprit and phase), or, for a status gRPC made itself, what its code means here."""
+        if raised is not None:
+            err = self._raised(E.wire_class(raised.get("class"), code.name), details)
+            err.culprit, err.phase = raised.get("culprit"), raised.get("phase")
+            return err
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return E.AuthError(
                 f"{self.name} at {self.address} refused the cluster token during {phase} ({details}); "
@@ -312,8 +314,8 @@ class GrpcChiefLink(ChiefLink):
             rawtcp.receive(
                 sock, ref, self._token, receiver, stall_timeout=stall_timeout,
                 track=self._track, untrack=self._untrack,
-                fail=lambda code, name, message: self._error_of(
-                    getattr(grpc.StatusCode, code, grpc.StatusCode.ABORTED), message, "receive", stall_timeout, name),
+                fail=lambda code, raised, message: self._error_of(
+                    getattr(grpc.StatusCode, code, grpc.StatusCode.ABORTED), message, "receive", stall_timeout, raised),
             )
         except (OSError, ssl.SSLError) as exc:
             if self._interrupted is not None:

@@ -23,9 +23,9 @@ from collective.transport.api import ChiefEndpoint, ChiefHandler
 from collective.transport.grpc.admission import BODY_TIMEOUT, RefusalLog, _Admission, _BodyWatch
 from collective.transport.grpc.tls import peer_identities, server_credentials
 from collective.transport.grpc.wire import (
-    ERROR_CLASS_KEY,
     SERVER_OPTIONS,
     SERVICE,
+    error_metadata,
     frame,
     status_code,
 )
@@ -79,7 +79,7 @@ class _Servicer(pb_grpc.CollectiveServicer):
             yield
         except E.CollectiveError as exc:
             answered[0] = True
-            context.set_trailing_metadata(((ERROR_CLASS_KEY, type(exc).__name__),))
+            context.set_trailing_metadata(error_metadata(exc))
             context.abort(status_code(exc), str(exc))
         except Exception as exc:
             answered[0] = True

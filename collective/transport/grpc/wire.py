@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import grpc
@@ -37,21 +38,32 @@ SERVER_OPTIONS = _MESSAGE_OPTIONS + [
 ]
 
 # The error table is errors.py's: each class's ``code`` is its status code on the wire, and its
-# name travels in this trailing metadata key, so the client raises the very class.
-ERROR_CLASS_KEY = "collective-error"
+# name, culprit and phase (``errors.describe``, as JSON) travel in this trailing metadata key,
+# so the client raises the very class, naming the same culprit.
+ERROR_KEY = "collective-error-bin"
+
+
+def error_metadata(exc: E.CollectiveError) -> tuple[tuple[str, bytes], ...]:
+    return ((ERROR_KEY, json.dumps(E.describe(exc)).encode()),)
 
 
 def status_code(exc: E.CollectiveError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.ABORTED)
 
 
-def _raised_class(exc: grpc.RpcError) -> str | None:
-    """The error class the peer's handler raised, or None for a status gRPC made itself."""
+def _raised_class(exc: grpc.RpcError) -> dict | None:
+    """What the peer's handler raised (``errors.describe``), or None for a status gRPC made
+    itself."""
     try:
         metadata = exc.trailing_metadata() or ()
     except Exception:  # noqa: BLE001 - a cancelled future has none
         return None
-    return next((v for k, v in metadata if k == ERROR_CLASS_KEY), None)
+    raw = next((v for k, v in metadata if k == ERROR_KEY), None)
+    try:
+        info = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None
 
 
 # --- raw frames -------------------------------------------------------------------------------
