@@ -418,3 +418,48 @@ def test_a_worker_id_host_and_failure_message_with_newlines_and_escapes_are_logg
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("collective.chief")]
     assert any("joined" in m for m in messages) and any("disk\\x0afull" in m for m in messages), messages
     assert not [m for m in messages if any(c in m for c in "\n\r\x1b")], messages
+
+
+def test_a_localhost_server_takes_one_port_free_on_both_loopbacks_not_one_a_stranger_holds_on_one():
+    # gRPC binds "localhost:0" on ::1 and 127.0.0.1 with the port the first got; when a stranger
+    # held that port on the other, gRPC only warned, and peers dialling 127.0.0.1 reached the
+    # stranger (a chain's child under load). The endpoint now picks a port free on both.
+    import socket
+
+    from collective.transport.grpc.server import _same_port_everywhere
+
+    if not socket.has_ipv6:
+        pytest.skip("this host has no IPv6, so localhost is one address")
+    with socket.socket(socket.AF_INET6) as v6:
+        try:
+            v6.bind(("::1", 0))
+        except OSError as exc:
+            pytest.skip(f"no ::1 here ({exc.strerror}): localhost is one address")
+        taken = v6.getsockname()[1]  # free on 127.0.0.1? then a stranger takes it there
+    with socket.socket() as stranger:
+        stranger.bind(("127.0.0.1", taken))
+        stranger.listen(1)
+        chosen = _same_port_everywhere("localhost:0", first=(taken,))
+        host, _, port = chosen.rpartition(":")
+        assert host == "localhost" and int(port) not in (0, taken), chosen
+        for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+            with socket.socket(family) as s:
+                s.bind((address, int(port)))  # free on both
+
+
+def test_a_relay_on_localhost_answers_on_both_loopbacks_at_one_port():
+    import socket
+
+    from collective.worker.relay import Relay
+
+    relay = Relay("localhost:0", token=TOKEN, tls=None, stall_timeout=5)
+    try:
+        for address in ("127.0.0.1", "[::1]"):
+            if address == "[::1]" and not socket.has_ipv6:
+                continue
+            with grpc.insecure_channel(f"{address}:{relay.port}") as channel:
+                with pytest.raises(grpc.RpcError) as info:
+                    channel.unary_unary(f"/{SERVICE}/Status")(b"", timeout=10, metadata=((TOKEN_HEADER, TOKEN),))
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED, (address, info.value)  # the relay itself
+    finally:
+        relay.stop()

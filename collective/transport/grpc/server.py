@@ -236,9 +236,9 @@ class GrpcEndpoint(ChiefEndpoint):
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
             if self._credentials is not None:
-                port = server.add_secure_port(self.bind, self._credentials)
+                port = server.add_secure_port(_same_port_everywhere(self.bind), self._credentials)
             else:
-                port = server.add_insecure_port(self.bind)
+                port = server.add_insecure_port(_same_port_everywhere(self.bind))
         except RuntimeError as exc:
             self._body.close()
             raise E.UsageError(f"cannot listen on {self.bind}: {exc}; is the port in use?") from exc
@@ -319,6 +319,54 @@ def _check_bindable(bind: str) -> None:
                        errno.EADDRNOTAVAIL: "that address is not on this host; bind one of its addresses or 0.0.0.0",
                        errno.EACCES: "permission denied (ports below 1024 need privileges); pick a port above 1023"}
                 raise E.UsageError(f"cannot listen on {bind}: {why.get(exc.errno, exc.strerror or str(exc))}") from None
+
+
+def _same_port_everywhere(bind: str, tries: int = 50, first: tuple[int, ...] = ()) -> str:
+    """``bind``, or for port 0 on a name with several addresses (``localhost``: 127.0.0.1 and
+    ::1) ``host:P`` with a port P free on every one of them.
+
+    gRPC binds such a name by taking a free port on the first address and then the same port on
+    the others; when another process holds that port on one of them, gRPC only warns and serves
+    on the rest, and a peer dialling that address reaches the other process (seen under load:
+    a chain's child connected to a stranger where its relay should have been). ``first``:
+    ports to try before free ones the kernel picks (for tests)."""
+    host, _, port = bind.rpartition(":")
+    if port != "0":
+        return bind
+    if host == "localhost":  # gRPC's own rule, whatever /etc/hosts says: both loopbacks
+        addresses = [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")]
+    else:
+        try:
+            infos = socket.getaddrinfo(host.strip("[]") or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except OSError:
+            return bind
+        addresses = list(dict.fromkeys((family, address[0]) for family, _, _, _, address in infos))
+    if len(addresses) < 2:
+        return bind
+    for candidate in (*first, *([0] * tries)):
+        probes: list[socket.socket] = []
+        try:
+            for family, address in addresses:
+                try:
+                    probe = socket.socket(family, socket.SOCK_STREAM)
+                except OSError:  # no such family here (no IPv6): gRPC will not bind it either
+                    continue
+                probes.append(probe)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                try:
+                    probe.bind((address, probes[0].getsockname()[1] if len(probes) > 1 else candidate))
+                except OSError as exc:
+                    if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) and len(probes) > 1:
+                        continue  # an address this host lacks (::1 without IPv6)
+                    raise
+            return f"{host}:{probes[0].getsockname()[1]}"
+        except OSError:
+            continue  # that port is taken on one of the addresses: another one
+        finally:
+            for probe in probes:
+                probe.close()
+    return bind
 
 
 def is_loopback(host: str) -> bool:
