@@ -104,20 +104,17 @@ _TLS_OPTIONS = ("tls-ca", "tls-cert", "tls-key", "tls-server-name")
 
 
 def _cli_settings(role: str, env: Mapping[str, str], given: Mapping[str, Any] | None = None):
-    """The parsed defaults of ``python -m <role>`` under ``env``; a bad value is a UsageError
-    naming the variable, as on the command line. ``given``: option name -> the caller's value
-    (None: not given); the variables of given options are left out, since the argument wins."""
-    if role == "chief":
-        from collective.options import chief_parser as build_parser
-    else:
-        from collective.options import worker_parser as build_parser
-    skip = set()
+    """The settings of ``python -m collective.<role>`` under ``env`` (``ChiefSettings`` /
+    ``WorkerSettings``, made from the same flags as the command line); a bad value is a
+    UsageError naming the variable. ``given``: option name -> the caller's value (None: not
+    given); the variables of given options are not read, since the argument wins."""
+    from collective.options import ChiefSettings, WorkerSettings
+
+    skip: list[str] = []
     for option, value in (given or {}).items():
         if value is not None:
-            names = {"timeouts": _TIMEOUT_OPTIONS, "tls": _TLS_OPTIONS}.get(option, (option,))
-            skip.update(config.env_name(n) for n in names)
-    with config.reading({k: v for k, v in env.items() if k not in skip}):
-        return build_parser().parse_args([])
+            skip += {"timeouts": _TIMEOUT_OPTIONS, "tls": _TLS_OPTIONS}.get(option, (option,))
+    return (ChiefSettings if role == "chief" else WorkerSettings).from_env(env, skip=tuple(skip))
 
 
 # --- the chief -----------------------------------------------------------------------------------

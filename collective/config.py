@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import contextvars
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +146,57 @@ def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
     return t
 
 
-def add_timeout_options(parser: argparse.ArgumentParser, *phases: str) -> None:
+@dataclass(frozen=True)
+class Flag:
+    """One setting: ``--name`` on a command line, ``COLLECTIVE_NAME`` in the environment, a field
+    ``name_with_underscores`` of a settings object. One table of these makes both the argparse
+    parser (``add_flags``) and the settings read without one (``settings_from_env``)."""
+
+    name: str
+    help: str
+    parse: Callable[[str], Any] = str
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+    boolean: bool = False  # --name / --no-name
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
+    """Add each flag, its default read from its ``COLLECTIVE_*`` variable (``add_option``)."""
+    for f in flags:
+        extra: dict[str, Any] = {}
+        if f.choices:
+            extra["choices"] = list(f.choices)
+        if f.boolean:
+            extra["action"] = argparse.BooleanOptionalAction
+        add_option(parser, f.name, help=f.help, type=f.parse, default=f.default, **extra)
+
+
+def settings_from_env(flags: Iterable[Flag], env: Mapping[str, str], skip: Iterable[str] = ()) -> dict[str, Any]:
+    """Each flag's value as the command would have it with no arguments: its ``COLLECTIVE_*``
+    variable parsed, else its default. A bad value is a UsageError naming the variable; the
+    variables of the flags named in ``skip`` are not read (an explicit argument replaces them)."""
+    skipped = set(skip)
+    out: dict[str, Any] = {}
+    for f in flags:
+        raw = None if f.name in skipped else env.get(env_name(f.name))
+        value = f.default
+        if raw not in (None, ""):
+            try:
+                value = f.parse(raw)
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                raise UsageError(f"environment variable {env_name(f.name)}={raw!r}: {exc}") from None
+            if f.choices and value not in f.choices:
+                raise UsageError(f"environment variable {env_name(f.name)}={raw!r}: not one of {', '.join(f.choices)}")
+        out[f.dest] = value
+    return out
+
+
+def timeout_flags(*phases: str) -> tuple[Flag, ...]:
+    """The deadline flags of ``phases`` (``heartbeat``: its interval and timeout)."""
     helps = {
         "join": "seconds to wait for every worker to join (chief) or for the chief and plan (worker)",
         "stall": "longest silence tolerated inside a data stream",
@@ -154,32 +204,38 @@ def add_timeout_options(parser: argparse.ArgumentParser, *phases: str) -> None:
         "start": "seconds a ready worker waits for start",
     }
     defaults = Timeouts()
+    out: list[Flag] = []
     if "heartbeat" in phases:
-        add_option(parser, "heartbeat-interval", type=positive_float, default=defaults.heartbeat,
-                   help=f"seconds between a worker's heartbeats; default {defaults.heartbeat:g}")
-        add_option(parser, "heartbeat-timeout", type=positive_float, default=defaults.lease,
-                   help=f"a peer silent this long is declared dead; default {defaults.lease:g}")
-        phases = tuple(p for p in phases if p != "heartbeat")
-    for phase in phases:
-        add_option(
-            parser,
-            f"{phase}-timeout",
-            help=helps[phase] + f"; default {getattr(defaults, phase):g}",
-            type=positive_float,
-            default=getattr(defaults, phase),
+        out.append(Flag("heartbeat-interval", f"seconds between a worker's heartbeats; default {defaults.heartbeat:g}",
+                        positive_float, defaults.heartbeat))
+        out.append(Flag("heartbeat-timeout", f"a peer silent this long is declared dead; default {defaults.lease:g}",
+                        positive_float, defaults.lease))
+    out += [Flag(f"{p}-timeout", helps[p] + f"; default {getattr(defaults, p):g}", positive_float, getattr(defaults, p))
+            for p in phases if p != "heartbeat"]
+    return tuple(out)
+
+
+def tls_flags(*, worker: bool) -> tuple[Flag, ...]:
+    if worker:
+        return (
+            Flag("tls-ca", "CA certificate (PEM) that signed the chief's certificate; enables TLS"),
+            Flag("tls-cert", "this worker's certificate (PEM), for mutual TLS; its CN/SAN must be the worker id"),
+            Flag("tls-key", "this worker's private key (PEM)"),
+            Flag("tls-server-name", "name the chief's certificate must carry, if not the dialled host"),
         )
+    return (
+        Flag("tls-cert", "the chief's certificate (PEM); enables TLS"),
+        Flag("tls-key", "the chief's private key (PEM)"),
+        Flag("tls-ca", "CA (PEM) of worker certificates: mutual TLS, client certificates required"),
+    )
+
+
+def add_timeout_options(parser: argparse.ArgumentParser, *phases: str) -> None:
+    add_flags(parser, timeout_flags(*phases))
 
 
 def add_tls_options(parser: argparse.ArgumentParser, *, worker: bool) -> None:
-    if worker:
-        add_option(parser, "tls-ca", help="CA certificate (PEM) that signed the chief's certificate; enables TLS")
-        add_option(parser, "tls-cert", help="this worker's certificate (PEM), for mutual TLS; its CN/SAN must be the worker id")
-        add_option(parser, "tls-key", help="this worker's private key (PEM)")
-        add_option(parser, "tls-server-name", help="name the chief's certificate must carry, if not the dialled host")
-    else:
-        add_option(parser, "tls-cert", help="the chief's certificate (PEM); enables TLS")
-        add_option(parser, "tls-key", help="the chief's private key (PEM)")
-        add_option(parser, "tls-ca", help="CA (PEM) of worker certificates: mutual TLS, client certificates required")
+    add_flags(parser, tls_flags(worker=worker))
 
 
 @dataclass(frozen=True)
@@ -247,7 +303,11 @@ def byte_size(option: str) -> Callable[[str], int]:
     return size
 
 
-def add_max_model_bytes_option(parser: argparse.ArgumentParser) -> None:
+def max_model_bytes_flag() -> Flag:
     """``--max-model-bytes`` (``COLLECTIVE_MAX_MODEL_BYTES``) of every process that loads a model."""
-    add_option(parser, "max-model-bytes", type=byte_size("--max-model-bytes"), default=None,
-               help="refuse (exit 2) a model whose arena is larger, e.g. 8GiB; the memory available is always checked")
+    return Flag("max-model-bytes", "refuse (exit 2) a model whose arena is larger, e.g. 8GiB; the memory available "
+                "is always checked", byte_size("--max-model-bytes"))
+
+
+def add_max_model_bytes_option(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, (max_model_bytes_flag(),))

@@ -1,24 +1,31 @@
-"""The command-line flags of ``python -m collective.chief`` and ``python -m collective.worker``, in one place below
-both the entry points and the Python API (which reads its defaults from the same flags and
-their ``COLLECTIVE_*`` variables), so neither imports the other.
+"""The settings of the two roles, one table of flags each (``CHIEF_FLAGS``, ``WORKER_FLAGS``):
+the table makes the command-line parser of ``python -m collective.chief`` / ``collective.worker``
+and the settings dataclass the Python API reads (``ChiefSettings.from_env()``, no parser), so the
+flags, their ``COLLECTIVE_*`` variables and the API's defaults cannot drift apart. Below both
+the entry points and the API, so neither imports the other.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from collective import logs
 from collective.clusterenv import apply_to_environ, role_mismatch
 from collective.config import (
-    add_max_model_bytes_option,
-    add_option,
-    add_timeout_options,
-    add_tls_options,
+    Flag,
+    add_flags,
     byte_size,
+    max_model_bytes_flag,
     parse_bool,
     positive_int,
+    settings_from_env,
+    timeout_flags,
+    tls_flags,
 )
 from collective.entry import run_main
 from collective.topology import TOPOLOGIES
@@ -29,44 +36,74 @@ CHIEF_DESCRIPTION = '``python -m collective.chief``: serve one broadcast round o
 WORKER_DESCRIPTION = '``python -m collective.worker``: join the chief, receive and verify the variables, wait for start.'
 
 
+CHIEF_FLAGS: tuple[Flag, ...] = (
+    Flag("workers", "number of workers to wait for", positive_int),
+    Flag("model", "model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp"),
+    Flag("seed", "seed for initializer specs (overrides the spec's)", int),
+    Flag("bind", "HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051"),
+    Flag("token", "cluster token every worker must present"),
+    *tls_flags(worker=False),
+    Flag("shm", "offer the arena to workers on this host through shared memory (--no-shm: network only)",
+         parse_bool, True, boolean=True),
+    Flag("topology", "who receives from whom: auto (by hosts and size, see README), star, tree, chain",
+         default="auto", choices=TOPOLOGIES),
+    Flag("chunk-bytes", "bytes per data message; default 4 MiB, 512 KiB for a chain", byte_size("--chunk-bytes")),
+    *timeout_flags("join", "ready", "heartbeat"),
+    Flag("log-format", "text or json", default="text", choices=("text", "json")),
+    max_model_bytes_flag(),
+    Flag("port-file", "write the bound port here once serving (for launchers)"),
+    Flag("result-file", "write the round's JSON summary here"),
+)
+
+WORKER_FLAGS: tuple[Flag, ...] = (
+    Flag("chief", "the chief's HOST:PORT"),
+    Flag("devices", "local devices, one replica each", default="cpu:0"),
+    Flag("worker-id", "this worker's id; default HOSTNAME-PID"),
+    Flag("rank", "preferred rank (the chief gives another if it is taken)", int, -1),
+    Flag("token", "the cluster token"),
+    *tls_flags(worker=True),
+    Flag("shm", "map the arena of the chief or of this host's receiving worker through shared memory when on "
+         "their host (--no-shm: network only)", parse_bool, True, boolean=True),
+    Flag("expect-model", "refuse to join unless the chief's variables match this model's (preset, spec, .npz, "
+         ".safetensors; only names, shapes, dtypes and modes are read)"),
+    *timeout_flags("join", "stall", "start", "heartbeat"),
+    Flag("log-format", "text or json", default="text", choices=("text", "json")),
+)
+
+
+def _settings_class(name: str, flags: tuple[Flag, ...], doc: str):
+    cls = dataclasses.make_dataclass(name, [(f.dest, Any, dataclasses.field(default=f.default)) for f in flags],
+                                     frozen=True)
+    cls.__doc__ = doc
+    cls.__module__ = __name__
+
+    def from_env(klass, env: Mapping[str, str] | None = None, skip: tuple[str, ...] = ()):
+        """The settings as the command has them with no arguments: ``COLLECTIVE_*`` (``env``,
+        default the process's), else the defaults; the flags in ``skip`` keep their defaults."""
+        return klass(**settings_from_env(flags, os.environ if env is None else env, skip))
+
+    cls.from_env = classmethod(from_env)
+    cls.flags = flags
+    return cls
+
+
+ChiefSettings = _settings_class("ChiefSettings", CHIEF_FLAGS, "What ``python -m collective.chief`` and "
+                                "``collective.serve`` run with; a field per flag of CHIEF_FLAGS.")
+WorkerSettings = _settings_class("WorkerSettings", WORKER_FLAGS, "What ``python -m collective.worker`` and "
+                                 "``collective.join`` run with; a field per flag of WORKER_FLAGS.")
+
+
 def chief_parser() -> argparse.ArgumentParser:
-    """The flags of ``python -m collective.chief`` (the Python API reads its defaults from them too)."""
+    """The flags of ``python -m collective.chief``, made from CHIEF_FLAGS."""
     p = argparse.ArgumentParser(prog="python -m collective.chief", description=CHIEF_DESCRIPTION)
-    add_option(p, "workers", help="number of workers to wait for", type=positive_int, default=None)
-    add_option(p, "model", help="model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
-    add_option(p, "seed", help="seed for initializer specs (overrides the spec's)", type=int, default=None)
-    add_option(p, "bind", help="HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051")
-    add_option(p, "token", help="cluster token every worker must present", default=None)
-    add_tls_options(p, worker=False)
-    add_option(p, "shm", help="offer the arena to workers on this host through shared memory (--no-shm: network only)",
-               type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
-    add_option(p, "topology", help="who receives from whom: auto (by hosts and size, see README), star, tree, chain",
-               default="auto", choices=list(TOPOLOGIES))
-    add_option(p, "chunk-bytes", help="bytes per data message; default 4 MiB, 512 KiB for a chain",
-               type=byte_size("--chunk-bytes"), default=None)
-    add_timeout_options(p, "join", "ready", "heartbeat")
-    add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
-    add_max_model_bytes_option(p)
-    add_option(p, "port-file", help="write the bound port here once serving (for launchers)", default=None)
-    add_option(p, "result-file", help="write the round's JSON summary here", default=None)
+    add_flags(p, CHIEF_FLAGS)
     return p
 
 
 def worker_parser() -> argparse.ArgumentParser:
-    """The flags of ``python -m collective.worker`` (the Python API reads its defaults from them too)."""
+    """The flags of ``python -m collective.worker``, made from WORKER_FLAGS."""
     p = argparse.ArgumentParser(prog="python -m collective.worker", description=WORKER_DESCRIPTION)
-    add_option(p, "chief", help="the chief's HOST:PORT", default=None)
-    add_option(p, "devices", help="local devices, one replica each", default="cpu:0")
-    add_option(p, "worker-id", help="this worker's id; default HOSTNAME-PID", default=None)
-    add_option(p, "rank", help="preferred rank (the chief gives another if it is taken)", type=int, default=-1)
-    add_option(p, "token", help="the cluster token", default=None)
-    add_tls_options(p, worker=True)
-    add_option(p, "shm", help="map the arena of the chief or of this host's receiving worker through shared memory when on their host (--no-shm: network only)",
-               type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
-    add_option(p, "expect-model", help="refuse to join unless the chief's variables match this model's "
-               "(preset, spec, .npz, .safetensors; only names, shapes, dtypes and modes are read)", default=None)
-    add_timeout_options(p, "join", "stall", "start", "heartbeat")
-    add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
+    add_flags(p, WORKER_FLAGS)
     return p
 
 
