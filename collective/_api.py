@@ -11,14 +11,12 @@ reports them to its own ``ChiefService``, which releases start only when they ag
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +26,7 @@ from collective.clusterenv import resolve_roles
 from collective.config import Timeouts, parse_address
 from collective.errors import CollectiveError, ModelError, UsageError
 from collective.model import ModelSource, VariableSpec
-from collective.replicas import SyncResult, hold_chief_replicas
+from collective.replicas import SyncResult
 from collective.variables import VariableStore
 
 log = logging.getLogger("collective")
@@ -120,15 +118,6 @@ def _cli_settings(role: str, env: Mapping[str, str], given: Mapping[str, Any] | 
 # --- the chief -----------------------------------------------------------------------------------
 
 
-def write_result(path: Path, result: dict) -> None:
-    """Write the summary; a full disk loses the file, never the round's outcome or exit code."""
-    try:
-        path.write_text(json.dumps(result))
-    except OSError as exc:
-        log.warning("could not write the round's summary to %s: %s; the outcome stands (%s)",
-                    path, exc.strerror or exc, "started" if result.get("ok") else "failed")
-
-
 def run_chief(
     source: ModelSource,
     num_workers: int,
@@ -146,63 +135,72 @@ def run_chief(
     result_file: str | None = None,
     max_model_bytes: int | None = None,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
-    """One round as ``python -m collective.chief`` runs it: serve over gRPC with a thread pool sized from
-    the worker count, supervise the join and ready deadlines, stop. ``devices``: the chief
-    trains too and holds replicas there. SIGTERM/SIGINT fail the round (handlers installed only
-    on the main thread, restored after). Returns (service, (store, digest) or None); raises the
-    round's error."""
-
-    from collective.chief.service import ChiefService
-    from collective.errors import AbortedError
-    from collective.transport.grpc import GrpcEndpoint, server_credentials
+    """One round as ``python -m collective.chief`` runs it: the chief's round (``run_round``)
+    driven over gRPC, with a thread pool sized from the worker count, the join and ready
+    deadlines supervised. ``devices``: the chief trains too and holds replicas there. SIGTERM /
+    SIGINT fail the round (handlers installed only on the main thread, restored after). Returns
+    (service, (store, digest) or None); raises the round's error."""
+    from collective.chief.round import run_round
+    from collective.transport.grpc import server_credentials
 
     parse_address(bind, what="bind address")
     if tls is not None and tls.enabled:
         server_credentials(tls)  # refuse a half-configured TLS setup before loading a big model
-    service = ChiefService(
-        source, num_workers, timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology,
-        local_devices=devices or None, spmd=spmd, max_model_bytes=max_model_bytes,
+    return run_round(
+        source, num_workers, _grpc_drive(bind, token, tls, on_listening), devices=devices,
+        replica_timeout=timeouts.join + timeouts.rpc, result_file=result_file,
+        timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology, spmd=spmd,
+        max_model_bytes=max_model_bytes,
     )
-    endpoint = GrpcEndpoint(bind, token=token, tls=tls)  # its pool is sized from the service
-    held: list = []
-    previous: dict[int, Any] = {}
-    try:
-        address = endpoint.start(service)
-        log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address, num_workers)
-        if on_listening is not None:
-            on_listening(address, endpoint.port)
-        if threading.current_thread() is threading.main_thread():
-            def on_signal(signum, frame) -> None:
-                # Outside the handler: fail() takes the service lock, which this thread may hold.
-                # Ctrl-C is a shutdown like SIGTERM: the round fails at once and every worker is
-                # told by the chief, rather than a KeyboardInterrupt tearing the server down.
-                what = "interrupted" if signum == signal.SIGINT else "shutting down"
-                reason = AbortedError(f"chief {what} ({signal.Signals(signum).name})")
-                threading.Thread(target=service.fail, args=(reason,), daemon=True).start()
 
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, on_signal)
-        local = None
-        if devices:
-            def hold() -> None:
-                try:
-                    held.append(hold_chief_replicas(service, devices, timeouts.join + timeouts.rpc))
-                except CollectiveError:
-                    pass  # the round failed with it; supervise() raises it
 
-            local = threading.Thread(target=hold, name="chief-replicas", daemon=True)
-            local.start()
-        service.supervise()
-        if local is not None:
-            local.join(timeouts.rpc)  # start was released, so its report is in
-        return service, (held[0] if held else None)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if result_file:
-            write_result(Path(result_file), service.result())
-        endpoint.stop(grace=1.0)
-        service.close()
+def _grpc_drive(bind: str, token: str | None, tls, on_listening):
+    """The gRPC drive of a chief round: serve the service on ``bind`` until ``supervise()``
+    returns (start released) or raises (the round failed), the chief's own replicas made beside
+    it."""
+    from collective.errors import AbortedError
+    from collective.transport.grpc import GrpcEndpoint
+
+    def drive(service, local) -> None:
+        endpoint = GrpcEndpoint(bind, token=token, tls=tls)  # its pool is sized from the service
+        previous: dict[int, Any] = {}
+        try:
+            address = endpoint.start(service)
+            log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address,
+                     service.num_workers)
+            if on_listening is not None:
+                on_listening(address, endpoint.port)
+            if threading.current_thread() is threading.main_thread():
+                def on_signal(signum, frame) -> None:
+                    # Outside the handler: fail() takes the service lock, which this thread may
+                    # hold. Ctrl-C is a shutdown like SIGTERM: the round fails at once and every
+                    # worker is told by the chief, rather than a KeyboardInterrupt tearing the
+                    # server down.
+                    what = "interrupted" if signum == signal.SIGINT else "shutting down"
+                    reason = AbortedError(f"chief {what} ({signal.Signals(signum).name})")
+                    threading.Thread(target=service.fail, args=(reason,), daemon=True).start()
+
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    previous[sig] = signal.signal(sig, on_signal)
+            beside = None
+            if local is not None:
+                def hold() -> None:
+                    try:
+                        local()
+                    except CollectiveError:
+                        pass  # the round failed with it; supervise() raises it
+
+                beside = threading.Thread(target=hold, name="chief-replicas", daemon=True)
+                beside.start()
+            service.supervise()
+            if beside is not None:
+                beside.join(service.timeouts.rpc)  # start was released, so its report is in
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            endpoint.stop(grace=1.0)
+
+    return drive
 
 
 def serve(

@@ -127,28 +127,26 @@ def _chief(comm, args, watchdog) -> int:
 
 def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_bytes=None, devices=None,
                    spmd=False, max_model_bytes=None):
-    """Rank 0's round: ``ChiefService`` behind the MPI driver; with ``devices``, the chief's own
-    replicas too. Returns (service, (store, digest) or None); the outcome is ``service.result()``."""
-    from collective.chief.service import ChiefService
+    """Rank 0's round: the chief's round (``run_round``) driven by the MPI collectives; with
+    ``devices``, the chief's own replicas too. Returns (service, (store, digest) or None); the
+    outcome is ``service.result()``."""
+    from collective.chief.round import run_round
     from collective.plan import DEFAULT_CHUNK_BYTES
-    from collective.replicas import hold_chief_replicas
     from collective.transport.mpi import MpiChiefDriver
 
-    service = ChiefService(
-        source, comm.size - 1, timeouts=timeouts, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi",
-        heartbeats=False, local_devices=devices, spmd=spmd, max_model_bytes=max_model_bytes,
-    )
-    log.info("chief %s on rank 0; %d worker rank(s)%s", service.incarnation, comm.size - 1,
-             "; rank 0 trains too" if devices else "")
     if split_bytes and split_bytes >= 2**31:
         raise UsageError(f"--split-bytes {split_bytes} must stay below 2 GiB, MPI's count limit")
-    held: list = []
 
-    def local() -> None:
-        held.append(hold_chief_replicas(service, devices, 0.0))
+    def drive(service, local) -> None:
+        log.info("chief %s on rank 0; %d worker rank(s)%s", service.incarnation, comm.size - 1,
+                 "; rank 0 trains too" if devices else "")
+        MpiChiefDriver(comm, service, watchdog, timeouts, split_bytes=split_bytes, local=local).serve()
 
-    MpiChiefDriver(comm, service, watchdog, timeouts, split_bytes=split_bytes, local=local if devices else None).serve()
-    return service, (held[0] if held else None)
+    return run_round(
+        source, comm.size - 1, drive, devices=devices, timeouts=timeouts,
+        chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi", heartbeats=False, spmd=spmd,
+        max_model_bytes=max_model_bytes,
+    )
 
 
 def run_worker_rank(comm, watchdog, timeouts, devices, *, split_bytes=None, expected=None):

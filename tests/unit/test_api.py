@@ -15,9 +15,9 @@ from collective._api import (
     ArraysSource,
     SyncResult,
     _cli_settings,
-    hold_chief_replicas,
     resolve_roles,
 )
+from collective.replicas import hold_chief_replicas
 from collective.chief.service import ChiefService, Phase
 from collective.errors import (
     AbortedError,
