@@ -35,10 +35,10 @@ import numpy as np  # noqa: E402
 from collective.chief.service import ChiefService  # noqa: E402
 from collective.config import Timeouts  # noqa: E402
 from collective.digest import array_digest  # noqa: E402
-from collective.errors import AbortedError, CollectiveError  # noqa: E402
+from collective.errors import AbortedError  # noqa: E402
 from collective.plan import with_bytes  # noqa: E402
 from collective.transport.grpc import GrpcEndpoint  # noqa: E402
-from tests.conftest import ArraySource  # noqa: E402
+from tests.clusters import ArraySource, catch  # noqa: E402
 from tests.procs import wait_until  # noqa: E402
 
 HB = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5", "--join-timeout", "20"]
@@ -195,7 +195,7 @@ class Soak:
         self.address = endpoint.start(handler)
         t0 = time.monotonic()
         outcome: list = []
-        sup = threading.Thread(target=lambda: outcome.append(_catch(service.supervise)), daemon=True)
+        sup = threading.Thread(target=lambda: outcome.append(catch(service.supervise)), daemon=True)
         sup.start()
         try:
             order = list(ids)
@@ -276,14 +276,6 @@ class Soak:
                         r.problems.append(f"worker {wid} exited 0 in a failed round")
             endpoint.stop(grace=0.5)
         return r
-
-
-def _catch(fn):
-    try:
-        fn()
-    except CollectiveError as exc:
-        return exc
-    return None
 
 
 def usage() -> tuple[int, int, float]:

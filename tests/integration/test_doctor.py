@@ -12,7 +12,7 @@ import pytest
 
 from collective.doctor import Check, doctor_command, format_checks, run_doctor
 from collective.errors import UsageError
-from tests.procs import Cluster
+from tests.clusters import Cluster
 
 pytestmark = pytest.mark.integration
 

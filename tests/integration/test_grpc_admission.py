@@ -15,14 +15,11 @@ import pytest
 
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
-from collective.config import Timeouts
 from collective.transport.grpc import SERVICE, TOKEN_HEADER, GrpcChiefLink, GrpcEndpoint
-from tests.conftest import ArraySource, run_threads, small_arrays
+from tests.clusters import ROUND, TOKEN, chief_service, grpc_link, grpc_round
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "the-token"
-ROUND = Timeouts(join=30.0, straggler_log=5.0, rpc=10.0, stall=10.0, ready=20.0, start=20.0, linger=2.0)
 
 
 ERROR_FAMILY = E.family()
@@ -62,42 +59,6 @@ class IdleCalls:
         self._channel.close()
 
 
-def serve_round(n: int, *, token: str | None = TOKEN, before=None, **endpoint_options):
-    """A chief on loopback with ``n`` workers in threads; ``before(address)`` runs once the chief
-    listens and before any worker starts. Returns (supervise's error or None, worker results)."""
-    from collective._api import join as join_cluster
-    from collective.chief.service import ChiefService
-
-    service = ChiefService(ArraySource(small_arrays()), n, timeouts=ROUND, chunk_bytes=4096)
-    endpoint = GrpcEndpoint("127.0.0.1:0", token=token, **endpoint_options)
-    address = endpoint.start(service)
-    outcome: list = []
-    supervisor = threading.Thread(target=lambda: outcome.append(_catch(service.supervise)), daemon=True)
-    supervisor.start()
-    try:
-        if before is not None:
-            before(address)
-        workers = [
-            (lambda i=i: join_cluster(address, worker_id=f"w{i}", token=token, timeouts=ROUND))
-            for i in range(n)
-        ]
-        results = run_threads(workers, timeout=90)
-        supervisor.join(60)
-        assert not supervisor.is_alive(), "supervise() did not return"
-        return outcome[0], results
-    finally:
-        endpoint.stop(grace=0.5)
-        service.close()
-
-
-def _catch(fn):
-    try:
-        fn()
-    except E.CollectiveError as exc:
-        return exc
-    return None
-
-
 # --- item 4: slow-loris ------------------------------------------------------------------------
 
 
@@ -109,7 +70,7 @@ def test_a_round_completes_while_4n_plus_8_unauthenticated_calls_send_headers_an
         idle.append(IdleCalls(address, 4 * n + 8))
 
     try:
-        error, results = serve_round(n, before=attack)
+        error, results = grpc_round(n, before=attack)
         assert error is None, error
         assert all(not isinstance(r, BaseException) for r in results), results
         # Refused from their headers alone: none of them waited for a body.
@@ -127,7 +88,7 @@ def test_calls_with_the_token_but_no_body_are_cut_after_the_body_timeout_and_the
         idle.append(IdleCalls(address, 4 * n + 8, metadata=((TOKEN_HEADER, TOKEN),)))
 
     try:
-        error, results = serve_round(n, before=attack, body_timeout=1.0)
+        error, results = grpc_round(n, before=attack, body_timeout=1.0)
         assert error is None, error
         assert all(not isinstance(r, BaseException) for r in results), results
         assert set(idle[0].codes(timeout=10)) == {grpc.StatusCode.CANCELLED}
@@ -178,12 +139,8 @@ class BrokenHandler:
 
 @pytest.fixture
 def broken_chief():
-    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
-    address = endpoint.start(BrokenHandler())
-    link = GrpcChiefLink(address, token=TOKEN)
-    yield link
-    link.close()
-    endpoint.stop(grace=0.5)
+    with grpc_link(BrokenHandler()) as link:
+        yield link
 
 
 def test_an_unexpected_exception_in_a_handler_is_internal_with_a_traceback_in_the_servers_log(broken_chief, caplog):
@@ -245,46 +202,28 @@ def test_a_relay_answers_unimplemented_to_every_call_but_the_data_stream():
 
 
 def test_report_ready_before_the_plan_is_answered_without_aborting_the_round():
-    from collective.chief.service import ChiefService
-
-    service = ChiefService(ArraySource(small_arrays()), 2, timeouts=ROUND, chunk_bytes=4096)
-    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
-    link = GrpcChiefLink(endpoint.start(service), token=TOKEN)
-    try:
+    with grpc_link(chief_service(workers=2, timeouts=ROUND)) as link:
         reply = link.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), timeout=5)
         assert reply.rank == 0
         ref = pb.WorkerRef(worker_id="w0", incarnation="i0")
         with pytest.raises(E.PreconditionError, match="w0.* reported ready before the plan was released"):
             link.report_ready(pb.ReadyRequest(worker=ref), timeout=5)
         assert link.status(timeout=5).phase == "joining"
-    finally:
-        link.close()
-        endpoint.stop(grace=0.5)
-        service.close()
 
 
 def test_a_worker_declaring_a_variable_with_a_bad_dtype_is_refused_by_name_not_by_a_crash():
-    from collective.chief.service import ChiefService
-
-    service = ChiefService(ArraySource(small_arrays()), 1, timeouts=ROUND, chunk_bytes=4096)
-    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
-    link = GrpcChiefLink(endpoint.start(service), token=TOKEN)
     declared = [pb.VariableInfo(name="odd", shape=[2], dtype="not-a-dtype")]
-    try:
+    with grpc_link(chief_service(workers=1, timeouts=ROUND)) as link:
         # The declaration is checked like a model before it is compared: a protocol error naming it.
         with pytest.raises(E.ProtocolError, match="declares an invalid variable list: variable 'odd'"):
             link.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"], declared=declared), 5)
-    finally:
-        link.close()
-        endpoint.stop(grace=0.5)
-        service.close()
 
 
 # --- item 11: the endpoint sizes its own pool ------------------------------------------------------
 
 
 def test_a_chief_served_through_the_python_api_with_9_workers_completes_with_the_default_pool():
-    error, results = serve_round(9)
+    error, results = grpc_round(9)
     assert error is None, error
     assert all(not isinstance(r, BaseException) for r in results), results
 
@@ -400,21 +339,12 @@ def test_a_workers_relay_listens_only_on_the_interface_that_reaches_a_loopback_c
 
 
 def test_a_worker_id_host_and_failure_message_with_newlines_and_escapes_are_logged_escaped(caplog):
-    from collective.chief.service import ChiefService
-
     caplog.set_level(logging.INFO)
     evil = "w0\nFORGED ERROR line\x1b[2J"
-    service = ChiefService(ArraySource(small_arrays()), 2, timeouts=ROUND, chunk_bytes=4096)
-    endpoint = GrpcEndpoint("127.0.0.1:0", token=TOKEN)
-    link = GrpcChiefLink(endpoint.start(service), token=TOKEN)
-    try:
+    with grpc_link(chief_service(workers=2, timeouts=ROUND)) as link:
         link.join(pb.JoinRequest(worker_id=evil, incarnation="i0", devices=["cpu:0"], host="h\x1b[31m\r"), 5)
         link.report_failure(pb.FailureReport(worker=pb.WorkerRef(worker_id=evil, incarnation="i0"),
                                              message="disk\nfull\x1b[0m"), 5)
-    finally:
-        link.close()
-        endpoint.stop(grace=0.5)
-        service.close()
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("collective.chief")]
     assert any("joined" in m for m in messages) and any("disk\\x0afull" in m for m in messages), messages
     assert not [m for m in messages if any(c in m for c in "\n\r\x1b")], messages

@@ -154,7 +154,7 @@ def test_serve_and_join_in_one_process_off_the_main_thread(monkeypatch):
     import numpy as np
 
     import collective
-    from tests.conftest import run_threads
+    from tests.clusters import run_threads
 
     monkeypatch.setenv("COLLECTIVE_WORKERS", "2")
     arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, np.int8)}

@@ -17,7 +17,6 @@ from collective._api import (
     _cli_settings,
     resolve_roles,
 )
-from collective.replicas import hold_chief_replicas
 from collective.chief.service import ChiefService, Phase
 from collective.errors import (
     AbortedError,
@@ -27,24 +26,25 @@ from collective.errors import (
     PreconditionError,
     UsageError,
 )
-from collective.transport.inmemory import InMemoryEndpoint
+from collective.replicas import hold_chief_replicas
 from collective.worker.agent import WorkerAgent
-from tests.conftest import FAST, ArraySource, run_threads, small_arrays
+from tests.clusters import (
+    FAST,
+    ArraySource,
+    chief_service,
+    inmemory_cluster,
+    inmemory_endpoint,
+    run_threads,
+    small_arrays,
+)
 from tests.procs import ROOT
 
 CHIEF_DEVICES = ["cpu:0", "cpu:1"]
 
 
 def training_cluster(arrays, workers=2, *, spmd=False, declared=None, timeouts=FAST):
-    service = ChiefService(ArraySource(arrays), workers, timeouts=timeouts, chunk_bytes=4096,
-                           local_devices=CHIEF_DEVICES, spmd=spmd)
-    endpoint = InMemoryEndpoint()
-    endpoint.start(service)
-    agents = [
-        WorkerAgent(endpoint.link(), worker_id=f"rank-{i + 1}", devices=CHIEF_DEVICES, preferred_rank=i, timeouts=timeouts,
-                    expected=(declared or {}).get(i))
-        for i in range(workers)
-    ]
+    service, _, agents = inmemory_cluster(arrays, [CHIEF_DEVICES] * workers, timeouts, names="rank-{rank}",
+                                          expected=declared, local_devices=CHIEF_DEVICES, spmd=spmd)
     return service, agents
 
 
@@ -182,10 +182,8 @@ def test_under_spmd_two_processes_claiming_one_rank_fail_the_round_naming_both()
 def test_without_spmd_only_the_mismatching_join_is_refused():
     arrays = small_arrays()
     wrong = ArraySource({"other": np.zeros(1)}).specs()
-    service = ChiefService(ArraySource(arrays), 2, timeouts=FAST)
-    endpoint = InMemoryEndpoint()
-    endpoint.start(service)
-    agent = WorkerAgent(endpoint.link(), worker_id="w", timeouts=FAST, expected=wrong)
+    service = chief_service(arrays, 2, chunk_bytes=None)
+    agent = WorkerAgent(inmemory_endpoint(service).link(), worker_id="w", timeouts=FAST, expected=wrong)
     with pytest.raises(PreconditionError):
         agent.run()
     assert service.phase is Phase.JOINING

@@ -16,7 +16,7 @@ from collective.errors import (
     JoinTimeoutError,
     PreconditionError,
 )
-from tests.conftest import FAST, inmemory_cluster, run_threads, small_arrays
+from tests.clusters import FAST, inmemory_cluster, run_threads, small_arrays
 
 cluster = inmemory_cluster
 

@@ -23,7 +23,7 @@ from collective.chief.service import materialize
 from collective.digest import array_digest, chunk_digests
 from collective.errors import IntegrityError, ProtocolError
 from collective.plan import Chunker, Receiver, build_plan, validate_plan
-from tests.conftest import ArraySource
+from tests.clusters import ArraySource
 
 WORKERS = [pb.WorkerInfo(rank=0, worker_id="w0", devices=["cpu:0"])]
 ALLOWED = (ProtocolError, IntegrityError, DecodeError)

@@ -17,7 +17,7 @@ from collective.errors import ModelError, ProtocolError
 from collective.plan import build_plan, declaration_differences, declared, validate_plan
 from collective.sources import load_source, save_npz
 from collective.variables import VariableStore, create_variable
-from tests.conftest import ArraySource
+from tests.clusters import ArraySource
 from tests.framework.conftest import require
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -30,7 +30,7 @@ from collective.plan import (
     to_pieces,
     validate_plan,
 )
-from tests.conftest import ArraySource, small_arrays
+from tests.clusters import ArraySource, small_arrays
 
 W0 = pb.WorkerInfo(rank=0, worker_id="w0", devices=["cpu:0"])
 W1 = pb.WorkerInfo(rank=1, worker_id="w1", devices=["cpu:0", "cpu:1"])

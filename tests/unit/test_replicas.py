@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from collective.chief.service import ChiefService, Phase
+from collective.chief.service import Phase
 from collective.errors import (
     AbortedError,
     DeadlineError,
@@ -17,7 +17,6 @@ from collective.errors import (
     InvalidVariableError,
 )
 from collective.replicas import make_replicas, verify_replicas
-from collective.transport.inmemory import InMemoryEndpoint
 from collective.variables import (
     MirroredVariable,
     SyncOnReadVariable,
@@ -27,7 +26,13 @@ from collective.variables import (
 )
 from collective.worker import agent as agent_mod
 from collective.worker.agent import WorkerAgent
-from tests.conftest import FAST, ArraySource, inmemory_cluster, run_threads
+from tests.clusters import (
+    FAST,
+    chief_service,
+    inmemory_cluster,
+    inmemory_endpoint,
+    run_threads,
+)
 
 
 def many_small(n: int, seed: int = 3) -> dict[str, np.ndarray]:
@@ -108,9 +113,8 @@ def test_verify_replicas_returns_one_chunk_digest_list_per_device():
 
 def test_no_worker_takes_bytes_until_every_worker_is_prepared():
     arrays = many_small(30)
-    service = ChiefService(ArraySource(arrays), 2, timeouts=FAST, chunk_bytes=4096)
-    endpoint = InMemoryEndpoint()
-    endpoint.start(service)
+    service = chief_service(arrays, 2)
+    endpoint = inmemory_endpoint(service)
     from collective._proto import collective_pb2 as pb
 
     slow = endpoint.link()
@@ -145,9 +149,8 @@ def test_no_worker_takes_bytes_until_every_worker_is_prepared():
 def test_a_worker_that_never_prepares_is_named_when_the_barrier_times_out():
     from collective._proto import collective_pb2 as pb
 
-    service = ChiefService(ArraySource(many_small(3)), 2, timeouts=FAST, chunk_bytes=4096)
-    endpoint = InMemoryEndpoint()
-    endpoint.start(service)
+    service = chief_service(many_small(3), 2)
+    endpoint = inmemory_endpoint(service)
     refs = []
     for name in ("a", "b"):
         link = endpoint.link()
@@ -162,9 +165,8 @@ def test_a_worker_that_never_prepares_is_named_when_the_barrier_times_out():
 def test_the_barrier_ends_with_the_rounds_failure():
     from collective._proto import collective_pb2 as pb
 
-    service = ChiefService(ArraySource(many_small(3)), 2, timeouts=FAST, chunk_bytes=4096)
-    endpoint = InMemoryEndpoint()
-    endpoint.start(service)
+    service = chief_service(many_small(3), 2)
+    endpoint = inmemory_endpoint(service)
     link = endpoint.link()
     ref = pb.WorkerRef(worker_id="a", incarnation="i")
     link.join(pb.JoinRequest(worker_id="a", incarnation="i", devices=["cpu:0"]), 1)

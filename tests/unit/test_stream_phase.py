@@ -6,7 +6,7 @@ import numpy as np
 
 from collective._proto import collective_pb2 as pb
 from collective.digest import worker_digest
-from tests.conftest import inmemory_cluster
+from tests.clusters import inmemory_cluster
 
 
 def _ready(ref: pb.WorkerRef, plan: pb.Plan) -> pb.ReadyRequest:
