@@ -1,8 +1,9 @@
 """The implementation of the public API in ``collective/__init__.py``: ``serve``, ``join``, ``sync``.
 
-Each call reads the same settings as the command line: the CLI's own parsers are built against
-the process environment plus what ``TF_CONFIG`` / torchrun imply (``collective.clusterenv``),
-without changing ``os.environ``; an explicit argument beats all of them.
+Each call reads the same settings as the command line (``options.ChiefSettings`` /
+``WorkerSettings.from_env``, made from the flag table the CLI's parsers are made from) over the
+process environment plus what the cluster engine implies (``collective.clusterenv``), without
+changing ``os.environ``; an explicit argument beats all of them.
 
 The chief trains too when asked (``sync`` always asks): after the plan is released it copies
 its arena once per local device (no network), hashes every replica as a worker does and
@@ -387,8 +388,11 @@ def sync(
     Roles: arguments, else ``COLLECTIVE_RANK`` + ``COLLECTIVE_WORLD_SIZE`` (+ ``COLLECTIVE_CHIEF``,
     rank 0's ``host:port``), else ``TF_CONFIG`` (a cluster of only workers: worker 0 is rank 0),
     else torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` (the chief listens on
-    ``MASTER_PORT + 1``), else ``mpiexec`` (``OMPI_COMM_WORLD_*``/``PMI_*``: the round runs over
-    MPI), else a single process (world size 1: copies of ``values``). ``devices``: this
+    ``MASTER_PORT + 1``), else Trainer v2 / JobSet's ``PET_*``, else a Kubeflow PyTorchJob
+    (``WORLD_SIZE`` counts pods), else an srun step (``SLURM_PROCID``/``SLURM_NTASKS``, the chief
+    on the step's first node), else ``mpiexec`` (``OMPI_COMM_WORLD_*``/``PMI_*``: the round runs
+    over MPI), else a single process (world size 1: copies of ``values``). One resolver decides:
+    ``collective.clusterenv.resolve_placement``; ``collective doctor`` prints its answer. ``devices``: this
     process's replicas (default ``COLLECTIVE_DEVICES``, else ``cpu:0``). ``bind``: rank 0's
     listen address (default ``COLLECTIVE_BIND``, else every interface on the chief's port).
 

@@ -1,7 +1,8 @@
 """``collective doctor [--chief HOST:PORT]``: a pre-flight check, one verdict per check.
 
 Local checks (always; information only): Python, grpcio, numpy, mpi4py and ``mpiexec`` (the MPI
-transport), the cluster environment (``TF_CONFIG`` / torchrun, see ``collective.clusterenv``)
+transport), the cluster environment (what ``collective.clusterenv.resolve_placement`` finds: rank, world
+size, local rank, node, chief address, the engine and the variables it read)
 and TLS. With a chief address: resolve the host, open a TCP connection to the port (showing the
 local address and interface the connection leaves from), ask the standard gRPC health service
 (served without a token), then call the Collective ``Status`` RPC with the token to tell whether
@@ -92,15 +93,19 @@ def _tls_check(tls) -> Check:
 
 
 def _cluster_env_check(environ: Mapping[str, str]) -> Check:
-    from collective.clusterenv import from_environment
+    """What ``collective.sync`` would resolve here, and from which engine and variables."""
+    from collective.clusterenv import SINGLE, resolve_placement
 
     try:
-        env = from_environment(environ)
+        placement = resolve_placement(env=environ)
     except UsageError as exc:
         return Check("cluster env", False, str(exc))
-    if env is None:
-        return Check("cluster env", None, "no TF_CONFIG or torchrun variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)")
-    return Check("cluster env", None, env.describe())
+    detail = placement.report()
+    if placement.source == SINGLE:
+        detail += ("; looked for COLLECTIVE_RANK/COLLECTIVE_WORLD_SIZE, TF_CONFIG, torchrun (MASTER_ADDR, MASTER_PORT, "
+                   "RANK, WORLD_SIZE), PET_* (Trainer v2 / JobSet), Kubeflow PyTorchJob, an srun step (SLURM_PROCID, "
+                   "SLURM_NTASKS, SLURM_STEP_NODELIST) and MPI (OMPI_COMM_WORLD_RANK, PMI_RANK, PMIX_RANK)")
+    return Check("cluster env", None, detail)
 
 
 def run_doctor(chief: str | None, *, token: str | None, timeout: float = 3.0, tls=None) -> tuple[list[Check], bool]:
@@ -327,7 +332,8 @@ def doctor_command(
 ) -> int:
     """What ``collective doctor`` does: print the checks; exit 0 when nothing failed, else 1.
 
-    Without ``chief``, the chief address of ``TF_CONFIG``/torchrun is checked when they name one.
+    Without ``chief``, the chief address a cluster engine (``TF_CONFIG``, torchrun, PyTorchJob,
+    ``PET_*``, Slurm) names is checked.
     """
     out = out or sys.stdout
     if not chief:

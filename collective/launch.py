@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from collective.clusterenv import TORCHRUN_VARS
+from collective.clusterenv import CLUSTER_VARS
 from collective.config import Timeouts
 from collective.errors import DeadlineError, UsageError
 from collective.model import available_memory
@@ -109,7 +109,7 @@ class Launcher:
 
     def _env(self) -> dict[str, str]:
         # A launch describes its own cluster: other launchers' conventions must not leak in.
-        env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", *TORCHRUN_VARS)}
+        env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}
         env["COLLECTIVE_TOKEN"] = self.token  # not on the command line, where ps would show it
         env["PYTHONUNBUFFERED"] = "1"
         return env
