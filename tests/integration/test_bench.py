@@ -215,7 +215,7 @@ def test_candidates_are_every_topology_but_auto_or_those_asked_and_mpi():
 
 
 def test_the_last_json_object_is_found_even_with_a_log_line_glued_to_it():
-    from tools.bench import _last_json
+    from tools.bench.runners import _last_json
 
     text = 'noise\n{"ok": false}\n{"ok": true, "seconds": 1.5}2026-12-02T14:34:40Z INFO worker: started\nmore\n'
     assert _last_json(text, "ok") == {"ok": True, "seconds": 1.5}
