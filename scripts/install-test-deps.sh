@@ -3,6 +3,8 @@
 # docker-compose.yml), iproute2 and util-linux (network namespaces for the multihost tests).
 # Installs what is missing when run as root; otherwise says what the skipped tests need.
 set -euo pipefail
+# Slurm (slurm-wlm + munge) for tests/slurm: its own script, also usable alone.
+bash "$(dirname "$0")/install-slurm.sh"
 need=()
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
