@@ -55,6 +55,10 @@ class Timeouts:
     status_grace: float = 0.5    # chief: keep answering Status this long after the outcome, for watchers
     heartbeat: float = 5.0       # worker: seconds between heartbeats, from join until start
     lease: float = 15.0          # both: a peer silent this long is dead (chief: no heartbeat; worker: no answer)
+    # chief: how long a worker lost mid-broadcast may take to rejoin (a restart, same id) before
+    # the round fails naming it; 0 (the default, as torchrun's --max-restarts 0): a loss fails
+    # the round at once. Set it where a supervisor restarts workers (Kubernetes, systemd).
+    rejoin: float = 0.0
 
 
 def env_name(option: str) -> str:
@@ -74,6 +78,16 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
     return v
 
 
@@ -133,7 +147,7 @@ def parse_address(text: str, *, what: str) -> tuple[str, int]:
 
 
 def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
-    fields = {k: getattr(args, k + "_timeout") for k in ("join", "stall", "ready", "start")
+    fields = {k: getattr(args, k + "_timeout") for k in ("join", "stall", "ready", "start", "rejoin")
               if hasattr(args, k + "_timeout")}
     if hasattr(args, "heartbeat_interval"):
         fields["heartbeat"] = args.heartbeat_interval
@@ -202,6 +216,8 @@ def timeout_flags(*phases: str) -> tuple[Flag, ...]:
         "stall": "longest silence tolerated inside a data stream",
         "ready": "seconds from plan release until every worker is ready",
         "start": "seconds a ready worker waits for start",
+        "rejoin": "seconds the chief waits for a worker lost mid-broadcast to come back (restarted with the same "
+                  "--worker-id) before failing the round naming it",
     }
     defaults = Timeouts()
     out: list[Flag] = []
@@ -211,7 +227,10 @@ def timeout_flags(*phases: str) -> tuple[Flag, ...]:
         out.append(Flag("heartbeat-timeout", f"a peer silent this long is declared dead; default {defaults.lease:g}",
                         positive_float, defaults.lease))
     out += [Flag(f"{p}-timeout", helps[p] + f"; default {getattr(defaults, p):g}", positive_float, getattr(defaults, p))
-            for p in phases if p != "heartbeat"]
+            for p in phases if p not in ("heartbeat", "rejoin")]
+    if "rejoin" in phases:
+        out.append(Flag("rejoin-timeout", helps["rejoin"] + "; default 0: a loss fails the round at once",
+                        non_negative_float, defaults.rejoin))
     return tuple(out)
 
 

@@ -48,7 +48,7 @@ CHIEF_FLAGS: tuple[Flag, ...] = (
     Flag("topology", "who receives from whom: auto (by hosts and size, see README), star, tree, chain",
          default="auto", choices=TOPOLOGIES),
     Flag("chunk-bytes", "bytes per data message; default 4 MiB, 512 KiB for a chain", byte_size("--chunk-bytes")),
-    *timeout_flags("join", "ready", "heartbeat"),
+    *timeout_flags("join", "ready", "heartbeat", "rejoin"),
     Flag("log-format", "text or json", default="text", choices=("text", "json")),
     max_model_bytes_flag(),
     Flag("port-file", "write the bound port here once serving (for launchers)"),

@@ -391,13 +391,15 @@ class Chunker:
         """Yield the stream's messages; the last one carries the stream end."""
         return with_bytes(self.frames())
 
-    def frames(self) -> Iterator[tuple[pb.Chunk, memoryview]]:
-        """Each message without its bytes, and a view of those bytes in the arena.
+    def frames(self, start: int = 0) -> Iterator[tuple[pb.Chunk, memoryview]]:
+        """Each message without its bytes, and a view of those bytes in the arena; from the
+        message at offset ``start`` (a receiver resuming: ``WorkerRef.resume_from``) on.
 
         For transports that send the bytes themselves without a copy (MPI's Bcast).
         """
-        for msg, start, end in frame_messages(self._plan):
-            yield msg, self._arena[start:end]
+        for msg, first, end in frame_messages(self._plan):
+            if first >= start:
+                yield msg, self._arena[first:end]
 
 
 def with_bytes(frames: Iterable[tuple[pb.Chunk, memoryview]]) -> Iterator[pb.Chunk]:

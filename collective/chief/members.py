@@ -50,6 +50,8 @@ class Member:
     relay_port: int = 0
     relay_cert: bytes = b""  # server-only TLS: the certificate its relay serves
     bytes_reported: int = 0  # what its heartbeats say it holds, from whichever sender
+    lost_at: float = 0.0  # phase "lost": when, and why (collective.chief.rejoin)
+    lost_reason: str = ""
 
     def received(self) -> int:
         """Bytes of the arena this worker holds: what the chief sent it, or what its heartbeats

@@ -9,6 +9,7 @@ import time
 
 from collective._proto import collective_pb2 as pb
 from collective.chief.members import Phase
+from collective.digest import worker_digest
 
 
 def status_reply(svc) -> pb.StatusReply:
@@ -62,9 +63,15 @@ def summary(svc) -> dict:
                     "devices": list(m.devices),
                     "replicas": [n for s in svc.specs for n in m.replica_names(s.name)],
                     "digest": m.worker_digest,
+                    # What the chief requires of its ready report: the plan's digests on every device.
+                    "expected_digest": worker_digest(plan.manifest_digest, [list(plan.chunk_digests)] * len(m.devices))
+                    if plan is not None else "",
+                    "incarnation": m.incarnation,
+                    "pid": m.pid,
                 }
                 for m in members
             ],
+            "rejoined": list(svc._rejoins.rejoined),  # worker ids that came back mid-broadcast
             "variables": [
                 {
                     "name": v.name,

@@ -24,6 +24,7 @@ from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
 from collective.chief.members import Member, Phase, _ChiefReplicas, materialize, report_problem
+from collective.chief.rejoin import Rejoins
 from collective.config import Timeouts
 from collective.errors import (
     AbortedError,
@@ -123,6 +124,7 @@ class ChiefService:
 
             self._shm = ShmServer(self._shared, self._shm_admit)
         self._members: dict[str, Member] = {}
+        self._rejoins = Rejoins(self)  # a worker lost mid-broadcast may come back (chief/rejoin.py)
         # Processes told the failure that never became members (refused, or joining after the end):
         # an SPMD chief lingers until every rank has heard, so a slow rank hears the cause, not a dead port.
         self._told_outside: set[str] = set()
@@ -166,6 +168,9 @@ class ChiefService:
                 f"worker {ref.worker_id!r} joined as incarnation {m.incarnation}, "
                 f"not {ref.incarnation}; a restarted worker must join again"
             )
+        if m.phase == "lost":
+            raise AbortedError(f"{m.name()} was declared lost ({m.lost_reason}); a restarted process may rejoin",
+                               culprit=m.worker_id)
         m.last_seen = time.monotonic()
         return m
 
@@ -212,20 +217,13 @@ class ChiefService:
             if existing.incarnation == req.incarnation:
                 existing.last_seen = time.monotonic()
                 return self._join_reply(existing)  # a retried join: same rank
-            if self._phase is not Phase.JOINING:
-                err = AbortedError(
-                    f"{existing.name()} restarted (incarnation {req.incarnation}, was "
-                    f"{existing.incarnation}) after the broadcast began; the round cannot go on",
-                    culprit=existing.worker_id, phase="broadcast",
+            if self._phase is Phase.JOINING:
+                raise AlreadyExistsError(
+                    f"worker id {req.worker_id!r} is held by incarnation {existing.incarnation} "
+                    f"(host {existing.host}, pid {existing.pid}); incarnation {req.incarnation} "
+                    f"from {req.host or peer} (pid {req.pid}) is refused"
                 )
-                self.fail(err)
-                raise err
-            raise AlreadyExistsError(
-                f"worker id {req.worker_id!r} is held by incarnation {existing.incarnation} "
-                f"(host {existing.host}, pid {existing.pid}); incarnation {req.incarnation} "
-                f"from {req.host or peer} (pid {req.pid}) is refused"
-            )
-        if self._phase is not Phase.JOINING:
+        elif self._phase is not Phase.JOINING:
             err = PreconditionError(
                 f"worker {req.worker_id!r} from {req.host or peer} cannot join: the cluster is "
                 f"{self._phase.value} with all {self.num_workers} worker(s); joins are closed"
@@ -249,6 +247,8 @@ class ChiefService:
                 if self.spmd:
                     self.fail(err)
                 raise err
+        if existing is not None:  # a restart after the plan is out: rejoin, or the round fails
+            return self._join_reply(self._rejoins.readmit(existing, req, peer, devices))
         if len(self._members) >= self.num_workers:
             raise ResourceExhaustedError(
                 f"worker {req.worker_id!r} cannot join: all {self.num_workers} worker slots are taken"
@@ -358,11 +358,11 @@ class ChiefService:
             if self._chunker is None:
                 raise PreconditionError(f"{members[0].name()} asked for data before the plan was released")
             chunker = self._chunker
-            for m in members:
-                m.phase, m.bytes_sent = "receiving", 0
+            for m, ref in zip(members, refs, strict=True):
+                m.phase, m.bytes_sent = "receiving", ref.resume_from  # resumed: it holds the bytes before
             if self._first_byte_at is None:
                 self._first_byte_at = time.monotonic()
-        for chunk, data in chunker.frames():
+        for chunk, data in chunker.frames(min(ref.resume_from for ref in refs)):
             if self._phase is Phase.FAILED:
                 with self._cond:
                     for m in members:
@@ -482,15 +482,15 @@ class ChiefService:
             if m.phase == "joined":
                 m.phase = "prepared"
             self._cond.notify_all()
-            members = list(self._members.values())
-            self._wait(lambda: self._phase is not Phase.BROADCASTING or all(x.prepared for x in members), timeout)
+            prepared = lambda: all(x.prepared for x in self._members.values())  # noqa: E731 - a rejoin replaces members
+            self._wait(lambda: self._phase is not Phase.BROADCASTING or prepared(), timeout)
             if self._phase is Phase.FAILED:
                 m.told = True
                 raise self._error.same_round()
-            if not all(x.prepared for x in members):
-                late = ", ".join(x.name() for x in members if not x.prepared)
+            if not prepared():
+                late = ", ".join(x.name() for x in self._members.values() if not x.prepared)
                 raise DeadlineError(f"not every worker prepared within {timeout:g} s; waiting for: {late}")
-            return pb.PreparedReply(prepared=len(members))
+            return pb.PreparedReply(prepared=len(self._members))
 
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
         with self._cond:
@@ -525,6 +525,9 @@ class ChiefService:
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         with self._cond:
             m = self._members.get(req.worker_id)
+            if m is not None and (m.phase == "lost" or m.incarnation != req.incarnation) and \
+                    self._phase is Phase.BROADCASTING:
+                self._member(req)  # raises: that process was declared lost, or replaced
             if m is None or m.incarnation != req.incarnation:
                 if self._phase is not Phase.FAILED:
                     raise PreconditionError(
@@ -554,8 +557,9 @@ class ChiefService:
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         """A worker's call ended without an answer: the process is gone or its link is cut.
 
-        Before the broadcast its slot is freed for a restarted worker; during the broadcast the
-        round is aborted naming it; after start it no longer matters.
+        Before the broadcast its slot is freed for a restarted worker; during the broadcast it
+        may rejoin within the rejoin window (``chief/rejoin.py``), else the round is aborted
+        naming it; after start it no longer matters.
         """
         with self._cond:
             m = self._members.get(ref.worker_id)
@@ -565,21 +569,24 @@ class ChiefService:
                 del self._members[m.worker_id]
                 log.warning("%s left before the broadcast (%s); its slot is free again", m.name(), reason)
                 self._cond.notify_all()
-            elif self._phase is Phase.BROADCASTING:
+            elif self._phase is Phase.BROADCASTING and m.phase != "lost":
                 m.phase = "lost"
                 # A process that is gone cannot be told; one that is only silent (frozen, link
                 # cut) may come back within the linger time and hear the outcome.
                 m.told = "no heartbeat" not in reason
+                if self._rejoins.lost_member(m, reason):
+                    return
                 self.fail(AbortedError(f"{m.name()} was lost during the broadcast: {reason}",
                                        culprit=m.worker_id, phase="broadcast"))
 
     def _check_leases(self) -> None:
         if not self.heartbeats or self._phase not in (Phase.JOINING, Phase.BROADCASTING):
             return
+        self._rejoins.check()
         now = time.monotonic()
         for m in list(self._members.values()):
             silent = now - m.last_seen
-            if silent > self.timeouts.lease and not m.told:
+            if silent > self.timeouts.lease and not m.told and m.phase != "lost":
                 ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation)
                 self.lost(ref, f"no heartbeat for {silent:.1f} s (lease {self.timeouts.lease:g} s)")
 

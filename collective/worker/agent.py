@@ -99,6 +99,10 @@ class _Watched:
     def digests(self) -> list[str]:
         return self._r.digests
 
+    @property
+    def bytes_received(self) -> int:
+        return self._r.bytes_received
+
     def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
         try:
             self._r.accept(chunk, placed=placed)
@@ -288,12 +292,19 @@ class WorkerAgent:
             self.relay.feed(plan, arena if served is None else served.reader())  # chunks go out as they land
         receiver = _Watched(Receiver(plan, arena if served is None else served.writable), self)
         self._prepared(plan)
-        me = self._me(plan)
+        parent = self._parent(plan)
         # A plan without a topology (an older chief) streams from the chief.
-        if not plan.topology or me.parent < 0 or self.connect is None:
-            self.link.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
-        else:
-            parent = next(w for w in plan.workers if w.rank == me.parent)
+        while parent is not None:
+            # From the first byte we lack: the whole stream, or the rest after a lost parent.
+            ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation,
+                               resume_from=receiver.bytes_received)
+            if ref.resume_from:
+                log.info("resuming the stream at byte %d from %s", ref.resume_from,
+                         f"worker {parent.worker_id} (rank {parent.rank})" if parent.rank >= 0 else "the chief")
+            if parent.rank < 0:
+                self._fed_by_chief, receiver.relay = True, None
+                self.link.receive_into(ref, receiver, stall_timeout=self.timeouts.stall)
+                break
             name = f"relay worker {parent.worker_id} (rank {parent.rank})"
             source = self.connect(parent, name)
             receiver.relay = (name, parent.worker_id)
@@ -304,9 +315,10 @@ class WorkerAgent:
             if verdict is not None:
                 source.interrupt(verdict)
             try:
-                source.receive_into(self.ref, receiver, stall_timeout=self.timeouts.stall)
+                source.receive_into(ref, receiver, stall_timeout=self.timeouts.stall)
+                break
             except (ChiefUnreachableError, AbortedError, DeadlineError) as exc:
-                raise self._relay_failed(name, parent.worker_id, exc) from exc
+                parent = self._relay_failed(name, parent, exc)  # the new parent, or raises
             finally:
                 with self._beat:
                     self._source = None
@@ -318,28 +330,53 @@ class WorkerAgent:
         del receiver  # the last view of the writable mapping: the seal needs it gone
         return served.complete(), digests
 
-    def _relay_failed(self, name: str, relay_id: str, exc: CollectiveError) -> CollectiveError:
-        """The relay this worker receives from failed: find who is to blame.
+    def _parent(self, plan: pb.Plan) -> pb.WorkerInfo | None:
+        """Whom this worker receives from under ``plan``: a worker's ``WorkerInfo``, or one with
+        rank -1 for the chief (also without relays: MPI, in-memory without ``connect``)."""
+        me = self._me(plan)
+        if not plan.topology or me.parent < 0 or self.connect is None:
+            return pb.WorkerInfo(rank=-1)
+        return next(w for w in plan.workers if w.rank == me.parent)
+
+    def _relay_failed(self, name: str, parent: pb.WorkerInfo, exc: CollectiveError) -> pb.WorkerInfo:
+        """The relay this worker receives from failed: whom to receive from now, or raise who
+        is to blame.
 
         A parent fails when the chief is gone as well (it found out first) or when the round
         failed, and then the chief is the news, not the relay. So ask for a heartbeat now and
         wait, within a lease, for the chief's answer after the failure or the heartbeat's
         verdict: the verdict (chief unresponsive, restarted, round aborted naming the culprit)
-        if there is one, else the relay is to blame.
+        if there is one. A parent the chief has declared lost (``collective.chief.rejoin``) is no
+        longer our parent in the chief's current plan: the one it names instead is returned.
+        Else the relay is to blame.
         """
         t = self.timeouts
         failed_at = time.monotonic()
-        with self._beat:
-            self._beat_now = True
-            self._beat.notify_all()
-            self._beat.wait_for(
-                lambda: self._verdict is not None or self._last_ok > failed_at or self._stopped,
-                timeout=t.lease + 2 * t.heartbeat,
-            )
-            if self._verdict is not None:
-                return self._verdict
-        return RelayError(f"{name}, which this worker receives from, failed during receive: {exc}",
-                          culprit=relay_id, phase="receive")
+        deadline = failed_at + t.lease + 2 * t.heartbeat
+        while True:
+            asked = time.monotonic()
+            with self._beat:
+                self._beat_now = True
+                self._beat.notify_all()
+                self._beat.wait_for(
+                    lambda asked=asked: self._verdict is not None or self._last_ok > asked or self._stopped,
+                    timeout=max(0.0, deadline - asked),
+                )
+                if self._verdict is not None:
+                    raise self._verdict
+            if time.monotonic() < deadline and not self._stopped:
+                now = self._parent(self.link.get_plan(self.ref, timeout=t.rpc))
+                if now.rank != parent.rank or now.incarnation != parent.incarnation:
+                    log.warning("%s failed (%s); the chief now names %s as this worker's parent", name, exc,
+                                f"worker {now.worker_id} (rank {now.rank})" if now.rank >= 0 else "the chief")
+                    return now
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stopped:
+                raise RelayError(f"{name}, which this worker receives from, failed during receive: {exc}",
+                                 culprit=parent.worker_id, phase="receive") from exc
+            with self._beat:  # ask again in a while: the chief may not have noticed yet
+                self._beat.wait_for(lambda: self._verdict is not None or self._stopped,
+                                    timeout=min(left, t.heartbeat, PROGRESS_INTERVAL))
 
     def _prepared(self, plan: pb.Plan) -> None:
         """Once: tell the chief this worker is ready for bytes, and wait until every worker is."""

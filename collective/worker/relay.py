@@ -90,10 +90,13 @@ class RelayHandler:
         with self._cond:
             self._wait(lambda: self._plan is not None, "waiting for the plan")
             plan, arena = self._plan, self._arena
-            if not any(w.worker_id == ref.worker_id and w.incarnation == ref.incarnation for w in plan.workers):
+            # By id: a worker restarted mid-broadcast (``collective.chief.rejoin``) has an
+            # incarnation this plan has never seen.
+            if not any(w.worker_id == ref.worker_id for w in plan.workers):
                 raise PreconditionError(f"worker {ref.worker_id!r} is not in this round's plan")
-        log.info("relaying to worker %s", printable(ref.worker_id))
-        for msg, data in Chunker(plan, arena).frames():
+        log.info("relaying to worker %s%s", printable(ref.worker_id),
+                 f" from byte {ref.resume_from}" if ref.resume_from else "")
+        for msg, data in Chunker(plan, arena).frames(ref.resume_from):
             end = msg.offset + len(data)
             with self._cond:
                 self._wait(lambda end=end: self._available >= end, f"relaying to {ref.worker_id}")

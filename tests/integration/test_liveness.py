@@ -150,6 +150,7 @@ def test_two_live_processes_claiming_one_id_the_second_is_refused_and_the_first_
 
 
 def test_a_worker_restarted_after_the_broadcast_began_aborts_the_round_naming_it(cluster):
+    """Without ``--rejoin-timeout`` (its default 0), as under torchrun's --max-restarts 0."""
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
                           "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
     old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
@@ -165,6 +166,51 @@ def test_a_worker_restarted_after_the_broadcast_began_aborts_the_round_naming_it
         assert "phoenix" in error_line(other.output()) and "restarted" in error_line(other.output())
     finally:
         old.signal(signal.SIGCONT)
+
+
+def test_with_a_rejoin_window_a_killed_worker_restarted_mid_broadcast_takes_its_rank_and_the_round_completes(
+        cluster):
+    """``--rejoin-timeout``: a worker SIGKILLed mid-stream and started again with its id is
+    admitted in its rank; the other worker is not restarted and the round completes."""
+    chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
+                          "--topology", "star", "--rejoin-timeout", "60", *HB)
+    victim = cluster.worker("phoenix", "--rank", "0", *HB)
+    other = cluster.worker("other", "--rank", "1", *HB)
+    wait_for(victim, "phase=receive")
+    victim.signal(signal.SIGKILL)
+    assert victim.wait(10) == -signal.SIGKILL
+    wait_for(chief, "waiting up to 60 s for it to rejoin")
+    reborn = cluster.worker("phoenix", "--rank", "0", *HB)
+    assert reborn.wait(60) == 0, reborn.output()
+    assert other.wait(60) == 0, other.output()
+    assert chief.wait(30) == 0, chief.output()
+    assert "worker phoenix (rank 0" in chief.output() and "rejoined as incarnation" in chief.output()
+    result = json.loads((cluster.tmp / "result.json").read_text())
+    assert result["ok"] is True and result["rejoined"] == ["phoenix"], result
+    digests = {w["id"]: (w["digest"], w["expected_digest"]) for w in result["workers"]}
+    assert all(d == e and d for d, e in digests.values()), digests
+    assert other.output().count("joined chief at") == 1  # the other worker was not restarted
+
+
+def test_with_a_rejoin_window_a_frozen_worker_replaced_by_a_restart_is_refused_after_sigcont(cluster):
+    chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
+                          "--topology", "star", "--rejoin-timeout", "60",
+                          "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
+    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
+    other = cluster.worker("other", *HB)
+    wait_for(old, "phase=receive")
+    old.signal(signal.SIGSTOP)  # frozen, its connection still open: the restart replaces it
+    try:
+        reborn = cluster.worker("phoenix", *HB)
+        assert reborn.wait(60) == 0, reborn.output()
+        assert other.wait(60) == 0, other.output()
+    finally:
+        old.signal(signal.SIGCONT)
+    assert old.wait(60) != 0
+    assert "training started" not in old.output()
+    assert "phoenix" in error_line(old.output()), old.output()[-2000:]
+    assert chief.wait(30) == 0, chief.output()
+    assert "restarted as incarnation" in chief.output()
 
 
 def test_sigterm_mid_broadcast_tells_everyone_and_releases_the_port(cluster):

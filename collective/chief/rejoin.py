@@ -1,0 +1,130 @@
+"""A worker lost mid-broadcast may come back, and the others go on meanwhile.
+
+When a member is lost during the broadcast (its calls cut off, or its lease run out), the chief
+does not fail the round at once: it waits up to ``Timeouts.rejoin`` seconds (``--rejoin-timeout``;
+the default 0 fails the round at once, as before) for a process with the same worker id and a
+new incarnation. Meanwhile:
+
+* The lost worker's children move up. The chief revises its plan: every worker whose parent
+  was lost receives from its nearest ancestor never lost in this round (the chief at worst). A
+  child whose relay stream broke asks the chief for the current plan (``GetPlan``) and resumes
+  from its new parent at the first byte it lacks (``WorkerRef.resume_from``); an ancestor holds
+  at least every byte its descendants hold, so nothing waits for the restart.
+* The restarted process takes the lost one's rank (with the same devices), gets the revised
+  plan naming its new incarnation and relay, receives the whole arena from its own nearest live
+  ancestor and verifies and reports like everyone. It feeds nobody: its former children stay
+  where they moved. A rank once lost is never a parent again in this round.
+* Start waits for every rank ready, the rejoined one included, every digest checked as ever.
+* A lost worker not back within the window fails the round naming it ("... was lost during the
+  broadcast: <why>; it did not rejoin within T s"). A lost incarnation is dead to the chief: if
+  that process comes back (SIGCONT, a healed link) its calls are refused, and it exits.
+
+A new incarnation joining while the chief still holds the old one as live (a frozen process, a
+cut link not yet past its lease) means the old process was replaced: it is taken as lost now.
+
+Only with heartbeats (gRPC, in-memory): under MPI (``heartbeats=False``) a lost rank fails the
+round as before, since mpirun restarts the whole job, never one rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from collective._proto import collective_pb2 as pb
+from collective.chief.members import Member, Phase
+from collective.errors import AbortedError, PreconditionError
+
+log = logging.getLogger(__name__)
+
+
+def nearest_live(parents: dict[int, int], lost: set[int], rank: int) -> int:
+    """Whom ``rank`` receives from when the ranks in ``lost`` are gone: its nearest ancestor
+    under ``parents`` (rank -> parent rank, -1 the chief) that is not in ``lost``."""
+    p = parents[rank]
+    while p in lost:
+        p = parents[p]
+    return p
+
+
+class Rejoins:
+    """The rejoin state of one ``ChiefService``; every method runs with its lock held."""
+
+    def __init__(self, service) -> None:
+        self._svc = service
+        self._parents: dict[int, int] | None = None  # the plan's first parents
+        self.lost: set[int] = set()  # ranks lost at some point of this broadcast
+        self.rejoined: list[str] = []  # worker ids, one entry per comeback
+
+    @property
+    def window(self) -> float:
+        return self._svc.timeouts.rejoin
+
+    def waits(self) -> bool:
+        return bool(self._svc.heartbeats) and self.window > 0 and self._svc.phase is Phase.BROADCASTING
+
+    def lost_member(self, m: Member, reason: str) -> bool:
+        """``m`` (phase "lost") was lost during the broadcast. True: the round waits for it."""
+        if not self.waits():
+            return False
+        m.lost_at, m.lost_reason = time.monotonic(), reason
+        self.lost.add(m.rank)
+        self._revise()
+        moved = [w.worker_id for w in self._svc._plan.workers if self._parents[w.rank] == m.rank]
+        log.warning("%s was lost during the broadcast: %s; waiting up to %g s for it to rejoin%s", m.name(), reason,
+                    self.window, f" (its children {', '.join(moved)} now receive from rank "
+                    f"{nearest_live(self._parents, self.lost, m.rank)})" if moved else "")
+        self._svc._cond.notify_all()
+        return True
+
+    def readmit(self, old: Member, req: pb.JoinRequest, peer: str, devices: list[str]) -> Member:
+        """A new incarnation of ``old`` joins after the plan is out: admit it in ``old``'s rank,
+        or fail the round (no rejoins here), or refuse it (other devices)."""
+        if not self.waits():
+            err = AbortedError(f"{old.name()} restarted (incarnation {req.incarnation}, was {old.incarnation}) after "
+                               f"the broadcast began; the round cannot go on", culprit=old.worker_id, phase="broadcast")
+            self._svc.fail(err)
+            raise err
+        if list(devices) != list(old.devices):
+            raise PreconditionError(f"{old.name()} restarted with devices {','.join(devices)}, not "
+                                    f"{','.join(old.devices)}; a worker rejoining the round keeps its devices")
+        if old.phase != "lost":
+            old.phase, old.told = "lost", True
+            self.lost_member(old, f"restarted as incarnation {req.incarnation}")
+        m = Member(old.rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
+                   relay_port=req.relay_port, relay_cert=req.relay_cert)
+        self._svc._members[m.worker_id] = m
+        self.rejoined.append(m.worker_id)
+        self._revise()
+        log.warning("%s rejoined as incarnation %s (was %s, lost %.1f s ago: %s); it receives from rank %d",
+                    m.name(), m.incarnation, old.incarnation, time.monotonic() - old.lost_at, old.lost_reason,
+                    nearest_live(self._parents, self.lost, m.rank))
+        self._svc._cond.notify_all()
+        return m
+
+    def check(self) -> None:
+        """Fail the round naming the first lost worker whose window has passed."""
+        now = time.monotonic()
+        for m in sorted(self._svc._members.values(), key=lambda m: m.rank):
+            if m.phase == "lost" and now - m.lost_at > self.window:
+                self._svc.fail(AbortedError(
+                    f"{m.name()} was lost during the broadcast: {m.lost_reason}; it did not rejoin within "
+                    f"{self.window:g} s", culprit=m.worker_id, phase="broadcast"))
+                return
+
+    def _revise(self) -> None:
+        """A new plan object (workers already hold the old one): parents around the lost ranks,
+        and each rank's current incarnation and relay."""
+        svc = self._svc
+        plan = pb.Plan()
+        plan.CopyFrom(svc._plan)
+        if self._parents is None:
+            self._parents = {w.rank: w.parent for w in plan.workers}
+        live = {m.rank: m for m in svc._members.values() if m.phase != "lost"}
+        for w in plan.workers:
+            w.parent = nearest_live(self._parents, self.lost, w.rank)
+            m = live.get(w.rank)
+            if m is not None and m.incarnation != w.incarnation:
+                w.incarnation, w.host, w.relay_address, w.relay_cert = (m.incarnation, m.host, m.relay_address(),
+                                                                        m.relay_cert)
+        svc._plan = plan
