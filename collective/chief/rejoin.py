@@ -47,6 +47,10 @@ def nearest_live(parents: dict[int, int], lost: set[int], rank: int) -> int:
     return p
 
 
+def _sender(rank: int) -> str:
+    return "the chief" if rank < 0 else f"rank {rank}"
+
+
 class Rejoins:
     """The rejoin state of one ``ChiefService``; every method runs with its lock held."""
 
@@ -72,8 +76,8 @@ class Rejoins:
         self._revise()
         moved = [w.worker_id for w in self._svc._plan.workers if self._parents[w.rank] == m.rank]
         log.warning("%s was lost during the broadcast: %s; waiting up to %g s for it to rejoin%s", m.name(), reason,
-                    self.window, f" (its children {', '.join(moved)} now receive from rank "
-                    f"{nearest_live(self._parents, self.lost, m.rank)})" if moved else "")
+                    self.window, f" (its children {', '.join(moved)} now receive from "
+                    f"{_sender(nearest_live(self._parents, self.lost, m.rank))})" if moved else "")
         self._svc._cond.notify_all()
         return True
 
@@ -96,9 +100,9 @@ class Rejoins:
         self._svc._members[m.worker_id] = m
         self.rejoined.append(m.worker_id)
         self._revise()
-        log.warning("%s rejoined as incarnation %s (was %s, lost %.1f s ago: %s); it receives from rank %d",
+        log.warning("%s rejoined as incarnation %s (was %s, lost %.1f s ago: %s); it receives from %s",
                     m.name(), m.incarnation, old.incarnation, time.monotonic() - old.lost_at, old.lost_reason,
-                    nearest_live(self._parents, self.lost, m.rank))
+                    _sender(nearest_live(self._parents, self.lost, m.rank)))
         self._svc._cond.notify_all()
         return m
 
