@@ -20,7 +20,8 @@ The exchange (an all-gather of bytes, in rank order) is, first match wins:
 Deadlines: over MPI every exchange first waits in a non-blocking barrier for at most
 ``timeout`` seconds (``transport.mpi.settle``), then raises a DeadlineError on the ranks that
 waited; over torch.distributed the process group's own timeout (``init_process_group(timeout=)``)
-bounds the wait; a caller's ``exchange`` bounds its own.
+bounds the wait (its time-out is a DeadlineError too, any other failure a TransportError); a
+caller's ``exchange`` bounds its own.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from collective.digest import array_digest, combined_digest
 from collective.dtypes import wire
 from collective.errors import (
     CollectiveError,
+    DeadlineError,
     DivergenceError,
     ProtocolError,
     TransportError,
@@ -121,7 +123,9 @@ def compare(tables: Sequence[Sequence[Entry]], step: int | None = None) -> Diver
 # --- the exchange: an all-gather of bytes ----------------------------------------------------
 
 
-def _torch_exchange(dist: Any, group: Any) -> Exchange:
+def _torch_exchange(dist: Any, group: Any, step: int | None) -> Exchange:
+    where = "" if step is None else f" at step {step}"
+
     def allgather(payload: bytes) -> list[bytes]:
         if dist.get_rank(group) < 0:
             raise UsageError("collective.check: this rank is not a member of the given torch.distributed group")
@@ -130,7 +134,10 @@ def _torch_exchange(dist: Any, group: Any) -> Exchange:
             dist.all_gather_object(out, payload, group=group)
         except RuntimeError as exc:  # gloo / NCCL: a peer gone, or the process group's timeout
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise TransportError(f"collective.check: the all-gather over torch.distributed failed: {first}",
+            if "timed out" in first.lower():
+                raise DeadlineError(f"collective.check{where}: not every rank of the torch.distributed group "
+                                    f"took part within the process group's timeout ({first})", phase="check") from None
+            raise TransportError(f"collective.check{where}: the all-gather over torch.distributed failed: {first}",
                                  phase="check") from None
         return out
 
@@ -176,9 +183,9 @@ def _exchange(exchange: Exchange | None, group: Any, timeout: float, step: int |
         if not torch_ready:
             raise UsageError(f"collective.check: group is a {type(group).__name__}, neither an mpi4py "
                              "communicator nor a group of an initialized torch.distributed")
-        return _torch_exchange(dist, group)
+        return _torch_exchange(dist, group, step)
     if torch_ready:
-        return _torch_exchange(dist, None)
+        return _torch_exchange(dist, None, step)
     comm = _mpi_world()
     if comm is not None:
         return _mpi_exchange(comm, timeout, step)

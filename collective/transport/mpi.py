@@ -107,8 +107,8 @@ def settle(comm: MPI.Comm, timeout: float | None = None, what: str = "this step"
     deadline = None if timeout is None else time.monotonic() + timeout
     while not req.Test():
         if deadline is not None and time.monotonic() > deadline:
-            raise E.DeadlineError(f"rank {comm.rank}: not every one of the {comm.size} MPI ranks reached "
-                                  f"{what} within {timeout:g} s", phase=phase)
+            raise E.DeadlineError(f"not every one of the {comm.size} MPI ranks reached {what} within "
+                                  f"{timeout:g} s (rank {comm.rank} waited)", phase=phase)
         time.sleep(POLL_SECONDS)
 
 

@@ -69,3 +69,28 @@ def test_the_benchmark_mode_times_checks_of_a_model_in_16_mib_tensors():
     code, out = torchrun(SCRIPT, 2, args=["--model-bytes", "32MiB", "--steps", "0", "--repeat", "2"])
     assert code == 0, out
     assert rank_lines(out, r"rank (?P<rank>0)/2: checked 0.03 GiB in 2 tensors on 2 rank\(s\): median [\d.]+ s"), out
+
+
+# A rank that never reaches the check: the others raise when their deadline passes instead of
+# waiting for ever (tests/check_rank.py: rank 1 sleeps 6 s and leaves).
+DEADLINE = r"rank (?P<rank>0): error after (?P<seconds>[\d.]+) s: DeadlineError: (?P<text>.*) \(phase check\)"
+
+
+def test_torchrun_a_rank_that_never_checks_fails_the_others_at_the_process_group_timeout():
+    require("torch")
+    code, out = torchrun("tests/check_rank.py", 2, args=["torch"])
+    assert code != 0, out
+    (m,) = rank_lines(out, DEADLINE).values()
+    assert m["text"].startswith("collective.check at step 3: not every rank of the torch.distributed group took "
+                                "part within the process group's timeout"), out
+    assert float(m["seconds"]) < 6, out  # its 3 s timeout, not rank 1's exit, ended the wait
+
+
+def test_mpiexec_a_rank_that_never_checks_fails_the_others_at_the_timeout():
+    require("mpi4py")
+    code, out = mpiexec("tests/check_rank.py", 2, args=["mpi"])
+    assert code != 0, out
+    (m,) = rank_lines(out, DEADLINE).values()
+    assert m["text"] == ("not every one of the 2 MPI ranks reached collective.check at step 3 within 2 s "
+                         "(rank 0 waited)"), out
+    assert float(m["seconds"]) < 6, out
