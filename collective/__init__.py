@@ -11,6 +11,8 @@ The Python API (every call reads the same environment as the command line: ``COL
 * ``sync``  - SPMD: every training process calls it; rank 0 serves its values and trains too.
 * ``serve`` - be the chief in this process (as ``python -m collective.chief``).
 * ``join``  - be a worker in this process (as ``python -m collective.worker``).
+* ``check`` - after start, at any step: do all ranks still hold the same values? (a digest
+  per rank is exchanged, not the values; ``DivergenceError`` on every rank names who differs)
 * ``create_variable`` / ``Synchronization`` / ``Aggregation`` / ``VariableSpec`` - variables
   with TensorFlow's semantics.
 * ``load_model`` - a preset, spec, ``.npz`` or ``.safetensors`` file as a model source.
@@ -33,6 +35,7 @@ from collective.errors import (
     ChiefUnreachableError,
     CollectiveError,
     DeadlineError,
+    DivergenceError,
     FrozenError,
     IntegrityError,
     InvalidVariableError,
@@ -51,6 +54,7 @@ from collective.variables import create_variable
 
 if TYPE_CHECKING:
     from collective._api import join, serve, sync
+    from collective.checks import check
     from collective.replicas import SyncResult
     from collective.sources import load_source as load_model
     from collective.transport.grpc import TlsFiles
@@ -59,6 +63,7 @@ __all__ = [
     "sync",
     "serve",
     "join",
+    "check",
     "SyncResult",
     "load_model",
     "local_rank",
@@ -82,6 +87,7 @@ __all__ = [
     "IntegrityError",
     "JoinTimeoutError",
     "DeadlineError",
+    "DivergenceError",
     "AbortedError",
     "AlreadyExistsError",
     "PreconditionError",
@@ -94,6 +100,7 @@ _LAZY = {
     "sync": ("collective._api", "sync"),
     "serve": ("collective._api", "serve"),
     "join": ("collective._api", "join"),
+    "check": ("collective.checks", "check"),
     "SyncResult": ("collective.replicas", "SyncResult"),
     "load_model": ("collective.sources", "load_source"),
     "TlsFiles": ("collective.transport.grpc", "TlsFiles"),

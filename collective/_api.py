@@ -56,6 +56,11 @@ class ArraysSource:
                 raise ModelError(f"{label}: variable {name!r}: {problem}")
             self._arrays[name] = a
 
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The checked arrays by name, in the mapping's order (not copied)."""
+        return self._arrays
+
     def specs(self) -> list[VariableSpec]:
         from collective.dtypes import wire
 

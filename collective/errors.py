@@ -140,6 +140,21 @@ class UnimplementedError(ProtocolError):
     code = "UNIMPLEMENTED"
 
 
+class DivergenceError(CollectiveError):
+    """After start, the ranks' values differ (``collective.check``): raised on every rank with the
+    same message, naming each differing tensor and the ranks that differ from the reference (the
+    value most ranks hold; on a tie, the lowest rank's). ``culprit`` is those ranks (``rank 2``,
+    ``ranks 1,3``), ``phase`` is ``check``; ``ranks`` and ``tensors`` list them."""
+
+    code = "DATA_LOSS"
+
+    def __init__(self, *args: object, culprit: str | None = None, phase: str | None = None,
+                 ranks: tuple[int, ...] = (), tensors: tuple[str, ...] = ()) -> None:
+        super().__init__(*args, culprit=culprit, phase=phase)
+        self.ranks = tuple(ranks)
+        self.tensors = tuple(tensors)
+
+
 class InternalError(CollectiveError):
     """A bug inside the chief or a relay: the message names the call; that process's log has the
     traceback."""

@@ -7,6 +7,11 @@
     collective.torch.sync_module(model)             # now every rank holds rank 0's values
     ddp = DistributedDataParallel(model, init_sync=False)   # no second broadcast
 
+Later, at any training step, ``check_module(model, step=step)`` on every rank asks whether all
+ranks still hold the same parameters and buffers (``collective.check``: one digest per rank
+travels, not the values); a difference raises ``DivergenceError`` on every rank, naming the
+tensors and ranks.
+
 ``sync_module`` reads the module's ``state_dict()`` (names, shapes, dtypes: the declaration of
 every rank, so a rank whose model differs fails with every difference listed before any byte
 moves), calls ``collective.sync`` with it and writes the verified values back into the very
@@ -35,7 +40,7 @@ from collective import dtypes
 from collective.digest import array_digest
 from collective.errors import IntegrityError, UsageError
 
-__all__ = ["sync_module", "state_arrays", "load_arrays", "module_device", "local_device"]
+__all__ = ["sync_module", "check_module", "state_arrays", "load_arrays", "module_device", "local_device"]
 
 # torch dtypes numpy has no type for: the ml_dtypes type of the same bits, and the integer
 # type of the same size through which the bits cross (torch.from_numpy knows no ml_dtypes).
@@ -151,3 +156,12 @@ def sync_module(module: torch.nn.Module, *, devices: Any = None, **sync_kwargs: 
     result = collective.sync(values, devices=devices if devices is not None else module_device(module), **sync_kwargs)
     load_arrays(module, result.arrays(0))
     return result
+
+
+def check_module(module: torch.nn.Module, **check_kwargs: Any) -> str:
+    """``collective.check`` over the module's ``state_dict()`` (parameters and buffers, by
+    name): every rank calls it at the same step. CPU tensors are hashed in place; others are
+    copied to the CPU first. Keyword arguments go to ``collective.check`` (``step``, ``group``,
+    ``exchange``, ``timeout``). Returns the digest every rank shares; raises ``DivergenceError``
+    on every rank when they differ."""
+    return collective.check(state_arrays(module), **check_kwargs)

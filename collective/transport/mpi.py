@@ -92,16 +92,23 @@ def unpack(data: bytes) -> list[bytes]:
 POLL_SECONDS = 0.0005
 
 
-def settle(comm: MPI.Comm) -> None:
+def settle(comm: MPI.Comm, timeout: float | None = None, what: str = "this step", phase: str | None = None) -> None:
     """Wait, asleep, until every rank has reached this point.
 
     MPI ranks spin while they wait in a collective. When ranks outnumber cores, a rank spinning
     in the next step steals the core of a rank still working on this one (a worker checking its
     digests, say). A non-blocking barrier polled with short sleeps gives that core back, and the
     collective that follows finds everyone already there.
+
+    ``timeout``: give up after that many seconds with a DeadlineError naming ``what`` and
+    ``phase`` (the barrier stays posted: the job cannot go on with its collectives).
     """
     req = comm.Ibarrier()
+    deadline = None if timeout is None else time.monotonic() + timeout
     while not req.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise E.DeadlineError(f"not every one of the {comm.size} MPI ranks reached {what} within "
+                                  f"{timeout:g} s (rank {comm.rank} waited)", phase=phase)
         time.sleep(POLL_SECONDS)
 
 

@@ -50,28 +50,33 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180)
     return proc.returncode, out
 
 
-def torchrun(script: str, n: int, env: dict[str, str] | None = None) -> tuple[int, str]:
+def torchrun(script: str, n: int, env: dict[str, str] | None = None, args: list[str] = ()) -> tuple[int, str]:
     return run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), script], env)
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()), script, *args], env)
 
 
-def mpiexec(script: str, n: int, env: dict[str, str] | None = None) -> tuple[int, str]:
+def mpiexec(script: str, n: int, env: dict[str, str] | None = None, args: list[str] = ()) -> tuple[int, str]:
     if MPIEXEC is None:
         raise AssertionError("mpiexec not found: `make test` installs the mpich wheel (the `mpi` extra)")
-    return run([MPIEXEC, "-n", str(n), sys.executable, script], env)
+    return run([MPIEXEC, "-n", str(n), sys.executable, script, *args], env)
 
 
-def rank_lines(output: str, pattern: str) -> dict[int, re.Match]:
-    """``rank R...`` lines matching ``pattern`` (which captures ``rank``), by rank."""
-    found = {}
+def rank_matches(output: str, pattern: str) -> list[re.Match]:
+    """Every ``rank R...`` line matching ``pattern``, in output order."""
+    found = []
     # Ranks share one pipe and a launcher may pass their lines on unbuffered: a rank's line can
     # then start in the middle of another's, so a line is cut again where "rank N" begins.
     for line in output.splitlines():
         for piece in re.split(r"(?=\brank \d+[/:])", line):
             m = re.match(pattern, piece)
             if m:
-                found[int(m["rank"])] = m
+                found.append(m)
     return found
+
+
+def rank_lines(output: str, pattern: str) -> dict[int, re.Match]:
+    """``rank R...`` lines matching ``pattern`` (which captures ``rank``), by rank (the last one each)."""
+    return {int(m["rank"]): m for m in rank_matches(output, pattern)}
 
 
 def spmd(script: str, n: int, env: dict[str, str] | None = None, timeout: float = 180) -> list[tuple[int, str]]:

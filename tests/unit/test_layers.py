@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Round runners: the local launcher and the MPI round.
     ("collective.launch", "collective.mpi"),
     # The public Python API.
-    ("collective._api", "collective"),
+    ("collective._api", "collective.checks", "collective"),
     # Framework hand-offs, on top of the API.
     ("collective.torch", "collective.jax", "collective.tf"),
     # Command lines and tools.
