@@ -135,6 +135,7 @@ def run_chief(
     on_listening: Callable[[str, int], None] | None = None,
     result_file: str | None = None,
     max_model_bytes: int | None = None,
+    shards=None,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
     """One round as ``python -m collective.chief`` runs it: the chief's round (``run_round``)
     driven over gRPC, with a thread pool sized from the worker count, the join and ready
@@ -151,7 +152,7 @@ def run_chief(
         source, num_workers, _grpc_drive(bind, token, tls, on_listening), devices=devices,
         replica_timeout=timeouts.join + timeouts.rpc, result_file=result_file,
         timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology, spmd=spmd,
-        max_model_bytes=max_model_bytes,
+        max_model_bytes=max_model_bytes, shards=shards,
     )
 
 
@@ -219,6 +220,7 @@ def serve(
     chunk_bytes: int | None = None,
     spmd: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
+    shards=None,
 ) -> SyncResult:
     """Be the chief of one round in this process, as ``python -m collective.chief`` is. Blocks until start
     is released (every worker, and this process's own replicas if it trains, verified).
@@ -233,6 +235,9 @@ def serve(
     ``on_listening(address, port)`` is called once the server listens (``bind`` port 0 picks
     one). The gRPC thread pool is sized from the worker count; the join and ready deadlines are
     enforced; on the main thread SIGTERM and SIGINT abort the round (handlers restored after).
+    ``shards``: each training rank receives a part of the model, not a replica: ``"dim0"``
+    (torch's ``Shard(0)`` of every variable) or a mapping name -> ``"dim0"`` / ``"all"`` / rank(s)
+    (``collective.shards``); the training ranks are the workers, after this process if it trains.
 
     Returns a ``SyncResult`` (rank 0; ``summary`` is the round's summary; ``devices`` is empty
     when the chief does not train). Raises the round's ``CollectiveError`` (``JoinTimeoutError``,
@@ -268,10 +273,16 @@ def serve(
         devices=devices if trains else None,
         spmd=spmd,
         on_listening=on_listening,
+        shards=shards,
     )
     store, digest = held if held else (VariableStore(), "")
     store.start()
-    return SyncResult(0, workers + 1, list(devices) if trains else [], store, digest, service.result())
+    placed = None
+    if held and service.sharded:
+        from collective.shards import placements
+
+        placed = placements(service.await_plan(0.0))
+    return SyncResult(0, workers + 1, list(devices) if trains else [], store, digest, service.result(), shards=placed)
 
 
 # --- a worker ------------------------------------------------------------------------------------
@@ -375,6 +386,7 @@ def sync(
     timeouts: Timeouts | None = None,
     shm: bool | None = None,
     bind: str | None = None,
+    shards=None,
 ) -> SyncResult:
     """Make every training process hold rank 0's values, bit for bit. SPMD: every rank calls it.
 
@@ -396,6 +408,13 @@ def sync(
     process's replicas (default ``COLLECTIVE_DEVICES``, else ``cpu:0``). ``bind``: rank 0's
     listen address (default ``COLLECTIVE_BIND``, else every interface on the chief's port).
 
+    ``shards`` (rank 0's argument; the others learn it from their plan): every rank receives
+    only a part of the model, ``"dim0"`` (torch's ``Shard(0)`` over the world: rank r holds rows
+    ``r*ceil(n/W)..`` of each variable, a 0-d one whole) or a mapping name -> ``"dim0"`` /
+    ``"all"`` / a rank / a list of ranks (``"*"``: every other variable); ``result.arrays(i)``
+    then holds this rank's pieces, named as the variables, and ``result.shards`` says which rows.
+    gRPC only (not under mpiexec).
+
     Returns a ``SyncResult``; ``result.arrays(i)`` is name -> the array on ``devices[i]``.
     Raises ``UsageError`` for bad roles or values, otherwise the round's ``CollectiveError``
     (the same one on every rank). Under MPI, a failure of one rank alone aborts the job
@@ -411,6 +430,10 @@ def sync(
         devices = parse_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
     source = as_source(values) if values is not None else None
     log.info("sync: rank %d of %d (%s), devices %s", roles.rank, roles.world_size, roles.source, ",".join(devices))
+    if shards is not None and roles.rank == 0:
+        from collective.shards import normalize
+
+        normalize(shards, [s.name for s in source.specs()], roles.world_size)  # a bad request fails before any work
     if roles.world_size == 1:
         store, digest = _alone(source, devices)
         store.start()
@@ -418,13 +441,15 @@ def sync(
     if roles.mpi:
         from collective.mpi import sync_over_mpi
 
+        if shards is not None:
+            raise UsageError("shards travel over gRPC only: each rank gets its own stream, which MPI's Bcast is not")
         return sync_over_mpi(source, devices, roles, timeouts)
     if roles.rank == 0:
         host, port = parse_address(roles.chief, what="the chief's address")
         bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or (f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}")
         result = serve(
             source, workers=roles.world_size - 1, bind=bind, devices=devices, trains=True, token=token, tls=tls,
-            timeouts=timeouts, shm=shm, spmd=True,
+            timeouts=timeouts, shm=shm, spmd=True, shards=shards,
         )
         return result
     worker = join(
@@ -434,7 +459,11 @@ def sync(
     if worker.rank != roles.rank - 1:
         log.warning("rank %d was given worker rank %d by the chief (another process claimed %d)",
                     roles.rank, worker.rank, roles.rank - 1)
-    return SyncResult(worker.rank + 1, roles.world_size, list(worker.devices), worker.variables, worker.worker_digest)
+    from collective.shards import placements
+
+    return SyncResult(worker.rank + 1, roles.world_size, list(worker.devices), worker.variables, worker.worker_digest,
+                      shards=placements(worker.plan), bytes_received=worker.bytes_received,
+                      plan_bytes=worker.plan.ByteSize())
 
 
 def _worker_id(rank: int, env: Mapping[str, str]) -> str:
