@@ -441,9 +441,7 @@ def sync(
     if roles.mpi:
         from collective.mpi import sync_over_mpi
 
-        if shards is not None:
-            raise UsageError("shards travel over gRPC only: each rank gets its own stream, which MPI's Bcast is not")
-        return sync_over_mpi(source, devices, roles, timeouts)
+        return sync_over_mpi(source, devices, roles, timeouts, shards=shards)
     if roles.rank == 0:
         host, port = parse_address(roles.chief, what="the chief's address")
         bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or (f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}")
