@@ -191,3 +191,43 @@ def test_zero_d_variables_are_whole_on_every_rank():
         [("all", 0, 0), ("dim0", 0, 1)], [("all", 0, 0), ("dim0", 1, 2)],
         [("all", 0, 0), ("dim0", 2, 3)], [("all", 0, 0), ("dim0", 3, 3)],
     ]
+
+
+def test_a_sharded_worker_killed_mid_stream_rejoins_and_receives_its_own_shard():
+    """The rejoin revises the round's plan; the new incarnation gets its shard's plan rebuilt
+    from it and the same rows."""
+    import threading
+
+    from tests.unit.test_rejoin import ARRAYS, Cluster, Killed, join_all, run_in_threads, wait_until
+
+    c = Cluster(3, "chain", shards="dim0")  # asked for a chain: a sharded round is a star anyway
+    died = threading.Event()
+    agents = [c.agent(f"w{r}", r, **({"dies_after": 2, "died": died} if r == 1 else {})) for r in range(3)]
+    results, threads = run_in_threads([a.run for a in agents] + [c.service.supervise])
+    assert died.wait(60), "the victim never reached its third chunk"
+    died.clear()
+    wait_until(lambda: not threads[1].is_alive())
+    c.kill(agents[1])
+    reborn = c.agent("w1", 1)
+    late, late_threads = run_in_threads([reborn.run])
+    join_all(threads + late_threads)
+    assert isinstance(results[1], Killed) and results[-1] is None, results
+    done = [results[0], late[0], results[2]]
+    for rank, r in enumerate(done):
+        assert not isinstance(r, BaseException), r
+        assert r.plan.topology == "star" and r.plan.shard.index == rank
+        for name, whole in ARRAYS.items():
+            start, stop = rows(len(whole), 3, rank)
+            assert r.variables.get(name).replicas[0].tobytes() == whole[start:stop].tobytes()
+    assert c.service.result()["rejoined"] == ["w1"]
+    assert [w.incarnation for w in late[0].plan.workers if w.rank == 1] == [reborn.incarnation]
+
+
+def test_status_counts_each_workers_own_bytes():
+    arrays = model()
+    service, results, sup = run(arrays, 2, "dim0")
+    assert sup is None, sup
+    status = service.status()
+    assert [w.bytes_total for w in status.workers] == [r.plan.total_bytes for r in results]
+    assert [w.variables_total for w in status.workers] == [len(arrays)] * 2
+    assert all(w.bytes_received == w.bytes_total for w in status.workers)
