@@ -250,7 +250,7 @@ def serve(
     env = _environ("chief")
     args = _cli_settings("chief", env, {
         "workers": workers, "bind": bind, "token": token, "tls": tls, "timeouts": timeouts, "shm": shm,
-        "topology": topology, "chunk-bytes": chunk_bytes, "model": values,
+        "topology": topology, "chunk-bytes": chunk_bytes, "model": values, "shards": shards,
     })
     workers = workers if workers is not None else args.workers
     if workers is None:
@@ -273,7 +273,7 @@ def serve(
         devices=devices if trains else None,
         spmd=spmd,
         on_listening=on_listening,
-        shards=shards,
+        shards=shards if shards is not None else args.shards,
     )
     store, digest = held if held else (VariableStore(), "")
     store.start()

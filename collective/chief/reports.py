@@ -63,7 +63,7 @@ def summary(svc) -> dict:
                     "id": m.worker_id,
                     "host": m.host,
                     "devices": list(m.devices),
-                    "replicas": [n for s in svc.specs for n in m.replica_names(s.name)],
+                    "replicas": [n for s in _held(svc, m, plan) for n in m.replica_names(s.name)],
                     "digest": m.worker_digest,
                     # What the chief requires of its ready report: the plan's digests on every device.
                     "expected_digest": _expected_digest(svc.plan_of(m), len(m.devices)) if plan is not None else "",
@@ -90,6 +90,11 @@ def summary(svc) -> dict:
             **({"chief_replicas": {"devices": list(svc._local.devices), "digest": svc._local.worker_digest}}
                if svc._local is not None else {}),
         }
+
+
+def _held(svc, m, plan) -> list:
+    """The variables ``m`` holds (with shards, its pieces: a partition may leave some out)."""
+    return list(svc.plan_of(m).variables) if svc.sharded and plan is not None else svc.specs
 
 
 def _expected_digest(plan: pb.Plan, devices: int) -> str:

@@ -159,5 +159,7 @@ def test_sync_module_refuses_what_a_shard_plan_cannot_carry(mesh):
     wrong = dict(state_arrays(net(2)), **{"0.bias": np.zeros(5, np.float32)})
     with pytest.raises(UsageError, match=r"values= differ from the module's state .*0.bias"):
         sync_module(sharded(1, mesh, Shard(0)), mesh=mesh, values=wrong, rank=0, world_size=1)
+    with pytest.raises(UsageError, match="a declared state has no values: rank 0 passes values="):
+        sync_module(sharded(1, mesh, Shard(0)), mesh=mesh, rank=0, world_size=1)
     with pytest.raises(UsageError, match="values= is for sharded modules"):
         sync_module(net(1), values=state_arrays(net(2)), rank=0, world_size=1)
