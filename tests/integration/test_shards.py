@@ -34,6 +34,16 @@ def test_two_worker_processes_each_receive_only_their_shard(cluster):
     assert "training started: 2 workers hold their shards" in chief.output()
 
 
+def test_a_worker_given_nothing_takes_an_empty_stream_over_the_raw_data_path(cluster):
+    chief = cluster.chief("--workers", "2", "--shards", '{"*": 0}', *FAST)
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), *FAST) for i in range(2)]
+    for w in workers:
+        assert w.wait(90) == 0, w.output()
+    assert chief.wait(30) == 0, chief.output()
+    by_rank = {w["rank"]: w for w in json.loads((cluster.tmp / "result.json").read_text())["workers"]}
+    assert by_rank[1]["bytes"] == 0 and by_rank[1]["replicas"] == [] and by_rank[0]["replicas"]
+
+
 @pytest.mark.parametrize(("value", "says"), [
     ('{"nope": 0, "*": "all"}', "not variables of the model: 'nope'"),
     ('{"*": 5}', "rank 5 is out of range: 2 training rank(s) are 0..1"),

@@ -233,3 +233,11 @@ def test_status_counts_each_workers_own_bytes():
     assert [w.bytes_total for w in status.workers] == [r.plan.total_bytes for r in results]
     assert [w.variables_total for w in status.workers] == [len(arrays)] * 2
     assert all(w.bytes_received == w.bytes_total for w in status.workers)
+
+
+def test_a_rank_given_nothing_receives_an_empty_stream_and_is_ready():
+    arrays = small_arrays()
+    service, results, sup = run(arrays, 2, {"*": 0})
+    assert sup is None, sup
+    assert sorted(v.name for v in results[0].variables) == sorted(arrays)
+    assert len(results[1].variables) == 0 and results[1].bytes_received == results[1].plan.total_bytes == 0
