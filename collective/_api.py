@@ -140,6 +140,7 @@ def run_chief(
     on_listening: Callable[[str, int], None] | None = None,
     result_file: str | None = None,
     max_model_bytes: int | None = None,
+    shards=None,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
     """One round as ``python -m collective.chief`` runs it: the chief's round (``run_round``)
     driven over gRPC, with a thread pool sized from the worker count, the join and ready
@@ -156,7 +157,7 @@ def run_chief(
         source, num_workers, _grpc_drive(bind, token, tls, on_listening), devices=devices,
         replica_timeout=timeouts.join + timeouts.rpc, result_file=result_file,
         timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology, spmd=spmd,
-        max_model_bytes=max_model_bytes,
+        max_model_bytes=max_model_bytes, shards=shards,
     )
 
 
@@ -224,6 +225,7 @@ def serve(
     chunk_bytes: int | None = None,
     spmd: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
+    shards=None,
 ) -> SyncResult:
     """Be the chief of one round in this process, as ``python -m collective.chief`` is. Blocks until start
     is released (every worker, and this process's own replicas if it trains, verified).
@@ -238,6 +240,9 @@ def serve(
     ``on_listening(address, port)`` is called once the server listens (``bind`` port 0 picks
     one). The gRPC thread pool is sized from the worker count; the join and ready deadlines are
     enforced; on the main thread SIGTERM and SIGINT abort the round (handlers restored after).
+    ``shards``: each training rank receives a part of the model, not a replica: ``"dim0"``
+    (torch's ``Shard(0)`` of every variable) or a mapping name -> ``"dim0"`` / ``"all"`` / rank(s)
+    (``collective.shards``); the training ranks are the workers, after this process if it trains.
 
     Returns a ``SyncResult`` (rank 0; ``summary`` is the round's summary; ``devices`` is empty
     when the chief does not train). Raises the round's ``CollectiveError`` (``JoinTimeoutError``,
@@ -250,7 +255,7 @@ def serve(
     env = _environ("chief")
     args = _cli_settings("chief", env, {
         "workers": workers, "bind": bind, "token": token, "tls": tls, "timeouts": timeouts, "shm": shm,
-        "topology": topology, "chunk-bytes": chunk_bytes, "model": values,
+        "topology": topology, "chunk-bytes": chunk_bytes, "model": values, "shards": shards,
     })
     workers = workers if workers is not None else args.workers
     if workers is None:
@@ -273,10 +278,16 @@ def serve(
         devices=devices if trains else None,
         spmd=spmd,
         on_listening=on_listening,
+        shards=shards if shards is not None else args.shards,
     )
     store, digest = held if held else (VariableStore(), "")
     store.start()
-    return SyncResult(0, workers + 1, list(devices) if trains else [], store, digest, service.result())
+    placed = None
+    if held and service.sharded:
+        from collective.shards import placements
+
+        placed = placements(service.await_plan(0.0))
+    return SyncResult(0, workers + 1, list(devices) if trains else [], store, digest, service.result(), shards=placed)
 
 
 # --- a worker ------------------------------------------------------------------------------------
@@ -380,6 +391,7 @@ def sync(
     timeouts: Timeouts | None = None,
     shm: bool | None = None,
     bind: str | None = None,
+    shards=None,
 ) -> SyncResult:
     """Make every training process hold rank 0's values, bit for bit. SPMD: every rank calls it.
 
@@ -401,6 +413,13 @@ def sync(
     process's replicas (default ``COLLECTIVE_DEVICES``, else ``cpu:0``). ``bind``: rank 0's
     listen address (default ``COLLECTIVE_BIND``, else every interface on the chief's port).
 
+    ``shards`` (rank 0's argument; the others learn it from their plan): every rank receives
+    only a part of the model, ``"dim0"`` (torch's ``Shard(0)`` over the world: rank r holds rows
+    ``r*ceil(n/W)..`` of each variable, a 0-d one whole) or a mapping name -> ``"dim0"`` /
+    ``"all"`` / a rank / a list of ranks (``"*"``: every other variable); ``result.arrays(i)``
+    then holds this rank's pieces, named as the variables, and ``result.shards`` says which rows.
+    gRPC only (not under mpiexec).
+
     Returns a ``SyncResult``; ``result.arrays(i)`` is name -> the array on ``devices[i]``.
     Raises ``UsageError`` for bad roles or values, otherwise the round's ``CollectiveError``
     (the same one on every rank). Under MPI, a failure of one rank alone aborts the job
@@ -416,6 +435,10 @@ def sync(
         devices = parse_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
     source = as_source(values) if values is not None else None
     log.info("sync: rank %d of %d (%s), devices %s", roles.rank, roles.world_size, roles.source, ",".join(devices))
+    if shards is not None and roles.rank == 0:
+        from collective.shards import normalize
+
+        normalize(shards, [s.name for s in source.specs()], roles.world_size)  # a bad request fails before any work
     if roles.world_size == 1:
         store, digest = _alone(source, devices)
         store.start()
@@ -423,13 +446,13 @@ def sync(
     if roles.mpi:
         from collective.mpi import sync_over_mpi
 
-        return sync_over_mpi(source, devices, roles, timeouts)
+        return sync_over_mpi(source, devices, roles, timeouts, shards=shards)
     if roles.rank == 0:
         host, port = parse_address(roles.chief, what="the chief's address")
         bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or (f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}")
         result = serve(
             source, workers=roles.world_size - 1, bind=bind, devices=devices, trains=True, token=token, tls=tls,
-            timeouts=timeouts, shm=shm, spmd=True,
+            timeouts=timeouts, shm=shm, spmd=True, shards=shards,
         )
         return result
     worker = join(
@@ -439,7 +462,11 @@ def sync(
     if worker.rank != roles.rank - 1:
         log.warning("rank %d was given worker rank %d by the chief (another process claimed %d)",
                     roles.rank, worker.rank, roles.rank - 1)
-    return SyncResult(worker.rank + 1, roles.world_size, list(worker.devices), worker.variables, worker.worker_digest)
+    from collective.shards import placements
+
+    return SyncResult(worker.rank + 1, roles.world_size, list(worker.devices), worker.variables, worker.worker_digest,
+                      shards=placements(worker.plan), bytes_received=worker.bytes_received,
+                      plan_bytes=worker.plan.ByteSize())
 
 
 def _worker_id(rank: int, env: Mapping[str, str]) -> str:

@@ -187,11 +187,12 @@ def _worker(comm, args, watchdog) -> int:
     return 0
 
 
-def sync_over_mpi(source, devices, roles, timeouts=None):
+def sync_over_mpi(source, devices, roles, timeouts=None, shards=None):
     """``collective.sync`` under mpiexec: rank 0 serves ``source`` and trains too, every other
     rank receives (declaring ``source``'s variables if given). A failure every rank heard
     together is raised on every rank; a failure of one rank alone aborts the job (MPI_Abort),
-    as the command does, since the others cannot leave their collectives otherwise."""
+    as the command does, since the others cannot leave their collectives otherwise. ``shards``
+    are refused that way: each rank would need its own stream, which a Bcast is not."""
     from mpi4py import MPI
 
     from collective.config import Timeouts
@@ -210,6 +211,9 @@ def sync_over_mpi(source, devices, roles, timeouts=None):
     try:
         if comm.rank == 0:
             try:
+                if shards is not None:
+                    raise UsageError("shards travel over gRPC only: each rank gets its own stream, which MPI's "
+                                     "Bcast is not")
                 service, held = run_chief_rank(comm, source, watchdog, timeouts, devices=devices,
                                                spmd=True)
             except CollectiveError as exc:

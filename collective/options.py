@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -36,6 +37,21 @@ CHIEF_DESCRIPTION = '``python -m collective.chief``: serve one broadcast round o
 WORKER_DESCRIPTION = '``python -m collective.worker``: join the chief, receive and verify the variables, wait for start.'
 
 
+def parse_shards(text: str):
+    """``--shards``: ``dim0``, or a JSON object name -> placement (``collective.shards``)."""
+    text = text.strip()
+    if text == "dim0":
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not dim0 or a JSON object name -> placement "
+                                         f"(\"dim0\", \"all\", a rank or a list of ranks)")
+    return value
+
+
 CHIEF_FLAGS: tuple[Flag, ...] = (
     Flag("workers", "number of workers to wait for", positive_int),
     Flag("model", "model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp"),
@@ -48,6 +64,9 @@ CHIEF_FLAGS: tuple[Flag, ...] = (
     Flag("topology", "who receives from whom: auto (by hosts and size, see README), star, tree, chain",
          default="auto", choices=TOPOLOGIES),
     Flag("chunk-bytes", "bytes per data message; default 4 MiB, 512 KiB for a chain", byte_size("--chunk-bytes")),
+    Flag("shards", "each worker receives a part of the model, not a replica: dim0 (torch's Shard(0) of every "
+         "variable over the workers) or a JSON object name -> \"dim0\" / \"all\" / rank(s), \"*\" for the rest; "
+         "a star, without shared memory", parse_shards),
     *timeout_flags("join", "ready", "heartbeat", "rejoin"),
     Flag("log-format", "text or json", default="text", choices=("text", "json")),
     max_model_bytes_flag(),

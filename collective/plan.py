@@ -231,6 +231,31 @@ def validate_plan(plan: pb.Plan) -> None:
     if len(plan.chunk_digests) != chunks:
         raise ProtocolError(f"plan lists {len(plan.chunk_digests)} chunk digests for its {chunks} chunks")
     _validate_parents(plan)
+    if plan.HasField("shard"):
+        _validate_shard(plan)
+
+
+def _validate_shard(plan: pb.Plan) -> None:
+    """A sharded plan's pieces fit its variables: one each, a row range of the whole variable
+    (``dim0``) whose rows are the variable's local shape, or the whole variable (``all``)."""
+    shard = plan.shard
+    if not 0 <= shard.index < shard.world or len(shard.pieces) != len(plan.variables):
+        raise ProtocolError(f"plan shard {shard.index} of {shard.world} lists {len(shard.pieces)} pieces for "
+                            f"{len(plan.variables)} variables")
+    if plan.topology not in ("", "star"):
+        raise ProtocolError(f"a sharded plan is a star, not a {plan.topology}")
+    for v, p in zip(plan.variables, shard.pieces, strict=True):
+        whole = list(p.shape)
+        if p.placement == "dim0" and whole and 0 <= p.row_start <= p.row_stop <= whole[0]:
+            local = [p.row_stop - p.row_start, *whole[1:]]
+        elif p.placement == "all":
+            local = whole
+        else:
+            raise ProtocolError(f"plan variable {v.name!r}: shard piece {p.placement!r} rows "
+                                f"{p.row_start}..{p.row_stop} of shape {tuple(whole)} is not a piece")
+        if list(v.shape) != local:
+            raise ProtocolError(f"plan variable {v.name!r}: shape {tuple(v.shape)} is not its piece's "
+                                f"{tuple(local)}")
 
 
 def _dtype_allowed(text: str) -> bool:

@@ -28,7 +28,10 @@ class SyncResult:
     ``rank``/``world_size``: this process's training rank (the chief is rank 0) and the number
     of training processes. ``digest``: the digest of this process's replicas (every rank's
     covers the same bytes). ``summary``: on the chief, the round's summary (``collective launch
-    --json``'s object); None elsewhere.
+    --json``'s object); None elsewhere. ``shards``: with a sharded plan, name -> what this process
+    holds of the variable (``collective.shards.Placement``: whole shape, rows of dimension 0);
+    None when it holds replicas of every variable. ``bytes_received``: the model's bytes this
+    process received (0 on the chief); ``plan_bytes``: the size of the plan it received.
     """
 
     rank: int
@@ -37,6 +40,9 @@ class SyncResult:
     variables: VariableStore = field(repr=False)
     digest: str = ""
     summary: dict | None = field(default=None, repr=False)
+    shards: dict | None = field(default=None, repr=False)
+    bytes_received: int = 0
+    plan_bytes: int = 0
 
     def arrays(self, device: int = 0) -> dict[str, np.ndarray]:
         """Variable name -> the replica on ``devices[device]`` (the array itself, no copy), in
@@ -101,7 +107,7 @@ def hold_chief_replicas(service, devices: Sequence[str], timeout: float) -> tupl
     try:
         plan = service.await_plan(timeout)
         # A copy even for device 0: the chief's arena keeps serving (and may be a sealed mapping).
-        store, arenas = make_replicas(plan, np.array(service.arena, dtype=np.uint8, copy=True), devices)
+        store, arenas = make_replicas(plan, np.array(service.local_arena(), dtype=np.uint8, copy=True), devices)
         try:
             digests = verify_replicas(plan, arenas, devices)
         except IntegrityError as exc:

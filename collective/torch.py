@@ -25,6 +25,17 @@ tensors of the module, in place (optimizers built before keep working):
 Works the same under ``torchrun`` (roles from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``; the
 chief listens at ``MASTER_PORT + 1``), ``mpiexec`` and ``COLLECTIVE_*``. bfloat16 and float8
 tensors travel as ``ml_dtypes`` arrays, bit for bit.
+
+A sharded module (FSDP2's ``fully_shard``, or parameters made DTensors with ``Shard(0)`` /
+``Replicate`` over a 1-D mesh of every rank) gets only its local shards::
+
+    full = Net().state_dict() if rank == 0 else None   # rank 0's whole values (or a checkpoint path)
+    model = Net(); fully_shard(model, mesh=mesh)
+    collective.torch.sync_module(model, mesh=mesh, values=full)
+
+Each rank receives only its rows (``collective.shards``: a plan of its own, verified by digest),
+about model / world bytes, and writes them into each DTensor's local tensor in place; plain
+tensors (buffers) and ``Replicate`` DTensors get the whole value. Over gRPC only.
 """
 
 from __future__ import annotations
@@ -122,7 +133,11 @@ def load_arrays(module: torch.nn.Module, arrays: Mapping[str, np.ndarray], *, ze
     tensors is returned); device tensors (and CPU ones with ``zero_copy=False``) get a copy
     that is read back and checked against the value's digest.
     """
-    targets = module.state_dict(keep_vars=True)
+    return _write(module.state_dict(keep_vars=True), arrays, zero_copy=zero_copy)
+
+
+def _write(targets: Mapping[str, torch.Tensor], arrays: Mapping[str, np.ndarray], *, zero_copy: bool) -> int:
+    """``load_arrays`` into given tensors (name -> tensor)."""
     missing = [n for n in targets if n not in arrays]
     if missing:
         raise UsageError(f"no value for {len(missing)} tensor(s) of the module: {', '.join(missing[:5])}")
@@ -145,13 +160,24 @@ def load_arrays(module: torch.nn.Module, arrays: Mapping[str, np.ndarray], *, ze
     return shared
 
 
-def sync_module(module: torch.nn.Module, *, devices: Any = None, **sync_kwargs: Any) -> collective.SyncResult:
+def sync_module(module: torch.nn.Module, *, devices: Any = None, mesh: Any = None, values: Any = None,
+                **sync_kwargs: Any) -> collective.SyncResult:
     """Make the module's parameters and buffers rank 0's, in place, on every rank.
 
     Every rank calls it (SPMD). ``devices`` defaults to the module's device; the other keyword
     arguments go to ``collective.sync`` (``rank``, ``world_size``, ``chief``, ``token``,
     ``timeouts``...). Returns the ``SyncResult``.
+
+    A module whose state holds DTensors (FSDP2), or a ``mesh`` given, is synced by shards: each
+    rank receives only its local shards (``Shard(0)``; ``Replicate`` and plain tensors whole).
+    Rank 0 then passes ``values``: the whole state (name -> tensor or array, the names of
+    ``state_dict()``, or a model path), since its own DTensors hold only its shard; ``mesh``, if
+    given, must be the DTensors' 1-D mesh of every rank, its rank order the training ranks'.
     """
+    if mesh is not None or any(_is_dtensor(t) for t in module.state_dict(keep_vars=True).values()):
+        return _sync_sharded(module, mesh, values, devices, sync_kwargs)
+    if values is not None:
+        raise UsageError("values= is for sharded modules (DTensors, or mesh=); a plain module serves its own state")
     values = state_arrays(module)
     result = collective.sync(values, devices=devices if devices is not None else module_device(module), **sync_kwargs)
     load_arrays(module, result.arrays(0))
@@ -165,3 +191,79 @@ def check_module(module: torch.nn.Module, **check_kwargs: Any) -> str:
     ``exchange``, ``timeout``). Returns the digest every rank shares; raises ``DivergenceError``
     on every rank when they differ."""
     return collective.check(state_arrays(module), **check_kwargs)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without torch.distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _placements(module: torch.nn.Module, mesh: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], list]:
+    """Each state tensor's local tensor (the DTensor's shard, or the tensor) and placement
+    (``dim0`` or ``all``), and the declaration of the whole state. UsageError for a placement a
+    plan cannot carry (another dimension, a partial sum, a mesh of more than one dimension)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from collective.model import VariableSpec
+
+    local, request, specs = {}, {}, []
+    for name, t in module.state_dict(keep_vars=True).items():
+        shape, placement = tuple(t.shape), "all"  # a DTensor's shape is the whole tensor's
+        if _is_dtensor(t):
+            if t.device_mesh.ndim != 1 or (mesh is not None and t.device_mesh != mesh):
+                raise UsageError(f"{name}: its DTensor lives on mesh {t.device_mesh}; sync_module shards over one "
+                                 f"1-D mesh of every rank{f' ({mesh})' if mesh is not None else ''}")
+            (p,) = t.placements
+            if isinstance(p, Shard) and p.dim == 0:
+                placement = "dim0"
+            elif not isinstance(p, Replicate):
+                raise UsageError(f"{name}: placement {p!r} cannot be synced; use Shard(0) or Replicate")
+            t = t.to_local()
+        local[name], request[name] = t, placement
+        specs.append(VariableSpec(name, shape, dtypes.wire(to_numpy(torch.empty(0, dtype=t.dtype)).dtype)))
+    return local, request, specs
+
+
+class _Declared:
+    """A rank's declaration of the whole state (names, whole shapes, dtypes): never filled."""
+
+    def __init__(self, specs: list) -> None:
+        self._specs, self.description = specs, f"the module's state ({len(specs)} tensors)"
+
+    def specs(self) -> list:
+        return list(self._specs)
+
+    def fill(self, spec, out) -> None:
+        raise UsageError("a declared state has no values: rank 0 passes values=")
+
+
+def _sync_sharded(module: torch.nn.Module, mesh: Any, values: Any, devices: Any, kwargs: dict) -> collective.SyncResult:
+    from collective._api import as_source
+    from collective.plan import declaration_differences, declared
+
+    local, request, specs = _placements(module, mesh)
+    if values is not None:
+        if isinstance(values, Mapping):
+            values = {n: to_numpy(v) if isinstance(v, torch.Tensor) else v for n, v in values.items()}
+        source = as_source(values)
+        diffs = declaration_differences(source.specs(), declared(specs))
+        if diffs:
+            raise UsageError(f"values= differ from the module's state ({len(diffs)} difference(s)): "
+                             + "; ".join(diffs[:10]))
+    else:
+        source = _Declared(specs)
+    result = collective.sync(source, devices=devices if devices is not None else module_device(module),
+                             shards=request, **kwargs)
+    if mesh is not None and (mesh.size(), mesh.get_local_rank()) != (result.world_size, result.rank):
+        raise UsageError(f"the mesh has {mesh.size()} ranks and puts this one at {mesh.get_local_rank()}; "
+                         f"collective says rank {result.rank} of {result.world_size}: shard i must be rank i's")
+    arrays = result.arrays(0)
+    for name, t in local.items():
+        if tuple(t.shape) != arrays[name].shape:
+            raise UsageError(f"{name}: this rank's local shard is {tuple(t.shape)}, its rows of rank 0's value "
+                             f"{arrays[name].shape} (torch.chunk's rule over {result.world_size} ranks)")
+    _write(local, arrays, zero_copy=False)  # into each DTensor's own local tensor, read back and checked
+    return result

@@ -102,6 +102,21 @@ def inmemory_cluster(arrays, devices_per_worker, timeouts=FAST, chunk_bytes=4096
     return service, endpoint, agents
 
 
+def flip_last_bit(link) -> None:
+    """Make ``link`` (an in-memory link) flip the last bit of every chunk it receives."""
+    real_fetch = link.fetch
+
+    def flipped(ref, stall_timeout):
+        for chunk in real_fetch(ref, stall_timeout):
+            if chunk.data:
+                data = bytearray(chunk.data)
+                data[-1] ^= 0x01
+                chunk.data = bytes(data)
+            yield chunk
+
+    link.fetch = flipped
+
+
 # --- in this process, over real gRPC -----------------------------------------------------------------
 
 

@@ -6,6 +6,8 @@ line: its rank, the digests of its inputs and of every replica it holds after st
 dtype, one extra variable). ``SYNC_NO_VALUES=1``: ranks other than 0 pass no values.
 ``SYNC_LATE_RANK=r``: rank r starts 1 s late (after a mismatch has already failed the round).
 ``SYNC_OUT=dir``: write the line to ``dir/rank<r>.json`` too (ranks under mpiexec share stdout).
+``SYNC_SHARDS=dim0``: rank 0 asks for shards; each rank also prints the digests of the rows of
+rank 0's values it should hold (``expected``) and the bytes it received.
 """
 
 from __future__ import annotations
@@ -56,16 +58,24 @@ def main() -> int:
     if str(rank) == os.environ.get("SYNC_LATE_RANK"):
         time.sleep(1.0)
     t = collective.Timeouts(join=30, rpc=10, stall=10, ready=30, start=30, linger=2, heartbeat=1, lease=10)
+    shards = os.environ.get("SYNC_SHARDS") or None
     try:
-        result = collective.sync(given, devices="cpu:0,cpu:1", timeouts=t)
+        result = collective.sync(given, devices="cpu:0,cpu:1", timeouts=t, shards=shards if rank == 0 else None)
     except collective.CollectiveError as exc:
         report(rank, {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
         return 1
-    report(rank, {
+    line = {
         "rank": result.rank, "world_size": result.world_size, "devices": result.devices,
         "inputs": digests(values), "held": [digests(result.arrays(i)) for i in range(len(result.devices))],
         "digest": result.digest,
-    })
+    }
+    if result.shards is not None:
+        chief = values_for(0)
+        line["expected"] = digests({n: chief[n][slice(*p.rows)] if p.placement == "dim0" else chief[n]
+                                    for n, p in result.shards.items()})
+        line["bytes_received"], line["plan_bytes"] = result.bytes_received, result.plan_bytes
+        line["model_bytes"] = sum(a.nbytes for a in chief.values())
+    report(rank, line)
     return 0
 
 

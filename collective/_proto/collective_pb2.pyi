@@ -93,7 +93,7 @@ class VariableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., synchronization: _Optional[str] = ..., aggregation: _Optional[str] = ..., trainable: _Optional[bool] = ..., group_key: _Optional[int] = ..., instance_key: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model", "shm_socket", "shm_secret", "topology", "chunk_digests")
+    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model", "shm_socket", "shm_secret", "topology", "chunk_digests", "shard")
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class Plan(_message.Message):
     SHM_SECRET_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     chief_incarnation: str
     num_workers: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -120,7 +121,34 @@ class Plan(_message.Message):
     shm_secret: str
     topology: str
     chunk_digests: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ..., topology: _Optional[str] = ..., chunk_digests: _Optional[_Iterable[str]] = ...) -> None: ...
+    shard: ShardInfo
+    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ..., topology: _Optional[str] = ..., chunk_digests: _Optional[_Iterable[str]] = ..., shard: _Optional[_Union[ShardInfo, _Mapping]] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("index", "world", "pieces", "model_manifest_digest", "model_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    world: int
+    pieces: _containers.RepeatedCompositeFieldContainer[ShardPiece]
+    model_manifest_digest: str
+    model_bytes: int
+    def __init__(self, index: _Optional[int] = ..., world: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[ShardPiece, _Mapping]]] = ..., model_manifest_digest: _Optional[str] = ..., model_bytes: _Optional[int] = ...) -> None: ...
+
+class ShardPiece(_message.Message):
+    __slots__ = ("shape", "row_start", "row_stop", "placement")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_STOP_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    row_start: int
+    row_stop: int
+    placement: str
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., row_start: _Optional[int] = ..., row_stop: _Optional[int] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class Piece(_message.Message):
     __slots__ = ("data", "total_bytes")

@@ -48,9 +48,10 @@ def _run(args: argparse.Namespace) -> int:
     run_chief(
         source, args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
         shm=args.shm, topology=args.topology, chunk_bytes=args.chunk_bytes, on_listening=on_listening,
-        result_file=args.result_file, max_model_bytes=args.max_model_bytes,
+        result_file=args.result_file, max_model_bytes=args.max_model_bytes, shards=args.shards,
     )
-    log.info("training started: %d workers hold identical variables", args.workers)
+    log.info("training started: %d workers hold %s", args.workers,
+             "their shards" if args.shards is not None else "identical variables")
     return 0
 
 

@@ -16,8 +16,6 @@ def status_reply(svc) -> pb.StatusReply:
     """Who has joined, each worker's phase and progress, and whom the chief waits for."""
     with svc._cond:
         now = time.monotonic()
-        total = int(svc.arena.nbytes)
-        ends = sorted(v.offset + v.nbytes for v in svc._plan.variables) if svc._plan else []
         return pb.StatusReply(
             phase=svc._phase.value,
             expected=svc.num_workers,
@@ -26,18 +24,22 @@ def status_reply(svc) -> pb.StatusReply:
             seconds_in_phase=now - svc._phase_at,
             model=svc.source.description,
             waiting_for="" if svc._phase in (Phase.STARTED, Phase.FAILED) else svc._waiting_for(),
-            workers=[
-                pb.WorkerStatus(
-                    rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices,
-                    phase=m.phase, bytes_received=m.received(), bytes_total=total,
-                    variables_received=bisect.bisect_right(ends, m.received()),
-                    variables_total=len(svc.specs),
-                    seconds_since_heartbeat=now - m.last_seen,
-                )
-                for m in sorted(svc._members.values(), key=lambda m: m.rank)
-            ],
+            workers=[_worker_status(svc, m, now) for m in sorted(svc._members.values(), key=lambda m: m.rank)],
             error=str(svc._error or ""),
         )
+
+
+def _worker_status(svc, m, now: float) -> pb.WorkerStatus:
+    """One worker's line: its progress through the bytes it receives (with shards, its own)."""
+    plan = svc.plan_of(m) if svc._plan is not None else None
+    ends = sorted(v.offset + v.nbytes for v in plan.variables) if plan is not None else []
+    return pb.WorkerStatus(
+        rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices,
+        phase=m.phase, bytes_received=m.received(), bytes_total=svc.bytes_total(m),
+        variables_received=bisect.bisect_right(ends, m.received()),
+        variables_total=len(plan.variables) if plan is not None else len(svc.specs),
+        seconds_since_heartbeat=now - m.last_seen,
+    )
 
 
 def summary(svc) -> dict:
@@ -61,13 +63,15 @@ def summary(svc) -> dict:
                     "id": m.worker_id,
                     "host": m.host,
                     "devices": list(m.devices),
-                    "replicas": [n for s in svc.specs for n in m.replica_names(s.name)],
+                    "replicas": [n for s in _held(svc, m, plan) for n in m.replica_names(s.name)],
                     "digest": m.worker_digest,
                     # What the chief requires of its ready report: the plan's digests on every device.
-                    "expected_digest": worker_digest(plan.manifest_digest, [list(plan.chunk_digests)] * len(m.devices))
-                    if plan is not None else "",
+                    "expected_digest": _expected_digest(svc.plan_of(m), len(m.devices)) if plan is not None else "",
                     "incarnation": m.incarnation,
                     "pid": m.pid,
+                    # With shards: which one it holds and its bytes (collective.shards).
+                    **({"shard": svc.plan_of(m).shard.index, "bytes": svc.bytes_total(m)}
+                       if svc.sharded and plan is not None else {}),
                 }
                 for m in members
             ],
@@ -86,3 +90,12 @@ def summary(svc) -> dict:
             **({"chief_replicas": {"devices": list(svc._local.devices), "digest": svc._local.worker_digest}}
                if svc._local is not None else {}),
         }
+
+
+def _held(svc, m, plan) -> list:
+    """The variables ``m`` holds (with shards, its pieces: a partition may leave some out)."""
+    return list(svc.plan_of(m).variables) if svc.sharded and plan is not None else svc.specs
+
+
+def _expected_digest(plan: pb.Plan, devices: int) -> str:
+    return worker_digest(plan.manifest_digest, [list(plan.chunk_digests)] * devices)

@@ -49,6 +49,7 @@ from collective.plan import (
     declaration_differences,
     with_bytes,
 )
+from collective.shards import ShardedArenas
 from collective.topology import Layout, arrange, choose, chunk_bytes_for
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class ChiefService:
         spmd: bool = False,
         max_model_bytes: int | None = None,
         host: str | None = None,
+        shards=None,
     ) -> None:
         """``local_devices``: the chief trains too and holds one replica per device; start waits
         until they are verified (``await_plan`` then ``report_local_ready``, from the driver).
@@ -80,7 +82,9 @@ class ChiefService:
         is its rank, and a worker whose declared variables differ, or whose rank is taken or out
         of range, fails the whole round (every rank must hear it) instead of only its own join
         being refused. ``host``: this chief's host name as workers report theirs (default: the
-        machine's), so the plan can tell which workers share the chief's host."""
+        machine's), so the plan can tell which workers share the chief's host. ``shards``: each
+        training rank gets a part of the model, not a replica (``collective.shards``: ``"dim0"``
+        or a mapping name -> placement); the round is then a star without the shared arena."""
         if num_workers < 1:
             raise UsageError(f"the number of workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -104,6 +108,7 @@ class ChiefService:
         )
         t0 = time.monotonic()
         self._shared = self._shm = None
+        shm = shm and shards is None  # the shared arena is the whole model: never a shard
         if shm:
             from collective.transport.shm import SharedArena
 
@@ -117,6 +122,14 @@ class ChiefService:
             self.arena = self._shared.array
         else:
             self.specs, self.arena, self.digests = materialize(source, max_bytes=max_model_bytes)
+        self._sharded: ShardedArenas | None = None
+        if shards is not None:
+            # Training ranks: the chief is shard 0 when it trains, and worker rank k is shard k + 1.
+            self._shard_base = 1 if self._local is not None else 0
+            self._sharded = ShardedArenas(self.specs, self.arena, shards, num_workers + self._shard_base,
+                                          self.chunk_bytes or chunk_bytes_for("star"))
+            self._shard_plans: dict[int, tuple[pb.Plan, pb.Plan]] = {}  # index -> (base plan, its plan)
+            self._shard_chunkers: dict[int, Chunker] = {}
         self.materialize_seconds = time.monotonic() - t0
         self._cond = threading.Condition(threading.RLock())  # reentrant: fail() may run under it
         if self._shared is not None:
@@ -187,6 +200,42 @@ class ChiefService:
 
     def _wait(self, predicate, timeout: float) -> bool:
         return self._cond.wait_for(predicate, timeout=max(0.0, timeout))
+
+    # --- shards (collective.shards): each training rank's own plan and stream --------------
+
+    @property
+    def sharded(self) -> bool:
+        return self._sharded is not None
+
+    def _shard_of(self, m: Member) -> int:
+        return 0 if m is self._local else m.rank + self._shard_base
+
+    def plan_of(self, m: Member) -> pb.Plan:
+        """The plan ``m`` receives and is checked against: the round's, or with shards its own
+        (rebuilt when a rejoin revised the round's plan). Call with the lock held, after release."""
+        if self._sharded is None:
+            return self._plan
+        i = self._shard_of(m)
+        cached = self._shard_plans.get(i)
+        if cached is None or cached[0] is not self._plan:
+            cached = self._shard_plans[i] = (self._plan, self._sharded.plan_for(self._plan, i))
+        return cached[1]
+
+    def _chunker_of(self, m: Member) -> Chunker:
+        if self._sharded is None:
+            return self._chunker
+        i = self._shard_of(m)
+        if i not in self._shard_chunkers:
+            self._shard_chunkers[i] = Chunker(self.plan_of(m), self._sharded.arenas[i])
+        return self._shard_chunkers[i]
+
+    def bytes_total(self, m: Member) -> int:
+        """The bytes ``m`` receives: the arena, or its shard's."""
+        return int(self.arena.nbytes if self._sharded is None else self._sharded.arenas[self._shard_of(m)].nbytes)
+
+    def local_arena(self) -> np.ndarray:
+        """What the chief's own replicas are copies of: the arena, or shard 0's."""
+        return self.arena if self._sharded is None else self._sharded.arenas[0]
 
     # --- ChiefHandler --------------------------------------------------------------------
 
@@ -312,11 +361,17 @@ class ChiefService:
             "receiver(s); workers on %d host(s); plan of %d bytes)",
             self.num_workers, len(self._chunker), topology, lay.receivers, hosts, self._plan.ByteSize(),
         )
+        if self._sharded is not None:
+            log.info("sharded over %d training rank(s): %s bytes each (of %d)", self._sharded.world,
+                     ",".join(str(a.nbytes) for a in self._sharded.arenas), self.arena.nbytes)
         self._cond.notify_all()
 
     def _layout(self, members: list[Member]) -> Layout:
         """Who receives from whom, by host (``topology.arrange``); a star when a worker that
-        would relay to another cannot (it has no relay: MPI, in-memory)."""
+        would relay to another cannot (it has no relay: MPI, in-memory). Shards: a star, since a
+        relay forwards its own stream and each worker's differs."""
+        if self._sharded is not None:
+            return Layout("star", [-1] * len(members), len(members))
         lay = arrange(self.topology, [m.host for m in members], self.host, int(self.arena.nbytes),
                       share=self._shm is not None)
         relaying = {p for p in lay.parents if p >= 0}
@@ -330,13 +385,13 @@ class ChiefService:
         with self._cond:
             self._member(ref)
             self._wait(lambda: self._phase is not Phase.JOINING, timeout)
-            self._member(ref)  # raises the failure if the round failed meanwhile
+            m = self._member(ref)  # raises the failure if the round failed meanwhile
             if self._plan is None:
                 raise DeadlineError(
                     f"plan not released within {timeout:g} s: "
                     f"{len(self._members)}/{self.num_workers} workers joined"
                 )
-            return self._plan
+            return self.plan_of(m)
 
     def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
         return self.stream([ref])
@@ -357,7 +412,9 @@ class ChiefService:
             members = [self._member(ref) for ref in refs]
             if self._chunker is None:
                 raise PreconditionError(f"{members[0].name()} asked for data before the plan was released")
-            chunker = self._chunker
+            if self._sharded is not None and len(members) > 1:
+                raise PreconditionError("a sharded plan streams each worker its own bytes, never one stream to many")
+            chunker = self._chunker_of(members[0])
             for m, ref in zip(members, refs, strict=True):
                 m.phase, m.bytes_sent = "receiving", ref.resume_from  # resumed: it holds the bytes before
             if self._first_byte_at is None:
@@ -407,14 +464,14 @@ class ChiefService:
             if self._plan is None:
                 raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
                                         f"ReportReady comes after GetPlan and the data stream")
-            problem = report_problem(self._plan, m, req)
+            problem = report_problem(self.plan_of(m), m, req)
             if problem is not None:
                 err = IntegrityError(f"{m.name()}: {problem}", culprit=m.worker_id, phase="ready")
                 self.fail(err)  # the lock is reentrant
                 m.told = True
                 raise err.same_round()
             m.phase, m.worker_digest = "ready", req.worker_digest
-            m.bytes_reported = int(self.arena.nbytes)  # its digests prove it holds every byte
+            m.bytes_reported = self.bytes_total(m)  # its digests prove it holds every byte
             ready = sum(1 for x in self._members.values() if x.phase == "ready")
             log.info("%s is ready with digest %s (%d/%d ready; report of %d bytes)",
                      m.name(), req.worker_digest[:12], ready, self.num_workers, req.ByteSize())
@@ -449,7 +506,7 @@ class ChiefService:
                 raise self._error.same_round()
             if self._plan is None:
                 raise DeadlineError(f"plan not released within {timeout:g} s: {self._joined_summary()}")
-            return self._plan
+            return self._plan if self._local is None else self.plan_of(self._local)
 
     def report_local_ready(self, req: pb.ReadyRequest) -> None:
         """The chief's own replicas, hashed like a worker's: checked against the plan by the same
@@ -460,7 +517,7 @@ class ChiefService:
                 raise PreconditionError("this chief does not train: it holds no replicas of its own")
             if self._phase is Phase.FAILED:
                 raise self._error.same_round()
-            problem = report_problem(self._plan, m, req)
+            problem = report_problem(self.plan_of(m), m, req)
             if problem is not None:
                 err = IntegrityError(f"{m.name()}: {problem}", culprit=m.worker_id, phase="ready")
                 self.fail(err)
@@ -546,7 +603,7 @@ class ChiefService:
     def _progress(self, m: Member, nbytes: int) -> None:
         """A worker's own count of the bytes it holds (heartbeats): the progress of a worker fed
         by a relay, which the chief's streams cannot see."""
-        total = int(self.arena.nbytes)
+        total = self.bytes_total(m)
         m.bytes_reported = max(m.bytes_reported, min(int(nbytes), total))
         if self._phase is Phase.BROADCASTING and m.bytes_reported:
             if m.phase in ("joined", "prepared"):

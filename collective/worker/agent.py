@@ -61,6 +61,7 @@ class WorkerResult:
     plan: pb.Plan
     worker_digest: str
     broadcast_seconds: float
+    bytes_received: int = 0  # the arena's bytes this worker took (its shard's, with shards)
 
     def log_started(self) -> None:
         """The line every entry point ends a worker's successful round with."""
@@ -499,6 +500,9 @@ class WorkerAgent:
             len(plan.variables), plan.total_bytes, plan.chunk_bytes,
             ",".join(str(g.group_key) for g in plan.groups), plan.topology or "star",
         )
+        if plan.HasField("shard"):
+            log.info("shard %d of %d: %d of the model's %d bytes", plan.shard.index, plan.shard.world,
+                     plan.total_bytes, plan.shard.model_bytes)
         t_recv = time.monotonic()
         # Before the prepared barrier: our same-host peers may ask for our arena right after it.
         served = self._serve_peers(plan)
@@ -532,4 +536,5 @@ class WorkerAgent:
             plan=plan,
             worker_digest=digest,
             broadcast_seconds=start.broadcast_seconds,
+            bytes_received=self.bytes_received,
         )

@@ -107,3 +107,59 @@ def test_local_device_is_the_local_ranks_gpu_else_the_cpu(monkeypatch):
     assert local_device({}) == torch.device("cuda", 0)
     with pytest.raises(UsageError, match="local rank 2 has no CUDA device: this host shows 2"):
         local_device({"OMPI_COMM_WORLD_LOCAL_RANK": "2"})
+
+
+# --- sharded modules (DTensors), alone: a gloo group of one process -------------------------------
+
+
+@pytest.fixture
+def mesh():
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(seed: int, mesh, placement) -> torch.nn.Module:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    m = net(seed)
+    for layer in (m[0], m[2]):
+        for name, p in list(layer.named_parameters()):
+            place = placement if p.dim() > placement.dim else Replicate()  # Shard(1) of a bias: none
+            setattr(layer, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [place])))
+    return m
+
+
+def test_sync_module_alone_writes_whole_values_into_a_sharded_modules_local_tensors(mesh):
+    from torch.distributed.tensor import Shard
+
+    m, values = sharded(1, mesh, Shard(0)), state_arrays(net(2))
+    result = sync_module(m, mesh=mesh, values=values, rank=0, world_size=1)
+    assert result.world_size == 1
+    for name, t in m.state_dict().items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        assert bits(local) == values[name].tobytes(), name
+
+
+def test_sync_module_refuses_what_a_shard_plan_cannot_carry(mesh):
+    from torch.distributed.tensor import Shard
+
+    with pytest.raises(UsageError, match=r"0.weight: placement Shard\(dim=1\) cannot be synced; use Shard\(0\)"):
+        sync_module(sharded(1, mesh, Shard(1)), mesh=mesh, values=state_arrays(net(2)), rank=0, world_size=1)
+    wrong = dict(state_arrays(net(2)), **{"0.bias": np.zeros(5, np.float32)})
+    with pytest.raises(UsageError, match=r"values= differ from the module's state .*0.bias"):
+        sync_module(sharded(1, mesh, Shard(0)), mesh=mesh, values=wrong, rank=0, world_size=1)
+    with pytest.raises(UsageError, match="a declared state has no values: rank 0 passes values="):
+        sync_module(sharded(1, mesh, Shard(0)), mesh=mesh, rank=0, world_size=1)
+    with pytest.raises(UsageError, match="values= is for sharded modules"):
+        sync_module(net(1), values=state_arrays(net(2)), rank=0, world_size=1)

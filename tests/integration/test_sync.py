@@ -87,6 +87,30 @@ def test_ranks_that_pass_no_values_receive_rank_0s(tmp_path):
     assert_every_rank_holds_rank_0s_inputs(run_ranks(tmp_path, collective_env, {"SYNC_NO_VALUES": "1"}))
 
 
+def test_shards_over_grpc_each_rank_receives_only_its_rows(tmp_path):
+    """Three processes (torchrun's variables): rank 0 asks for dim0 shards; each rank holds on
+    both devices exactly its rows of rank 0's values and received about a third of the model."""
+    results = run_ranks(tmp_path, torchrun_env, {"SYNC_SHARDS": "dim0"})
+    for r in results:
+        assert r["exit"] == 0 and "error" not in r, r["log"]
+        assert r["held"] == [r["expected"], r["expected"]], f"rank {r['rank']} holds other rows"
+        if r["rank"]:
+            # 4 variables, each 64-byte aligned; the 0-d "step" goes to every rank.
+            assert r["bytes_received"] <= r["model_bytes"] / WORLD + 4 * 64 + 8, r
+            assert r["plan_bytes"] > 0
+    assert len({r["digest"] for r in results}) == WORLD  # each rank verified its own shard
+    by_rank = {r["rank"]: r for r in results}
+    assert by_rank[1]["held"][0]["step"] == by_rank[0]["inputs"]["step"]  # 0-d: whole everywhere
+
+
+def test_shards_under_mpiexec_are_refused_and_the_job_ends(tmp_path):
+    """Rank 0 alone knows it asked for shards: it aborts the job (the others wait in a
+    collective) with one line naming the reason."""
+    proc, _ = mpirun_sync(tmp_path, {"SYNC_SHARDS": "dim0"})
+    assert proc.returncode != 0
+    assert "shards travel over gRPC only" in proc.stdout + proc.stderr
+
+
 def assert_everyone_fails_naming_rank_2(results: list[dict], rank_2: str) -> None:
     for r in results:
         assert r["exit"] != 0, r["log"]

@@ -16,7 +16,7 @@ from collective.errors import (
     JoinTimeoutError,
     PreconditionError,
 )
-from tests.clusters import FAST, inmemory_cluster, run_threads, small_arrays
+from tests.clusters import FAST, flip_last_bit, inmemory_cluster, run_threads, small_arrays
 
 cluster = inmemory_cluster
 
@@ -100,18 +100,7 @@ def test_a_corrupted_chunk_is_caught_naming_the_variable_and_start_is_never_rele
     from collective.errors import IntegrityError
 
     service, endpoint, agents = cluster({"a": np.zeros(8, np.float32), "b": np.ones(8, np.float32)}, [["cpu:0"]])
-    link = agents[0].link
-    real_fetch = link.fetch
-
-    def flipped(ref, stall_timeout):
-        for chunk in real_fetch(ref, stall_timeout):
-            if chunk.data:
-                data = bytearray(chunk.data)
-                data[-1] ^= 0x01
-                chunk.data = bytes(data)
-            yield chunk
-
-    link.fetch = flipped
+    flip_last_bit(agents[0].link)
     r, sup = run_threads([agents[0].run, service.supervise])
     assert isinstance(r, IntegrityError) and "'b'" in str(r)
     # The worker told the chief, so the chief aborted at once rather than at its ready deadline.

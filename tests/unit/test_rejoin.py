@@ -69,8 +69,8 @@ class Dying(InMemoryLink):
 class Cluster:
     """A chief and in-memory agents with relays; ``agent(...)`` makes one more."""
 
-    def __init__(self, workers: int, topology: str, timeouts=T) -> None:
-        self.service = chief_service(ARRAYS, workers, timeouts=timeouts, topology=topology)
+    def __init__(self, workers: int, topology: str, timeouts=T, **options) -> None:
+        self.service = chief_service(ARRAYS, workers, timeouts=timeouts, topology=topology, **options)
         self.endpoint = inmemory_endpoint(self.service)
         self.relays: dict[str, MemoryRelay] = {}
         self.timeouts = timeouts
