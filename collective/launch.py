@@ -76,8 +76,10 @@ class Launcher:
         transport: str = "grpc",
         shm: bool = True,
         topology: str = "auto",
+        from_file: bool = False,
     ) -> None:
         self.shm = shm
+        self.from_file = from_file
         self.topology = topology
         if transport not in ("grpc", "mpi"):
             raise UsageError(f"--transport {transport!r} is not one of grpc, mpi")
@@ -257,6 +259,8 @@ class Launcher:
                 chief_args += ["--seed", str(self.seed)]
             if self.chunk_bytes:
                 chief_args += ["--chunk-bytes", str(self.chunk_bytes)]
+            if self.from_file:
+                chief_args.append("--from-file")
             chief = self._spawn("chief", chief_args, "chief.log")
             port = self._wait_for_port(chief, port_file, t.join)
             if port is not None:

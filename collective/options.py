@@ -38,7 +38,8 @@ WORKER_DESCRIPTION = '``python -m collective.worker``: join the chief, receive a
 
 CHIEF_FLAGS: tuple[Flag, ...] = (
     Flag("workers", "number of workers to wait for", positive_int),
-    Flag("model", "model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp"),
+    Flag("model", "model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors file, "
+         "a *.safetensors.index.json or a checkpoint directory", default="mlp"),
     Flag("seed", "seed for initializer specs (overrides the spec's)", int),
     Flag("bind", "HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051"),
     Flag("token", "cluster token every worker must present"),
@@ -48,6 +49,9 @@ CHIEF_FLAGS: tuple[Flag, ...] = (
     Flag("topology", "who receives from whom: auto (by hosts and size, see README), star, tree, chain",
          default="auto", choices=TOPOLOGIES),
     Flag("chunk-bytes", "bytes per data message; default 4 MiB, 512 KiB for a chain", byte_size("--chunk-bytes")),
+    Flag("from-file", "serve a .safetensors model straight from its file(s), mapped read-only, instead of a copy "
+         "in memory (then no shared-memory arena: same-host workers stream over loopback)", parse_bool, False,
+         boolean=True),
     *timeout_flags("join", "ready", "heartbeat", "rejoin"),
     Flag("log-format", "text or json", default="text", choices=("text", "json")),
     max_model_bytes_flag(),

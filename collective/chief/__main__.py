@@ -48,7 +48,7 @@ def _run(args: argparse.Namespace) -> int:
     run_chief(
         source, args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
         shm=args.shm, topology=args.topology, chunk_bytes=args.chunk_bytes, on_listening=on_listening,
-        result_file=args.result_file, max_model_bytes=args.max_model_bytes,
+        result_file=args.result_file, max_model_bytes=args.max_model_bytes, from_file=args.from_file,
     )
     log.info("training started: %d workers hold identical variables", args.workers)
     return 0

@@ -23,7 +23,14 @@ import numpy as np
 from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
-from collective.chief.members import Member, Phase, _ChiefReplicas, materialize, report_problem
+from collective.chief.members import (
+    Member,
+    Phase,
+    _ChiefReplicas,
+    map_files,
+    materialize,
+    report_problem,
+)
 from collective.chief.rejoin import Rejoins
 from collective.config import Timeouts
 from collective.errors import (
@@ -34,6 +41,7 @@ from collective.errors import (
     IntegrityError,
     InvalidVariableError,
     JoinTimeoutError,
+    ModelError,
     PreconditionError,
     ProtocolError,
     ResourceExhaustedError,
@@ -49,7 +57,7 @@ from collective.plan import (
     declaration_differences,
     with_bytes,
 )
-from collective.topology import Layout, arrange, choose, chunk_bytes_for
+from collective.topology import TOPOLOGIES, Layout, arrange, choose, chunk_bytes_for
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,7 @@ class ChiefService:
         spmd: bool = False,
         max_model_bytes: int | None = None,
         host: str | None = None,
+        from_file: bool = False,
     ) -> None:
         """``local_devices``: the chief trains too and holds one replica per device; start waits
         until they are verified (``await_plan`` then ``report_local_ready``, from the driver).
@@ -80,7 +89,10 @@ class ChiefService:
         is its rank, and a worker whose declared variables differ, or whose rank is taken or out
         of range, fails the whole round (every rank must hear it) instead of only its own join
         being refused. ``host``: this chief's host name as workers report theirs (default: the
-        machine's), so the plan can tell which workers share the chief's host."""
+        machine's), so the plan can tell which workers share the chief's host. ``from_file``: serve
+        a .safetensors model straight from its file(s), mapped read-only (``members.map_files``),
+        instead of a copy in memory; then there is no shared-memory arena (same-host workers
+        stream over loopback)."""
         if num_workers < 1:
             raise UsageError(f"the number of workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -104,7 +116,14 @@ class ChiefService:
         )
         t0 = time.monotonic()
         self._shared = self._shm = None
-        if shm:
+        sizes = {chunk_bytes} if chunk_bytes else {chunk_bytes_for(t) for t in TOPOLOGIES}
+        self._file = map_files(source, sizes, max_bytes=max_model_bytes) if from_file else None
+        if self._file is not None:
+            self.specs, self.digests, self.arena = self._file.specs, self._file.digests, self._file.files.array
+            if shm:
+                log.info("the arena is the model's file(s), mapped read-only, so there is no shared-memory "
+                         "arena: workers on this host stream it over loopback")
+        elif shm:
             from collective.transport.shm import SharedArena
 
             def allocate(n: int) -> np.ndarray:
@@ -290,15 +309,18 @@ class ChiefService:
                           relay_cert=m.relay_cert)
             for m in members
         ]
+        chunk_bytes = self.chunk_bytes or chunk_bytes_for(topology)  # a chain fills its pipeline one chunk per hop
+        self._check_files()
         self._plan = build_plan(
             self.specs,
             self.digests,
             workers,
             arena=self.arena,
-            # A chain fills its pipeline one chunk per hop: small chunks keep that short.
-            chunk_bytes=self.chunk_bytes or chunk_bytes_for(topology),
+            chunk_bytes=chunk_bytes,
             chief_incarnation=self.incarnation,
             model=self.source.description,
+            offsets=self._file.offsets if self._file is not None else None,
+            chunks=self._file.chunk_digests.get(chunk_bytes) if self._file is not None else None,
         )
         self._plan.topology = topology
         if self._shm is not None:
@@ -368,7 +390,11 @@ class ChiefService:
                     for m in members:
                         m.told = True
                 raise self._error.same_round()
+            if self._file is not None:
+                self._check_files()
             yield chunk, data
+            if self._file is not None:
+                self._file.files.drop(chunk.offset, chunk.offset + len(data))
             for m in members:
                 m.bytes_sent += len(data)
         with self._cond:
@@ -377,6 +403,17 @@ class ChiefService:
                 # this generator only after its transport took the last message.
                 if m.phase == "receiving":
                     m.phase = "verifying"
+
+    def _check_files(self) -> None:
+        """A model served from its files: fail the round, naming the file, if one changed since
+        it was hashed (its bytes would no longer be the plan's, or fault past a cut end)."""
+        if self._file is None:
+            return
+        try:
+            self._file.files.check()
+        except ModelError as exc:
+            self.fail(ModelError(str(exc), culprit="chief", phase=self._phase.value))
+            raise self._error.same_round() from None
 
     def _shm_admit(self, worker_id: str, incarnation: str) -> str | None:
         """A member on this host asks for the shared arena: admit it (None) or say why not."""

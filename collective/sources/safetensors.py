@@ -23,6 +23,7 @@ from collective.sources._common import (
     _Problem,
     _read_c_order,
 )
+from collective.sources.mapped import DataFile
 
 _SAFETENSORS_DTYPES: dict[str, str] = {
     "BOOL": "|b1",
@@ -91,7 +92,7 @@ class SafetensorsSource(StoredSource):
         if not isinstance(header, dict):
             raise ModelError(f"{label}: corrupt safetensors header (not a JSON object)")
 
-        base = 8 + header_len
+        base = self._data_start = 8 + header_len
         data_size = file_size - base
         entries: dict[str, _TensorEntry] = {}
         spans: list[tuple[int, int, str]] = []
@@ -159,6 +160,12 @@ class SafetensorsSource(StoredSource):
                 f"needs {nbytes}"
             )
         return VariableSpec(name, shape, dtypemod.wire(dtype)), begin, end
+
+    def data_files(self) -> tuple[list[DataFile], list[tuple[VariableSpec, int, int]]]:
+        """The file holding the values, and every tensor in the file's order as (spec, 0, its
+        offset in the file): what serving straight from the file needs (``sources/mapped.py``)."""
+        entries = sorted(self._parsed().values(), key=lambda e: e.start)
+        return [DataFile(self.path, self.label, self._data_start)], [(e.spec, 0, e.start) for e in entries]
 
     def _fill(self, entry: _TensorEntry, spec: VariableSpec, out: np.ndarray) -> None:
         try:
@@ -250,6 +257,17 @@ class ShardedSafetensorsSource(StoredSource):
                 )
         self.shards = list(shards.values())
         return {name: entries[name] for name in weight_map}
+
+    def data_files(self) -> tuple[list[DataFile], list[tuple[VariableSpec, int, int]]]:
+        """Every shard, in the index's order, and every tensor as (spec, shard index, offset in
+        the shard), shard by shard in each shard's order."""
+        self._parsed()
+        files, tensors = [], []
+        for i, shard in enumerate(self.shards):
+            (file,), held = shard.data_files()
+            files.append(file)
+            tensors += [(spec, i, offset) for spec, _, offset in held]
+        return files, tensors
 
     def _fill(self, entry: _ShardEntry, spec: VariableSpec, out: np.ndarray) -> None:
         entry.shard.fill(spec, out)

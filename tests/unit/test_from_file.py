@@ -1,0 +1,143 @@
+"""A safetensors model served straight from its file(s): mapped read-only, hashed in one read."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from collective.chief.service import ChiefService, Phase
+from collective.digest import bytes_digest, chunk_digests
+from collective.errors import AbortedError, ModelError
+from collective.sources import load_source
+from collective.sources.mapped import PAGE, DataFile, MappedFiles
+from collective.worker.agent import WorkerAgent
+from tests.clusters import FAST, inmemory_endpoint, run_threads
+from tests.unit.test_sharded import values, write_sharded
+
+
+def run_round(source, devices_per_worker, **options):
+    service = ChiefService(source, len(devices_per_worker), timeouts=FAST, **{"from_file": True, **options})
+    endpoint = inmemory_endpoint(service)
+    agents = [WorkerAgent(endpoint.link(), worker_id=f"w{i}", devices=devs, preferred_rank=i, timeouts=FAST)
+              for i, devs in enumerate(devices_per_worker)]
+    *results, sup = run_threads([a.run for a in agents] + [service.supervise])
+    return service, results, sup
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("chunk_bytes", [None, 100, 4096])
+def test_a_sharded_checkpoint_is_served_from_its_files(tmp_path, shards, chunk_bytes):
+    arrays = values()
+    path, _ = write_sharded(tmp_path, arrays, shards)
+    service, results, sup = run_round(load_source(path), [["cpu:0"], ["cpu:0", "cpu:1"]], chunk_bytes=chunk_bytes)
+    assert sup is None, sup
+    assert service.phase is Phase.STARTED
+    assert service._file is not None and not service.arena.flags.writeable  # the mapping, not a copy
+    plan = service._plan
+    assert plan.chunk_digests == chunk_digests(service.arena, plan.chunk_bytes)
+    for v in plan.variables:
+        assert bytes_digest(arrays[v.name].tobytes()) == v.digest
+        assert v.offset % arrays[v.name].dtype.itemsize == 0
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        for name, value in arrays.items():
+            for replica in r.variables.get(name).replicas:
+                assert replica.dtype == value.dtype and replica.tobytes() == value.tobytes()
+
+
+def test_the_copy_path_gives_the_same_values(tmp_path):
+    arrays = values()
+    path, _ = write_sharded(tmp_path, arrays, 2)
+    service, results, sup = run_round(load_source(path), [["cpu:0"]], from_file=False)
+    assert sup is None, sup
+    assert service._file is None and service.arena.flags.writeable
+    for name, value in arrays.items():
+        assert results[0].variables.get(name).replicas[0].tobytes() == value.tobytes()
+
+
+def test_the_file_order_and_offsets_are_the_plans(tmp_path):
+    arrays = values()
+    path, _ = write_sharded(tmp_path, arrays, 1)
+    source = load_source(path)
+    service = ChiefService(source, 1, timeouts=FAST, from_file=True)
+    files, tensors = source.data_files()
+    assert [s.name for s, _, _ in tensors] == [s.name for s in service.specs]
+    (start,) = MappedFiles(files).starts
+    assert start == files[0].data_start  # one file: the arena is the file from its first page
+    assert [start + offset - files[0].data_start for _, _, offset in tensors] == service._file.offsets
+
+
+def write_by_hand(path, tensors: list[tuple[str, str, list[int], bytes]]) -> None:
+    """A safetensors file with tensors in this order, back to back, after an unpadded header."""
+    header, pos = {}, 0
+    for name, code, shape, data in tensors:
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + len(data)]}
+        pos += len(data)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(t[3] for t in tensors))
+
+
+def test_a_tensor_not_aligned_in_its_file_is_copied_into_memory(tmp_path, caplog):
+    path = tmp_path / "odd.safetensors"
+    write_by_hand(path, [("b", "U8", [3], b"abc"), ("w", "F32", [2], np.arange(2, dtype="<f4").tobytes())])
+    caplog.set_level("INFO")
+    service, results, sup = run_round(load_source(path), [["cpu:0"]])
+    assert sup is None, sup
+    assert service._file is None
+    assert "is at byte" in caplog.text and "copied into memory" in caplog.text
+    assert results[0].variables.get("w").replicas[0].tolist() == [0.0, 1.0]
+
+
+def test_mapped_files_lie_end_to_end_each_from_its_page(tmp_path):
+    contents = [os.urandom(n) for n in (10, PAGE * 2 + 5, 0, 7)]
+    files = []
+    for i, data in enumerate(contents):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(b"h" * (100 + i) + data)
+        files.append(DataFile(p, f"f{i}", 100 + i))
+    mapped = MappedFiles(files)
+    for data, start in zip(contents, mapped.starts, strict=True):
+        assert mapped.array[start : start + len(data)].tobytes() == data
+    assert mapped.nbytes == mapped.starts[-1] + len(contents[-1])
+    assert starts_increase(mapped.starts)
+    mapped.drop(0, mapped.nbytes)  # the pages come back from the file on the next read
+    assert mapped.array[mapped.starts[1] : mapped.starts[1] + len(contents[1])].tobytes() == contents[1]
+    with pytest.raises(ValueError):
+        mapped.array[0] = 1
+
+
+def starts_increase(starts):
+    return all(a < b for a, b in zip(starts, starts[1:], strict=False))
+
+
+def test_a_file_changed_after_it_was_hashed_fails_the_round_naming_it(tmp_path):
+    arrays = values()
+    path, _ = write_sharded(tmp_path, arrays, 2)
+    source = load_source(path)
+    service = ChiefService(source, 1, timeouts=FAST, from_file=True)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(data)
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # whatever the clock's grain
+    endpoint = inmemory_endpoint(service)
+    agent = WorkerAgent(endpoint.link(), worker_id="w0", devices=["cpu:0"], timeouts=FAST)
+    result, sup = run_threads([agent.run, service.supervise])
+    assert isinstance(sup, ModelError), sup
+    assert "model-00002-of-00002.safetensors: changed while being served" in str(sup)
+    assert isinstance(result, AbortedError) and "changed while being served" in str(result)
+
+
+def test_a_file_cut_short_is_named_not_read(tmp_path):
+    arrays = values()
+    path, _ = write_sharded(tmp_path, arrays, 1)
+    service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    os.truncate(shard, shard.stat().st_size - 8)
+    with pytest.raises(ModelError, match=r"model-00001-of-00001\.safetensors: changed while being served \(cut from"):
+        service._file.files.check()
