@@ -91,8 +91,7 @@ class ChiefService:
         being refused. ``host``: this chief's host name as workers report theirs (default: the
         machine's), so the plan can tell which workers share the chief's host. ``from_file``: serve
         a .safetensors model straight from its file(s), mapped read-only (``members.map_files``),
-        instead of a copy in memory; then there is no shared-memory arena (same-host workers
-        stream over loopback)."""
+        instead of a copy in memory; with ``shm`` same-host workers are handed the files to map."""
         if num_workers < 1:
             raise UsageError(f"the number of workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -114,15 +113,12 @@ class ChiefService:
                            os.getpid())
             if local_devices else None
         )
-        t0 = time.monotonic()
+        t0 = self._created_at = time.monotonic()
         self._shared = self._shm = None
         sizes = {chunk_bytes} if chunk_bytes else {chunk_bytes_for(t) for t in TOPOLOGIES}
         self._file = map_files(source, sizes, max_bytes=max_model_bytes) if from_file else None
         if self._file is not None:
             self.specs, self.digests, self.arena = self._file.specs, self._file.digests, self._file.files.array
-            if shm:
-                log.info("the arena is the model's file(s), mapped read-only, so there is no shared-memory "
-                         "arena: workers on this host stream it over loopback")
         elif shm:
             from collective.transport.shm import SharedArena
 
@@ -142,6 +138,14 @@ class ChiefService:
             from collective.transport.shm import ShmServer
 
             self._shm = ShmServer(self._shared, self._shm_admit)
+        elif self._file is not None and shm:
+            from collective.transport.shm import MAX_FDS, ShmServer
+
+            if len(self._file.files.files) <= MAX_FDS:  # same-host workers map the files themselves
+                self._shm = ShmServer(self._file.files, self._shm_admit)
+            else:
+                log.info("%d files are more than one message passes (%d): workers on this host stream "
+                         "the model over loopback", len(self._file.files.files), MAX_FDS)
         self._members: dict[str, Member] = {}
         self._rejoins = Rejoins(self)  # a worker lost mid-broadcast may come back (chief/rejoin.py)
         # Processes told the failure that never became members (refused, or joining after the end):

@@ -17,6 +17,7 @@ pages past its end fault (SIGBUS) when read, so the chief calls it before it rea
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import weakref
@@ -84,7 +85,7 @@ class MappedFiles:
                 self._stamps.append(stamp)
                 if stamp.size < f.data_start:
                     raise ModelError(f"{f.label}: {stamp.size} bytes is shorter than its header (truncated?)")
-                first = f.data_start // PAGE * PAGE
+                first = f.data_start // PAGE * PAGE if places else 0  # the first file from byte 0
                 pos = _round_up(pos)
                 places.append((pos, first, stamp.size - first))
                 pos += stamp.size - first
@@ -95,25 +96,21 @@ class MappedFiles:
             self._close_fds()
             raise
         self.nbytes = pos
+        self.places = places
         self.starts = [at + f.data_start - first for f, (at, first, _) in zip(self.files, places, strict=True)]
-        size = max(_round_up(pos), PAGE)
-        base = _libc.mmap(None, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if base in (None, _MAP_FAILED):
+        try:
+            self.array = map_end_to_end(self._fds, places, pos, close=list(self._fds))
+        except OSError as exc:
             self._close_fds()
-            raise ModelError(f"{self.files[0].label}: cannot reserve {size} bytes of address space "
-                             f"({os.strerror(ctypes.get_errno())})")
-        self._base, self._size = base, size
-        # The range is unmapped (and the files closed) once nothing refers to the array any more.
-        buffer = (ctypes.c_uint8 * size).from_address(base)
-        weakref.finalize(buffer, _release, base, size, list(self._fds))
-        for f, fd, (at, first, length) in zip(self.files, self._fds, places, strict=True):
-            if not length:
-                continue
-            got = _libc.mmap(base + at, length, mmap.PROT_READ, mmap.MAP_PRIVATE | _MAP_FIXED, fd, first)
-            if got != base + at:
-                raise ModelError(f"{f.label}: cannot map {length} bytes ({os.strerror(ctypes.get_errno())})")
-        self.array = np.frombuffer(buffer, dtype=np.uint8, count=pos)
-        self.array.flags.writeable = False
+            raise ModelError(f"{self.files[0].label}: cannot map the model's files: {exc}") from exc
+
+    def handout(self) -> tuple[bytes, list[int]]:
+        """What a same-host member receives to map the arena itself (``transport/shm.py``): one
+        file from its first byte is mapped like the chief's memfd (``ok``); several come with
+        where each goes (``ok {"maps": [[at, first, length], ...]}``, for ``map_end_to_end``)."""
+        if len(self.files) == 1:
+            return b"ok", list(self._fds)
+        return b"ok " + json.dumps({"maps": self.places}).encode(), list(self._fds)
 
     def _close_fds(self) -> None:
         for fd in self._fds:
@@ -137,7 +134,31 @@ class MappedFiles:
         them; the next read maps them again), so reading a large file leaves no resident set."""
         lo, hi = _round_up(start), end // PAGE * PAGE
         if hi > lo:
-            _libc.madvise(self._base + lo, hi - lo, _MADV_DONTNEED)
+            _libc.madvise(self.array.ctypes.data + lo, hi - lo, _MADV_DONTNEED)
+
+
+def map_end_to_end(fds: Sequence[int], places: Sequence[Sequence[int]], total: int, *, writable: bool = False,
+                   close: Sequence[int] = ()) -> np.ndarray:
+    """Files mapped private, end to end in one reserved range: ``places[i]`` = (where in the
+    range, from which page of file ``fds[i]``, how many bytes). A flat uint8 array of ``total``
+    bytes, read-only unless ``writable`` (copy-on-write: writes never reach the files). The range
+    is unmapped, and the descriptors in ``close`` closed, once nothing refers to the array.
+    Raises OSError when the range cannot be reserved or a file mapped."""
+    size = max(_round_up(total), PAGE)
+    base = _libc.mmap(None, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if base in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), f"cannot reserve {size} bytes of address space")
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    for fd, (at, first, length) in zip(fds, places, strict=True):
+        if length and _libc.mmap(base + at, length, prot, mmap.MAP_PRIVATE | _MAP_FIXED, fd, first) != base + at:
+            errno = ctypes.get_errno()
+            _libc.munmap(base, size)
+            raise OSError(errno, f"cannot map {length} bytes of a file")
+    buffer = (ctypes.c_uint8 * size).from_address(base)
+    weakref.finalize(buffer, _release, base, size, list(close))
+    array = np.frombuffer(buffer, dtype=np.uint8, count=total)
+    array.flags.writeable = writable
+    return array
 
 
 def _release(base: int, size: int, fds: list[int]) -> None:

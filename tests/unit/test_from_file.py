@@ -141,3 +141,39 @@ def test_a_file_cut_short_is_named_not_read(tmp_path):
     os.truncate(shard, shard.stat().st_size - 8)
     with pytest.raises(ModelError, match=r"model-00001-of-00001\.safetensors: changed while being served \(cut from"):
         service._file.files.check()
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_same_host_members_map_the_files_themselves_copy_on_write(tmp_path, count):
+    from collective.transport.shm import ShmServer, attach
+
+    files = []
+    for i in range(count):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(os.urandom(PAGE + 50 * i + 9))
+        files.append(DataFile(p, f"f{i}", 40 + i))
+    before = [f.path.read_bytes() for f in files]
+    mapped = MappedFiles(files)
+    server = ShmServer(mapped, lambda worker_id, incarnation: None)
+    try:
+        arena = attach(server.name, server.secret, "w0", "inc", mapped.nbytes)
+        assert arena is not None and arena.tobytes() == mapped.array.tobytes()
+        arena[mapped.starts[-1]] ^= 0xFF  # the member's writes stay its own
+        assert arena[mapped.starts[-1]] != mapped.array[mapped.starts[-1]]
+        assert [f.path.read_bytes() for f in files] == before
+        assert attach(server.name, server.secret, "w0", "inc", mapped.nbytes + PAGE) is None  # not the plan's arena
+    finally:
+        server.close()
+
+
+def test_a_round_from_files_through_shared_memory(tmp_path):
+    arrays = values()
+    path, _ = write_sharded(tmp_path, arrays, 3)
+    service, results, sup = run_round(load_source(path), [["cpu:0"], ["cpu:0", "cpu:1"]], shm=True)
+    assert sup is None, sup
+    assert service._shm is not None and service._shared is None  # the files are offered, no memfd
+    for r in results:
+        assert not isinstance(r, BaseException), r
+        for name, value in arrays.items():
+            for replica in r.variables.get(name).replicas:
+                assert replica.tobytes() == value.tobytes()
