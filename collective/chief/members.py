@@ -114,17 +114,29 @@ class FileArena:
     files: MappedFiles
     specs: list[VariableSpec]
     offsets: list[int]
-    digests: list[str]
-    chunk_digests: dict[int, list[str]]
+    chunk_sizes: set[int]
+    digests: list[str] | None = None  # once hashed
+    chunk_digests: dict[int, list[str]] = field(default_factory=dict)
+
+    def hash(self) -> None:
+        """Read the files once: every variable's digest and the chunk digests for each chunk
+        size, each block's pages dropped from this process once hashed. Raises ModelError naming
+        a file that changes meanwhile."""
+        mapped = self.files
+        ranges = [(o, o + s.nbytes) for s, o in zip(self.specs, self.offsets, strict=True)]
+        digests, self.chunk_digests = one_pass(mapped.array, ranges, self.chunk_sizes,
+                                               before=lambda lo, hi: mapped.check(), after=mapped.drop)
+        mapped.check()
+        self.digests = digests
 
 
 def map_files(source: ModelSource, chunk_sizes, *, max_bytes: int | None = None) -> FileArena | None:
-    """The arena as the model's own files, mapped read-only, hashed in one read; or None, logged,
-    when the model has no files to serve from (a spec, .npz) or a tensor is not aligned in its
-    file to its item size (then ``materialize`` copies it into memory, aligned).
+    """The arena as the model's own files, mapped read-only, not yet read (``FileArena.hash``);
+    or None, logged, when the model has no files to serve from (a spec, .npz) or a tensor is not
+    aligned in its file to its item size (then ``materialize`` copies it into memory, aligned).
 
     Raises ModelError as ``materialize`` does (invalid variables, ``max_bytes``), and naming the
-    file when one cannot be mapped or changes while it is read."""
+    file when one cannot be mapped."""
     if not hasattr(source, "data_files"):
         return None
     validate_model(source.specs(), label=source.description)
@@ -139,12 +151,7 @@ def map_files(source: ModelSource, chunk_sizes, *, max_bytes: int | None = None)
     specs = [spec for spec, _, _ in tensors]
     offsets = [mapped.starts[i] + offset - files[i].data_start for _, i, offset in tensors]
     check_fits(specs, mapped.nbytes, label=source.description, max_bytes=max_bytes)
-    digests, chunks = one_pass(
-        mapped.array, [(o, o + s.nbytes) for s, o in zip(specs, offsets, strict=True)], chunk_sizes,
-        before=lambda lo, hi: mapped.check(), after=mapped.drop,
-    )
-    mapped.check()
-    return FileArena(mapped, specs, offsets, digests, chunks)
+    return FileArena(mapped, specs, offsets, set(chunk_sizes))
 
 
 def report_problem(plan: pb.Plan, m: Member, req: pb.ReadyRequest) -> str | None:

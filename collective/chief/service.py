@@ -118,7 +118,8 @@ class ChiefService:
         sizes = {chunk_bytes} if chunk_bytes else {chunk_bytes_for(t) for t in TOPOLOGIES}
         self._file = map_files(source, sizes, max_bytes=max_model_bytes) if from_file else None
         if self._file is not None:
-            self.specs, self.digests, self.arena = self._file.specs, self._file.digests, self._file.files.array
+            # Read and hashed on a thread (_hash_files) while workers join; the plan waits for it.
+            self.specs, self.digests, self.arena = self._file.specs, None, self._file.files.array
         elif shm:
             from collective.transport.shm import SharedArena
 
@@ -159,9 +160,12 @@ class ChiefService:
         self._first_byte_at: float | None = None
         self._ready_at: float | None = None
         log.info(
-            "model %s: %d variables, %d bytes, materialized in %.2f s",
-            source.description, len(self.specs), self.arena.nbytes, self.materialize_seconds,
+            "model %s: %d variables, %d bytes, %s in %.2f s",
+            source.description, len(self.specs), self.arena.nbytes,
+            "its files mapped (read while workers join)" if self._file else "materialized", self.materialize_seconds,
         )
+        if self._file is not None:
+            threading.Thread(target=self._hash_files, name="hash-files", daemon=True).start()
 
     # --- state helpers (call with the lock held) -------------------------------------------
 
@@ -296,7 +300,7 @@ class ChiefService:
             "%s joined with devices %s (%d/%d)",
             m.name(), ",".join(devices), len(self._members), self.num_workers,
         )
-        if len(self._members) == self.num_workers:
+        if len(self._members) == self.num_workers and self.digests is not None:  # else once hashed
             self._release_plan()
         return self._join_reply(m)
 
@@ -407,6 +411,21 @@ class ChiefService:
                 # this generator only after its transport took the last message.
                 if m.phase == "receiving":
                     m.phase = "verifying"
+
+    def _hash_files(self) -> None:
+        """Read the model's files once (``FileArena.hash``) while workers join; then release the
+        plan if every worker is in. A file that changes meanwhile fails the round naming it."""
+        try:
+            self._file.hash()
+        except ModelError as exc:
+            self.fail(ModelError(str(exc), culprit="chief", phase="join"))
+            return
+        with self._cond:
+            self.digests = self._file.digests
+            self.materialize_seconds = time.monotonic() - self._created_at
+            log.info("model %s: read and hashed in %.2f s", self.source.description, self.materialize_seconds)
+            if self._phase is Phase.JOINING and len(self._members) == self.num_workers:
+                self._release_plan()
 
     def _check_files(self) -> None:
         """A model served from its files: fail the round, naming the file, if one changed since
@@ -642,6 +661,8 @@ class ChiefService:
             missing = self.num_workers - len(self._members)
             taken = {m.rank for m in self._members.values()}
             ranks = [str(r) for r in range(self.num_workers) if r not in taken]
+            if not missing:
+                return "the model's files to be read and hashed"
             return f"{missing} more worker(s) to join (free ranks {','.join(ranks)})"
         total = self.arena.nbytes / 2**20
         late = [
@@ -682,9 +703,10 @@ class ChiefService:
                     taken = {m.rank for m in self._members.values()}
                     missing = self.num_workers - len(self._members)
                     ranks = ",".join(str(r) for r in range(self.num_workers) if r not in taken)
+                    why = (f"missing: {missing} worker(s) for rank(s) {ranks}" if missing
+                           else "the model's files were still being read and hashed")
                     err = JoinTimeoutError(
-                        f"{self._joined_summary()}; missing: {missing} worker(s) for rank(s) {ranks} "
-                        f"after the {t.join:g} s join timeout", phase="join"
+                        f"{self._joined_summary()}; {why} after the {t.join:g} s join timeout", phase="join"
                     )
                     self.fail(err)  # the lock is reentrant
                     break

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 
 import numpy as np
 import pytest
 
+from collective._proto import collective_pb2 as pb
+from collective.chief.members import FileArena
 from collective.chief.service import ChiefService, Phase
 from collective.digest import bytes_digest, chunk_digests
 from collective.errors import AbortedError, ModelError
@@ -16,6 +19,7 @@ from collective.sources import load_source
 from collective.sources.mapped import PAGE, DataFile, MappedFiles
 from collective.worker.agent import WorkerAgent
 from tests.clusters import FAST, inmemory_endpoint, run_threads
+from tests.procs import wait_until
 from tests.unit.test_sharded import values, write_sharded
 
 
@@ -119,6 +123,7 @@ def test_a_file_changed_after_it_was_hashed_fails_the_round_naming_it(tmp_path):
     path, _ = write_sharded(tmp_path, arrays, 2)
     source = load_source(path)
     service = ChiefService(source, 1, timeouts=FAST, from_file=True)
+    wait_until(lambda: service.digests is not None, "the files hashed")
     shard = tmp_path / "model-00002-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
@@ -137,6 +142,7 @@ def test_a_file_cut_short_is_named_not_read(tmp_path):
     arrays = values()
     path, _ = write_sharded(tmp_path, arrays, 1)
     service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
+    wait_until(lambda: service.digests is not None, "the files hashed")  # no read races the cut
     shard = tmp_path / "model-00001-of-00001.safetensors"
     os.truncate(shard, shard.stat().st_size - 8)
     with pytest.raises(ModelError, match=r"model-00001-of-00001\.safetensors: changed while being served \(cut from"):
@@ -177,3 +183,18 @@ def test_a_round_from_files_through_shared_memory(tmp_path):
         for name, value in arrays.items():
             for replica in r.variables.get(name).replicas:
                 assert replica.tobytes() == value.tobytes()
+
+
+def test_workers_join_while_the_files_are_read_and_the_plan_waits_for_their_digests(tmp_path, monkeypatch):
+    path, _ = write_sharded(tmp_path, values(), 2)
+    release, real = threading.Event(), FileArena.hash
+    monkeypatch.setattr(FileArena, "hash", lambda self: (release.wait(30), real(self)))
+    service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
+    service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test")
+    assert service.phase is Phase.JOINING and service._plan is None
+    assert service._waiting_for() == "the model's files to be read and hashed"
+    release.set()
+    plan = service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0"), 30)
+    assert service.phase is Phase.BROADCASTING
+    assert plan.chunk_digests == chunk_digests(service.arena, plan.chunk_bytes)
+    assert [v.digest for v in plan.variables] == service.digests
