@@ -83,6 +83,8 @@ def run_from_file(args, say: Callable[[str], None]) -> int:
                 say(f"{name} run {i + 1}: " + ", ".join(f"{k} {v}" for k, v in got.items()))
                 samples[name].append(got)
         rows = {name: {k: statistics.median(s[k] for s in runs) for k in FIELDS} for name, runs in samples.items()}
+        for r in rows.values():
+            r["peak_rss_bytes"] = int(r["peak_rss_bytes"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     caches = "cold (dropped before every run)" if args.drop_caches else "warm after the first run"
