@@ -84,6 +84,8 @@ class Launcher:
         if transport not in ("grpc", "mpi"):
             raise UsageError(f"--transport {transport!r} is not one of grpc, mpi")
         self.transport = transport
+        if from_file and transport == "mpi":
+            raise UsageError("--from-file is for the gRPC chief; --transport mpi copies the model into rank 0's arena")
         if workers < 1:
             raise UsageError(f"--workers must be at least 1, got {workers}")
         if devices_per_worker < 1:

@@ -125,7 +125,7 @@ class FileArena:
         mapped = self.files
         ranges = [(o, o + s.nbytes) for s, o in zip(self.specs, self.offsets, strict=True)]
         digests, self.chunk_digests = one_pass(mapped.array, ranges, self.chunk_sizes,
-                                               before=lambda lo, hi: mapped.check(), after=mapped.drop)
+                                               before=mapped.check, after=mapped.drop)
         mapped.check()
         self.digests = digests
 

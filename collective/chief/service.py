@@ -399,7 +399,7 @@ class ChiefService:
                         m.told = True
                 raise self._error.same_round()
             if self._file is not None:
-                self._check_files()
+                self._check_files(chunk.offset, chunk.offset + len(data))
             yield chunk, data
             if self._file is not None:
                 self._file.files.drop(chunk.offset, chunk.offset + len(data))
@@ -427,13 +427,14 @@ class ChiefService:
             if self._phase is Phase.JOINING and len(self._members) == self.num_workers:
                 self._release_plan()
 
-    def _check_files(self) -> None:
-        """A model served from its files: fail the round, naming the file, if one changed since
-        it was hashed (its bytes would no longer be the plan's, or fault past a cut end)."""
+    def _check_files(self, start: int = 0, end: int | None = None) -> None:
+        """A model served from its files: fail the round, naming the file, if one (with bytes in
+        ``start..end`` of the arena, default all) changed since it was hashed (its bytes would no
+        longer be the plan's, or fault past a cut end)."""
         if self._file is None:
             return
         try:
-            self._file.files.check()
+            self._file.files.check(start, end)
         except ModelError as exc:
             self.fail(ModelError(str(exc), culprit="chief", phase=self._phase.value))
             raise self._error.same_round() from None

@@ -16,6 +16,7 @@ pages past its end fault (SIGBUS) when read, so the chief calls it before it rea
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import json
 import mmap
@@ -117,9 +118,16 @@ class MappedFiles:
             os.close(fd)
         self._fds = []
 
-    def check(self) -> None:
-        """Raise ModelError naming the first file that changed since it was mapped."""
-        for f, fd, was in zip(self.files, self._fds, self._stamps, strict=True):
+    def check(self, start: int = 0, end: int | None = None) -> None:
+        """Raise ModelError naming the first file that changed since it was mapped; only the files
+        with bytes in ``start..end`` of the arena (default: every file)."""
+        end = self.nbytes if end is None else end
+        first = max(0, bisect.bisect_right([at for at, _, _ in self.places], start) - 1)
+        for i in range(first, len(self.files)):
+            at = self.places[i][0]
+            if at >= end and i > first:
+                break
+            f, fd, was = self.files[i], self._fds[i], self._stamps[i]
             now = _stamp(os.fstat(fd))
             if now != was:
                 what = (f"cut from {was.size} to {now.size} bytes" if now.size < was.size

@@ -198,3 +198,27 @@ def test_workers_join_while_the_files_are_read_and_the_plan_waits_for_their_dige
     assert service.phase is Phase.BROADCASTING
     assert plan.chunk_digests == chunk_digests(service.arena, plan.chunk_bytes)
     assert [v.digest for v in plan.variables] == service.digests
+
+
+def test_launch_refuses_from_file_over_mpi():
+    from collective.errors import UsageError
+    from collective.launch import Launcher
+
+    with pytest.raises(UsageError, match="--from-file is for the gRPC chief"):
+        Launcher(workers=1, transport="mpi", from_file=True)
+
+
+def test_a_check_of_a_range_looks_at_the_files_with_bytes_in_it(tmp_path):
+    files = []
+    for i in range(3):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(os.urandom(3 * PAGE + 7))
+        files.append(DataFile(p, f"f{i}", 10))
+    mapped = MappedFiles(files)
+    os.utime(files[1].path, ns=(1, 1))
+    second = mapped.places[1][0]
+    mapped.check(0, second)  # the first file and the padding after it
+    mapped.check(mapped.places[2][0], mapped.nbytes)
+    for start, end in [(0, None), (second, second + 1), (second - 5, second + 1)]:
+        with pytest.raises(ModelError, match="f1: changed while being served"):
+            mapped.check(start, end)
