@@ -135,8 +135,8 @@ def map_files(source: ModelSource, chunk_sizes, *, max_bytes: int | None = None)
     or None, logged, when the model has no files to serve from (a spec, .npz) or a tensor is not
     aligned in its file to its item size (then ``materialize`` copies it into memory, aligned).
 
-    Raises ModelError as ``materialize`` does (invalid variables, ``max_bytes``), and naming the
-    file when one cannot be mapped."""
+    Raises ModelError as ``materialize`` does (invalid variables, ``max_bytes``; not the memory
+    available: nothing is copied), and naming the file when one cannot be mapped."""
     if not hasattr(source, "data_files"):
         return None
     validate_model(source.specs(), label=source.description)
@@ -150,7 +150,8 @@ def map_files(source: ModelSource, chunk_sizes, *, max_bytes: int | None = None)
     mapped = MappedFiles(files)
     specs = [spec for spec, _, _ in tensors]
     offsets = [mapped.starts[i] + offset - files[i].data_start for _, i, offset in tensors]
-    check_fits(specs, mapped.nbytes, label=source.description, max_bytes=max_bytes)
+    # The files are not copied: the chief needs no memory for them (the page cache holds them).
+    check_fits(specs, mapped.nbytes, label=source.description, max_bytes=max_bytes, available=None)
     return FileArena(mapped, specs, offsets, set(chunk_sizes))
 
 

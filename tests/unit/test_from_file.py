@@ -222,3 +222,13 @@ def test_a_check_of_a_range_looks_at_the_files_with_bytes_in_it(tmp_path):
     for start, end in [(0, None), (second, second + 1), (second - 5, second + 1)]:
         with pytest.raises(ModelError, match="f1: changed while being served"):
             mapped.check(start, end)
+
+
+def test_max_model_bytes_holds_and_the_files_need_no_memory_of_the_chief(tmp_path, monkeypatch):
+    path, _ = write_sharded(tmp_path, values(), 2)
+    with pytest.raises(ModelError, match="more than --max-model-bytes"):
+        ChiefService(load_source(path), 1, timeouts=FAST, from_file=True, max_model_bytes=100)
+    monkeypatch.setattr("collective.model.available_memory", lambda: 100)
+    with pytest.raises(ModelError, match="memory available"):
+        ChiefService(load_source(path), 1, timeouts=FAST, from_file=False)
+    assert ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)._file is not None
