@@ -420,12 +420,19 @@ class ChiefService:
         except ModelError as exc:
             self.fail(ModelError(str(exc), culprit="chief", phase="join"))
             return
+        except OSError as exc:  # an fstat that fails: the files are gone from under the chief
+            self.fail(ModelError(f"{self.source.description}: cannot read: {exc.strerror or exc}",
+                                 culprit="chief", phase="join"))
+            return
         with self._cond:
             self.digests = self._file.digests
             self.materialize_seconds = time.monotonic() - self._created_at
             log.info("model %s: read and hashed in %.2f s", self.source.description, self.materialize_seconds)
             if self._phase is Phase.JOINING and len(self._members) == self.num_workers:
-                self._release_plan()
+                try:
+                    self._release_plan()
+                except CollectiveError:
+                    pass  # a file changed: _check_files failed the round, every waiter hears it
 
     def _check_files(self, start: int = 0, end: int | None = None) -> None:
         """A model served from its files: fail the round, naming the file, if one (with bytes in

@@ -232,3 +232,22 @@ def test_max_model_bytes_holds_and_the_files_need_no_memory_of_the_chief(tmp_pat
     with pytest.raises(ModelError, match="memory available"):
         ChiefService(load_source(path), 1, timeouts=FAST, from_file=False)
     assert ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)._file is not None
+
+
+def test_a_file_changed_once_hashed_before_the_plan_fails_the_round_naming_it(tmp_path, monkeypatch):
+    path, _ = write_sharded(tmp_path, values(), 2)
+    shard = tmp_path / "model-00001-of-00002.safetensors"
+    release, real = threading.Event(), FileArena.hash
+
+    def hash_then_touch(self):
+        release.wait(30)
+        real(self)
+        os.utime(shard, ns=(1, 1))  # after its digests were taken, before the plan
+
+    monkeypatch.setattr(FileArena, "hash", hash_then_touch)
+    service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
+    service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test")
+    release.set()
+    with pytest.raises(AbortedError, match="model-00001-of-00002.safetensors: changed while being served"):
+        service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0"), 30)
+    assert service.phase is Phase.FAILED and isinstance(service.error, ModelError)
