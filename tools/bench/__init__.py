@@ -45,7 +45,8 @@ hosts; ``--transport mpi`` and the MPI peer run through MPICH's
 same-machine shortcut bypasses the shaped links). Needs root.
 
 Its parts: ``spec`` (defaults, option parsers, candidates, the model spec), ``runners`` (one
-candidate run, on this host or on emulated hosts), this module (settings, the run, the table and
+candidate run, on this host or on emulated hosts), ``fromfile`` and ``checkpoint`` (``--from-file``:
+a sharded checkpoint served by a copying chief and from its files), this module (settings, the run, the table and
 the plot, the command). It offers ``add_bench_parser(subparsers)`` and ``run_bench(args) -> int`` for
 ``collective.cli``.
 """
