@@ -141,6 +141,7 @@ def run_chief(
     result_file: str | None = None,
     max_model_bytes: int | None = None,
     shards=None,
+    from_file: bool = False,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
     """One round as ``python -m collective.chief`` runs it: the chief's round (``run_round``)
     driven over gRPC, with a thread pool sized from the worker count, the join and ready
@@ -157,7 +158,7 @@ def run_chief(
         source, num_workers, _grpc_drive(bind, token, tls, on_listening), devices=devices,
         replica_timeout=timeouts.join + timeouts.rpc, result_file=result_file,
         timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology, spmd=spmd,
-        max_model_bytes=max_model_bytes, shards=shards,
+        max_model_bytes=max_model_bytes, shards=shards, from_file=from_file,
     )
 
 

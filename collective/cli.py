@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(launch, "transport", help="grpc (chief and workers on loopback) or mpi (mpiexec -n N+1)",
                default="grpc", choices=["grpc", "mpi"])
     add_option(launch, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
-    add_option(launch, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
+    add_option(launch, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors file, "
+               "a *.safetensors.index.json or a checkpoint directory", default="mlp")
     add_option(launch, "seed", help="seed for initializer specs", type=int, default=None)
     add_option(launch, "token", help="cluster token (default: a random one per run)", default=None)
     add_option(launch, "run-dir", help="where each process's log and the summary go (default: a new temp dir)", default=None)
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                default="auto", choices=list(TOPOLOGIES))
     add_option(launch, "shm", help="same-host workers take the arena through shared memory (--no-shm: network only)",
                type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
+    add_option(launch, "from-file", help="the chief serves a .safetensors model straight from its file(s), mapped "
+               "read-only, not a copy in memory (gRPC; no shared memory then)", type=parse_bool, default=False,
+               action=argparse.BooleanOptionalAction)
     launch.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
     launch.add_argument("--quiet", action="store_true", help="do not echo the processes' log lines")
 
@@ -102,6 +106,7 @@ def _launch(args: argparse.Namespace) -> int:
         transport=args.transport,
         shm=args.shm,
         topology=args.topology,
+        from_file=args.from_file,
     )
     result = launcher.run()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout)

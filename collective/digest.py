@@ -50,3 +50,49 @@ def worker_digest(manifest: str, replicas: Sequence[Sequence[str]]) -> str:
     return combined_digest(
         [("manifest", manifest)] + [(f"replica_{i}", d) for i, digests in enumerate(replicas) for d in digests]
     )
+
+
+def one_pass(
+    buffer: np.ndarray, ranges: Sequence[tuple[int, int]], chunk_sizes: Iterable[int], *,
+    block: int = 4 << 20, after=None, before=None,
+) -> tuple[list[str], dict[int, list[str]]]:
+    """The digests of ``ranges`` (start, end: a variable's bytes, in order, not overlapping) of a
+    flat byte buffer and its chunk digests for each of ``chunk_sizes``, in one read of the buffer,
+    ``block`` bytes at a time: what ``bytes_digest`` of each range and ``chunk_digests`` per size
+    would give, for one read of a file instead of several. ``before(start, end)`` is called before
+    a block is read, ``after(start, end)`` once it is hashed (a mapped file: check it, drop it)."""
+    view = memoryview(buffer.reshape(-1).view(np.uint8))
+    total = len(view)
+    sizes = sorted(set(chunk_sizes))
+    chunks: dict[int, list[str]] = {s: [] for s in sizes}
+    hashers = {s: xxhash.xxh3_128() for s in sizes}
+    digests: list[str] = []
+    var, open_var = 0, xxhash.xxh3_128()
+    for lo in range(0, total, block):
+        hi = min(lo + block, total)
+        if before is not None:
+            before(lo, hi)
+        for size in sizes:
+            h, pos = hashers[size], lo
+            while pos < hi:
+                end = min((pos // size + 1) * size, total)
+                if pos % size == 0 and end <= hi:
+                    chunks[size].append(xxhash.xxh3_128_hexdigest(view[pos:end]))
+                else:
+                    h.update(view[pos : min(end, hi)])
+                    if end <= hi:
+                        chunks[size].append(h.hexdigest())
+                        h.reset()
+                pos = min(end, hi)
+        while var < len(ranges) and ranges[var][0] < hi:
+            start, end = ranges[var]
+            open_var.update(view[max(start, lo) : min(end, hi)])
+            if end > hi:
+                break
+            digests.append(open_var.hexdigest())
+            open_var.reset()
+            var += 1
+        if after is not None:
+            after(lo, hi)
+    digests += [bytes_digest(b"")] * (len(ranges) - var)  # empty variables at the very end
+    return digests, chunks

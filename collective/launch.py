@@ -76,12 +76,16 @@ class Launcher:
         transport: str = "grpc",
         shm: bool = True,
         topology: str = "auto",
+        from_file: bool = False,
     ) -> None:
         self.shm = shm
+        self.from_file = from_file
         self.topology = topology
         if transport not in ("grpc", "mpi"):
             raise UsageError(f"--transport {transport!r} is not one of grpc, mpi")
         self.transport = transport
+        if from_file and transport == "mpi":
+            raise UsageError("--from-file is for the gRPC chief; --transport mpi copies the model into rank 0's arena")
         if workers < 1:
             raise UsageError(f"--workers must be at least 1, got {workers}")
         if devices_per_worker < 1:
@@ -257,6 +261,8 @@ class Launcher:
                 chief_args += ["--seed", str(self.seed)]
             if self.chunk_bytes:
                 chief_args += ["--chunk-bytes", str(self.chunk_bytes)]
+            if self.from_file:
+                chief_args.append("--from-file")
             chief = self._spawn("chief", chief_args, "chief.log")
             port = self._wait_for_port(chief, port_file, t.join)
             if port is not None:

@@ -54,7 +54,8 @@ def parse_shards(text: str):
 
 CHIEF_FLAGS: tuple[Flag, ...] = (
     Flag("workers", "number of workers to wait for", positive_int),
-    Flag("model", "model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp"),
+    Flag("model", "model: preset name (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors file, "
+         "a *.safetensors.index.json or a checkpoint directory", default="mlp"),
     Flag("seed", "seed for initializer specs (overrides the spec's)", int),
     Flag("bind", "HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051"),
     Flag("token", "cluster token every worker must present"),
@@ -67,6 +68,9 @@ CHIEF_FLAGS: tuple[Flag, ...] = (
     Flag("shards", "each worker receives a part of the model, not a replica: dim0 (torch's Shard(0) of every "
          "variable over the workers) or a JSON object name -> \"dim0\" / \"all\" / rank(s), \"*\" for the rest; "
          "a star, without shared memory", parse_shards),
+    Flag("from-file", "serve a .safetensors model straight from its file(s), mapped read-only, instead of a copy "
+         "in memory (then no shared-memory arena: same-host workers stream over loopback)", parse_bool, False,
+         boolean=True),
     *timeout_flags("join", "ready", "heartbeat", "rejoin"),
     Flag("log-format", "text or json", default="text", choices=("text", "json")),
     max_model_bytes_flag(),

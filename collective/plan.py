@@ -63,12 +63,19 @@ def build_plan(
     chunk_bytes: int,
     chief_incarnation: str,
     model: str,
+    offsets: Sequence[int] | None = None,
+    chunks: Sequence[str] | None = None,
 ) -> pb.Plan:
     """Assign keys and offsets. Every variable goes to every device of every worker.
 
-    ``arena`` holds the variables at the layout's offsets: the plan lists its chunk digests.
+    ``arena`` holds the variables at the layout's offsets, or at ``offsets`` (in order, not
+    overlapping: a model file's own, when the arena is the file): the plan lists its chunk
+    digests, or ``chunks`` when they were computed already (``digest.one_pass``).
     """
-    offsets, total = layout(specs)
+    if offsets is None:
+        offsets, total = layout(specs)
+    else:
+        offsets, total = list(offsets), arena.nbytes
     devices = [keymod.qualified_device(w.rank, d) for w in workers for d in w.devices]
     groups = keymod.group_keys([devices])
     group_key = groups[tuple(sorted(devices))]
@@ -99,7 +106,7 @@ def build_plan(
         chunk_bytes=chunk_bytes,
         manifest_digest=manifest_digest(variables),
         model=model,
-        chunk_digests=chunk_digests(arena.reshape(-1).view(np.uint8)[:total], chunk_bytes),
+        chunk_digests=chunks if chunks is not None else chunk_digests(arena.reshape(-1).view(np.uint8)[:total], chunk_bytes),
     )
 
 

@@ -49,6 +49,7 @@ def _run(args: argparse.Namespace) -> int:
         source, args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
         shm=args.shm, topology=args.topology, chunk_bytes=args.chunk_bytes, on_listening=on_listening,
         result_file=args.result_file, max_model_bytes=args.max_model_bytes, shards=args.shards,
+        from_file=args.from_file,
     )
     log.info("training started: %d workers hold %s", args.workers,
              "their shards" if args.shards is not None else "identical variables")

