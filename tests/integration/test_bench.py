@@ -240,7 +240,7 @@ def test_without_the_checkouts_tools_collective_bench_says_where_it_lives(monkey
 
 
 def test_from_file_reports_read_broadcast_to_ready_and_the_chiefs_rss_for_both_rows():
-    out = one_json_line(bench("--from-file", "--size", "2MiB", "--shards", "2", "--workers", "2", "--repeat", "1",
+    out = one_json_line(bench("--from-file", "--size", "2MiB", "--files", "2", "--workers", "2", "--repeat", "1",
                               "--json", timeout=120))
     assert set(out) == {"from_file", "bytes", "workers", "shards", "cold", "shm"}
     assert (out["bytes"], out["workers"], out["shards"], out["cold"], out["shm"]) == (2 * MIB, 2, 2, False, True)
@@ -252,7 +252,7 @@ def test_from_file_reports_read_broadcast_to_ready_and_the_chiefs_rss_for_both_r
 
 @pytest.mark.parametrize("args, says", [
     (["--workers", "2,3"], "--from-file runs one worker count"),
-    (["--shards", "0"], "--shards must be at least 1"),
+    (["--files", "0"], "--files must be at least 1"),
 ])
 def test_from_file_bad_options_exit_2_with_one_line(args, says):
     proc = bench("--from-file", *args, "--json", timeout=30)

@@ -413,7 +413,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="instead: a sharded safetensors checkpoint of --size served by a copying chief and by "
                         "--from-file to --workers local workers: read, broadcast and to-ready seconds, the chief's "
                         "peak RSS (tools/bench/fromfile.py)")
-    p.add_argument("--shards", default="4", metavar="S", help="with --from-file: shards of the checkpoint (default 4)")
+    p.add_argument("--files", default="4", metavar="F", help="with --from-file: files of the generated checkpoint (default 4)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="with --from-file: serve this checkpoint instead of writing one")
     p.add_argument("--drop-caches", action="store_true",

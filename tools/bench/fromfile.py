@@ -1,7 +1,7 @@
 """``collective bench --from-file``: a checkpoint served from its files against the copy.
 
 Writes (or takes, ``--checkpoint DIR``) a sharded safetensors checkpoint of ``--size`` bytes in
-``--shards`` shards, then runs ``collective launch --workers N --model DIR --json`` for each row,
+``--files`` files, then runs ``collective launch --workers N --model DIR --json`` for each row,
 ``--repeat`` times, interleaved:
 
 * ``copy``: the chief reads the files into its arena (a memfd with shared memory), as without
@@ -64,7 +64,7 @@ def run_from_file(args, say: Callable[[str], None]) -> int:
     counts = parse_workers(args.workers or ["3"])
     if len(counts) != 1:
         raise UsageError(f"--from-file runs one worker count, not {counts}")
-    workers, repeat, shards = counts[0], _positive(args.repeat, "--repeat"), _positive(args.shards, "--shards")
+    workers, repeat, shards = counts[0], _positive(args.repeat, "--repeat"), _positive(args.files, "--files")
     if args.drop_caches and os.geteuid() != 0:
         raise UsageError("--drop-caches needs root (it writes /proc/sys/vm/drop_caches)")
     shm = ["--no-shm"] if args.no_shm else []
