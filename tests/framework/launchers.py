@@ -65,9 +65,10 @@ def rank_matches(output: str, pattern: str) -> list[re.Match]:
     """Every ``rank R...`` line matching ``pattern``, in output order."""
     found = []
     # Ranks share one pipe and a launcher may pass their lines on unbuffered: a rank's line can
-    # then start in the middle of another's, so a line is cut again where "rank N" begins.
+    # then start in the middle of another's (``... loss 6.6431rank 3/4: ...``: no word boundary
+    # before it), so a line is cut again wherever "rank N/" or "rank N:" begins.
     for line in output.splitlines():
-        for piece in re.split(r"(?=\brank \d+[/:])", line):
+        for piece in re.split(r"(?=rank \d+[/:])", line):
             m = re.match(pattern, piece)
             if m:
                 found.append(m)
