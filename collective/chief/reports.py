@@ -80,7 +80,7 @@ def summary(svc) -> dict:
             # then until every worker was ready, and its peak resident set (file pages it had
             # mapped count while mapped; ``--from-file`` drops them once hashed and once sent).
             "chief": {
-                "from_file": svc._file is not None,
+                "from_file": svc._arena.file is not None,
                 "load_seconds": round(svc.materialize_seconds, 6),
                 "ready_seconds": round(svc._ready_at - svc._created_at, 6) if svc._ready_at is not None else None,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
