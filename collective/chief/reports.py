@@ -24,7 +24,7 @@ def status_reply(svc) -> pb.StatusReply:
             chief_incarnation=svc.incarnation,
             seconds_in_phase=now - svc._phase_at,
             model=svc.source.description,
-            waiting_for="" if svc._phase in (Phase.STARTED, Phase.FAILED) else svc._waiting_for(),
+            waiting_for="" if svc._phase in (Phase.STARTED, Phase.FAILED) else svc._supervisor.waiting_for(),
             workers=[_worker_status(svc, m, now) for m in sorted(svc._members.values(), key=lambda m: m.rank)],
             error=str(svc._error or ""),
         )

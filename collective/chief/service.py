@@ -26,6 +26,7 @@ from collective.chief import reports
 from collective.chief.arena import ChiefArena
 from collective.chief.members import Member, Phase, _ChiefReplicas, report_problem
 from collective.chief.rejoin import Rejoins
+from collective.chief.supervise import Supervisor
 from collective.config import Timeouts
 from collective.errors import (
     AbortedError,
@@ -34,7 +35,6 @@ from collective.errors import (
     DeadlineError,
     IntegrityError,
     InvalidVariableError,
-    JoinTimeoutError,
     ModelError,
     PreconditionError,
     ProtocolError,
@@ -125,9 +125,10 @@ class ChiefService:
         self._error: CollectiveError | None = None
         self._plan: pb.Plan | None = None
         self._chunker: Chunker | None = None
-        self._started_at = self._phase_at = self._last_straggler_log = time.monotonic()
+        self._started_at = self._phase_at = time.monotonic()
         self._first_byte_at: float | None = None
         self._ready_at: float | None = None
+        self._supervisor = Supervisor(self)  # deadlines, leases, whom the round waits for (chief/supervise.py)
         log.info(
             "model %s: %d variables, %d bytes, %s in %.2f s",
             source.description, len(self.specs), self.arena.nbytes,
@@ -506,7 +507,7 @@ class ChiefService:
             if self._phase is Phase.FAILED:
                 raise self._error.same_round()
             if self._plan is None:
-                raise DeadlineError(f"plan not released within {timeout:g} s: {self._joined_summary()}")
+                raise DeadlineError(f"plan not released within {timeout:g} s: {self._supervisor.joined_summary()}")
             return self._plan if self._local is None else self.plan_of(self._local)
 
     def report_local_ready(self, req: pb.ReadyRequest) -> None:
@@ -556,7 +557,7 @@ class ChiefService:
             self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout)
             m = self._member(ref)
             if self._phase is not Phase.STARTED:
-                raise DeadlineError(f"start not released within {timeout:g} s; waiting for: {self._waiting_for()}")
+                raise DeadlineError(f"start not released within {timeout:g} s; waiting for: {self._supervisor.waiting_for()}")
             m.told, m.phase = True, "started"
             self._cond.notify_all()
             return pb.StartReply(start=True, broadcast_seconds=self.broadcast_seconds())
@@ -637,105 +638,16 @@ class ChiefService:
                 self.fail(AbortedError(f"{m.name()} was lost during the broadcast: {reason}",
                                        culprit=m.worker_id, phase="broadcast"))
 
-    def _check_leases(self) -> None:
-        if not self.heartbeats or self._phase not in (Phase.JOINING, Phase.BROADCASTING):
-            return
-        self._rejoins.check()
-        now = time.monotonic()
-        for m in list(self._members.values()):
-            silent = now - m.last_seen
-            if silent > self.timeouts.lease and not m.told and m.phase != "lost":
-                ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation)
-                self.lost(ref, f"no heartbeat for {silent:.1f} s (lease {self.timeouts.lease:g} s)")
-
     def status(self) -> pb.StatusReply:
         """Who has joined, each worker's phase and progress, and whom the chief waits for."""
         return reports.status_reply(self)
 
-    # --- supervision (the chief process's main loop) ---------------------------------------
-
-    def _waiting_for(self) -> str:
-        if self._phase is Phase.JOINING:
-            missing = self.num_workers - len(self._members)
-            taken = {m.rank for m in self._members.values()}
-            ranks = [str(r) for r in range(self.num_workers) if r not in taken]
-            if not missing:
-                return "the model's files to be read and hashed"
-            return f"{missing} more worker(s) to join (free ranks {','.join(ranks)})"
-        total = self.arena.nbytes / 2**20
-        late = [
-            m.name() + (f" [receiving {m.received() / 2**20:.1f}/{total:.1f} MiB]" if m.phase == "receiving" else f" [{m.phase}]")
-            for m in sorted(self._members.values(), key=lambda m: m.rank)
-            if m.phase not in ("ready", "started")
-        ]
-        if self._local is not None and self._local.phase != "ready":
-            late.append(self._local.name())
-        return ", ".join(late) or "nobody"
-
-    def _joined_summary(self) -> str:
-        names = ", ".join(f"{m.worker_id} rank {m.rank}" for m in sorted(self._members.values(), key=lambda m: m.rank))
-        return f"{len(self._members)}/{self.num_workers} workers joined ({names or 'none'})"
-
-    def _poll(self) -> float:
-        return min(self.timeouts.straggler_log, self.timeouts.heartbeat / 2, self.timeouts.lease / 4)
-
-    def _log_stragglers(self, fmt: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last_straggler_log >= self.timeouts.straggler_log:
-            self._last_straggler_log = now
-            log.info(fmt, *args)
+    # --- supervision (chief/supervise.py) -----------------------------------------------------
 
     def supervise(self) -> None:
-        """Block until the round has an outcome, enforcing the join and ready deadlines.
-
-        Returns when start was released; raises the round's error otherwise. Logs whom it is
-        waiting for every ``timeouts.straggler_log`` seconds.
-        """
-        logs.phase("join")
-        t = self.timeouts
-        with self._cond:
-            deadline = self._started_at + t.join
-            while self._phase is Phase.JOINING:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    taken = {m.rank for m in self._members.values()}
-                    missing = self.num_workers - len(self._members)
-                    ranks = ",".join(str(r) for r in range(self.num_workers) if r not in taken)
-                    why = (f"missing: {missing} worker(s) for rank(s) {ranks}" if missing
-                           else "the model's files were still being read and hashed")
-                    err = JoinTimeoutError(
-                        f"{self._joined_summary()}; {why} after the {t.join:g} s join timeout", phase="join"
-                    )
-                    self.fail(err)  # the lock is reentrant
-                    break
-                self._check_leases()
-                if not self._wait(lambda: self._phase is not Phase.JOINING, min(left, self._poll())):
-                    self._log_stragglers("waiting for %s; %s", self._waiting_for(), self._joined_summary())
-            deadline = time.monotonic() + t.ready
-            while self._phase is Phase.BROADCASTING:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    late = [m.worker_id for m in self._members.values() if m.phase not in ("ready", "started")]
-                    err = DeadlineError(f"not every worker was ready within {t.ready:g} s; not ready: {self._waiting_for()}",
-                                        culprit=late[0] if len(late) == 1 else None, phase="broadcast")
-                    self.fail(err)  # the lock is reentrant
-                    break
-                self._check_leases()
-                if not self._wait(lambda: self._phase is not Phase.BROADCASTING, min(left, self._poll())):
-                    self._log_stragglers("broadcasting; waiting for %s", self._waiting_for())
-            # Keep serving a little so every worker hears the outcome from us, not from a dead port.
-            self._wait(self._everyone_heard, t.linger)
-            self._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
-            if self._phase is Phase.FAILED:
-                raise self._error or AbortedError("the round failed")
-
-    def _everyone_heard(self) -> bool:
-        """Every member was told the outcome; after an SPMD failure, every rank was (members or not)."""
-        if not all(m.told for m in self._members.values()):
-            return False
-        if self.spmd and self._phase is Phase.FAILED:
-            return len(self._told_outside | set(self._members)) >= self.num_workers
-        return True
+        """Block until the round has an outcome, enforcing the join and ready deadlines
+        (``Supervisor.run``). Returns when start was released; raises the round's error otherwise."""
+        self._supervisor.run()
 
     def broadcast_seconds(self) -> float:
         if self._first_byte_at is None or self._ready_at is None:

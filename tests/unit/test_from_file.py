@@ -192,7 +192,7 @@ def test_workers_join_while_the_files_are_read_and_the_plan_waits_for_their_dige
     service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
     service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test")
     assert service.phase is Phase.JOINING and service._plan is None
-    assert service._waiting_for() == "the model's files to be read and hashed"
+    assert service._supervisor.waiting_for() == "the model's files to be read and hashed"
     release.set()
     plan = service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0"), 30)
     assert service.phase is Phase.BROADCASTING
