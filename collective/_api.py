@@ -367,7 +367,7 @@ def join(
 def _alone(source: ModelSource, devices: list[str]) -> tuple[VariableStore, str]:
     """World size 1: the replicas are copies of the values, verified as the chief's are."""
     from collective._proto import collective_pb2 as pb
-    from collective.chief.service import materialize
+    from collective.chief.arena import materialize
     from collective.digest import worker_digest
     from collective.plan import DEFAULT_CHUNK_BYTES, build_plan
     from collective.worker.agent import make_replicas, verify_replicas

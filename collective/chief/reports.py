@@ -24,7 +24,7 @@ def status_reply(svc) -> pb.StatusReply:
             chief_incarnation=svc.incarnation,
             seconds_in_phase=now - svc._phase_at,
             model=svc.source.description,
-            waiting_for="" if svc._phase in (Phase.STARTED, Phase.FAILED) else svc._waiting_for(),
+            waiting_for="" if svc._phase in (Phase.STARTED, Phase.FAILED) else svc._supervisor.waiting_for(),
             workers=[_worker_status(svc, m, now) for m in sorted(svc._members.values(), key=lambda m: m.rank)],
             error=str(svc._error or ""),
         )
@@ -80,7 +80,7 @@ def summary(svc) -> dict:
             # then until every worker was ready, and its peak resident set (file pages it had
             # mapped count while mapped; ``--from-file`` drops them once hashed and once sent).
             "chief": {
-                "from_file": svc._file is not None,
+                "from_file": svc._arena.file is not None,
                 "load_seconds": round(svc.materialize_seconds, 6),
                 "ready_seconds": round(svc._ready_at - svc._created_at, 6) if svc._ready_at is not None else None,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -1,9 +1,9 @@
 """The chief's logic: rendezvous, plan and keys, the data streams, the readiness barrier.
 
 ``ChiefService`` implements ``collective.transport.api.ChiefHandler``: it never opens a
-connection, and gRPC or MPI never appear here. Its one use of a transport module is the same-host
-shortcut: it writes the arena into, and serves it from, ``collective.transport.shm`` (shared
-memory is where the bytes live, not a channel to a worker). All state lives behind one condition variable; every wait is bounded. The round moves
+connection, and gRPC or MPI never appear here. Where the model's bytes live (memory, a shared-memory
+memfd, the model's files, shards) is ``chief/arena.py``'s ``ChiefArena``, which also serves the
+same-host shortcut. All state lives behind one condition variable; every wait is bounded. The round moves
 JOINING -> BROADCASTING -> STARTED, or to FAILED from anywhere; the first failure wins and is
 what every worker is told.
 """
@@ -23,15 +23,10 @@ import numpy as np
 from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
-from collective.chief.members import (
-    Member,
-    Phase,
-    _ChiefReplicas,
-    map_files,
-    materialize,
-    report_problem,
-)
+from collective.chief.arena import ChiefArena
+from collective.chief.members import Member, Phase, _ChiefReplicas, report_problem
 from collective.chief.rejoin import Rejoins
+from collective.chief.supervise import Supervisor
 from collective.config import Timeouts
 from collective.errors import (
     AbortedError,
@@ -40,7 +35,6 @@ from collective.errors import (
     DeadlineError,
     IntegrityError,
     InvalidVariableError,
-    JoinTimeoutError,
     ModelError,
     PreconditionError,
     ProtocolError,
@@ -52,13 +46,11 @@ from collective.model import ModelSource
 from collective.plan import (
     MAX_CHUNK_BYTES,
     Chunker,
-    build_plan,
     check_declared,
     declaration_differences,
     with_bytes,
 )
-from collective.shards import ShardedArenas
-from collective.topology import TOPOLOGIES, Layout, arrange, choose, chunk_bytes_for
+from collective.topology import Layout, arrange, choose, chunk_bytes_for
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +87,7 @@ class ChiefService:
         training rank gets a part of the model, not a replica (``collective.shards``: ``"dim0"``
         or a mapping name -> placement); the round is then a star without the shared arena.
         ``from_file``: serve a .safetensors model straight from its file(s), mapped read-only
-        (``members.map_files``), instead of a copy in memory; with ``shm`` same-host workers are
+        (``arena.map_files``), instead of a copy in memory; with ``shm`` same-host workers are
         handed the files to map (not with ``shards``)."""
         if num_workers < 1:
             raise UsageError(f"the number of workers must be at least 1, got {num_workers}")
@@ -119,51 +111,11 @@ class ChiefService:
             if local_devices else None
         )
         t0 = self._created_at = time.monotonic()
-        self._shared = self._shm = None
-        shm = shm and shards is None  # the shared arena is the whole model: never a shard
-        if from_file and shards is not None:
-            raise UsageError("--from-file and --shards do not go together yet: a sharded round copies each rank's "
-                             "part out of the model; drop one of them")
-        sizes = {chunk_bytes} if chunk_bytes else {chunk_bytes_for(t) for t in TOPOLOGIES}
-        self._file = map_files(source, sizes, max_bytes=max_model_bytes) if from_file else None
-        if self._file is not None:
-            # Read and hashed on a thread (_hash_files) while workers join; the plan waits for it.
-            self.specs, self.digests, self.arena = self._file.specs, None, self._file.files.array
-        elif shm:
-            from collective.transport.shm import SharedArena
-
-            def allocate(n: int) -> np.ndarray:
-                self._shared = SharedArena(n)
-                return self._shared.array
-
-            self.specs, writable, self.digests = materialize(source, allocate, max_bytes=max_model_bytes)
-            del writable  # the seal needs every writable view of the mapping gone
-            self._shared.seal()  # read-only from here on, for the chief too
-            self.arena = self._shared.array
-        else:
-            self.specs, self.arena, self.digests = materialize(source, max_bytes=max_model_bytes)
-        self._sharded: ShardedArenas | None = None
-        if shards is not None:
-            # Training ranks: the chief is shard 0 when it trains, and worker rank k is shard k + 1.
-            self._shard_base = 1 if self._local is not None else 0
-            self._sharded = ShardedArenas(self.specs, self.arena, shards, num_workers + self._shard_base,
-                                          self.chunk_bytes or chunk_bytes_for("star"))
-            self._shard_plans: dict[int, tuple[pb.Plan, pb.Plan]] = {}  # index -> (base plan, its plan)
-            self._shard_chunkers: dict[int, Chunker] = {}
+        self._arena = ChiefArena(source, ranks=num_workers, trains=self._local is not None, chunk_bytes=chunk_bytes,
+                                 shm=shm, from_file=from_file, shards=shards, max_bytes=max_model_bytes)
         self.materialize_seconds = time.monotonic() - t0
         self._cond = threading.Condition(threading.RLock())  # reentrant: fail() may run under it
-        if self._shared is not None:
-            from collective.transport.shm import ShmServer
-
-            self._shm = ShmServer(self._shared, self._shm_admit)
-        elif self._file is not None and shm:
-            from collective.transport.shm import MAX_FDS, ShmServer
-
-            if len(self._file.files.files) <= MAX_FDS:  # same-host workers map the files themselves
-                self._shm = ShmServer(self._file.files, self._shm_admit)
-            else:
-                log.info("%d files are more than one message passes (%d): workers on this host stream "
-                         "the model over loopback", len(self._file.files.files), MAX_FDS)
+        self._arena.serve(self._shm_admit)
         self._members: dict[str, Member] = {}
         self._rejoins = Rejoins(self)  # a worker lost mid-broadcast may come back (chief/rejoin.py)
         # Processes told the failure that never became members (refused, or joining after the end):
@@ -173,16 +125,55 @@ class ChiefService:
         self._error: CollectiveError | None = None
         self._plan: pb.Plan | None = None
         self._chunker: Chunker | None = None
-        self._started_at = self._phase_at = self._last_straggler_log = time.monotonic()
+        self._started_at = self._phase_at = time.monotonic()
         self._first_byte_at: float | None = None
         self._ready_at: float | None = None
+        self._supervisor = Supervisor(self)  # deadlines, leases, whom the round waits for (chief/supervise.py)
         log.info(
             "model %s: %d variables, %d bytes, %s in %.2f s",
             source.description, len(self.specs), self.arena.nbytes,
-            "its files mapped (read while workers join)" if self._file else "materialized", self.materialize_seconds,
+            "its files mapped (read while workers join)" if self._arena.file else "materialized",
+            self.materialize_seconds,
         )
-        if self._file is not None:
+        if self._arena.file is not None:
             threading.Thread(target=self._hash_files, name="hash-files", daemon=True).start()
+
+    # --- the arena (chief/arena.py): the model's bytes, whole or each training rank's shard --
+
+    @property
+    def arena(self) -> np.ndarray:
+        return self._arena.array
+
+    @property
+    def specs(self) -> list:
+        return self._arena.specs
+
+    @property
+    def digests(self) -> list[str] | None:
+        return self._arena.digests
+
+    @property
+    def sharded(self) -> bool:
+        return self._arena.shards is not None
+
+    def _shard_of(self, m: Member) -> int:
+        return 0 if m is self._local else m.rank + self._arena.shard_base
+
+    def plan_of(self, m: Member) -> pb.Plan:
+        """The plan ``m`` receives and is checked against: the round's, or with shards its own
+        (rebuilt when a rejoin revised the round's plan). Call with the lock held, after release."""
+        return self._arena.plan_of(self._shard_of(m), self._plan)
+
+    def _chunker_of(self, m: Member) -> Chunker:
+        return self._arena.chunker_of(self._shard_of(m), self._plan) if self.sharded else self._chunker
+
+    def bytes_total(self, m: Member) -> int:
+        """The bytes ``m`` receives: the arena, or its shard's."""
+        return self._arena.bytes_total(self._shard_of(m))
+
+    def local_arena(self) -> np.ndarray:
+        """What the chief's own replicas are copies of: the arena, or shard 0's."""
+        return self._arena.local()
 
     # --- state helpers (call with the lock held) -------------------------------------------
 
@@ -231,42 +222,6 @@ class ChiefService:
 
     def _wait(self, predicate, timeout: float) -> bool:
         return self._cond.wait_for(predicate, timeout=max(0.0, timeout))
-
-    # --- shards (collective.shards): each training rank's own plan and stream --------------
-
-    @property
-    def sharded(self) -> bool:
-        return self._sharded is not None
-
-    def _shard_of(self, m: Member) -> int:
-        return 0 if m is self._local else m.rank + self._shard_base
-
-    def plan_of(self, m: Member) -> pb.Plan:
-        """The plan ``m`` receives and is checked against: the round's, or with shards its own
-        (rebuilt when a rejoin revised the round's plan). Call with the lock held, after release."""
-        if self._sharded is None:
-            return self._plan
-        i = self._shard_of(m)
-        cached = self._shard_plans.get(i)
-        if cached is None or cached[0] is not self._plan:
-            cached = self._shard_plans[i] = (self._plan, self._sharded.plan_for(self._plan, i))
-        return cached[1]
-
-    def _chunker_of(self, m: Member) -> Chunker:
-        if self._sharded is None:
-            return self._chunker
-        i = self._shard_of(m)
-        if i not in self._shard_chunkers:
-            self._shard_chunkers[i] = Chunker(self.plan_of(m), self._sharded.arenas[i])
-        return self._shard_chunkers[i]
-
-    def bytes_total(self, m: Member) -> int:
-        """The bytes ``m`` receives: the arena, or its shard's."""
-        return int(self.arena.nbytes if self._sharded is None else self._sharded.arenas[self._shard_of(m)].nbytes)
-
-    def local_arena(self) -> np.ndarray:
-        """What the chief's own replicas are copies of: the arena, or shard 0's."""
-        return self.arena if self._sharded is None else self._sharded.arenas[0]
 
     # --- ChiefHandler --------------------------------------------------------------------
 
@@ -372,20 +327,8 @@ class ChiefService:
         ]
         chunk_bytes = self.chunk_bytes or chunk_bytes_for(topology)  # a chain fills its pipeline one chunk per hop
         self._check_files()
-        self._plan = build_plan(
-            self.specs,
-            self.digests,
-            workers,
-            arena=self.arena,
-            chunk_bytes=chunk_bytes,
-            chief_incarnation=self.incarnation,
-            model=self.source.description,
-            offsets=self._file.offsets if self._file is not None else None,
-            chunks=self._file.chunk_digests.get(chunk_bytes) if self._file is not None else None,
-        )
+        self._plan = self._arena.plan(workers, chunk_bytes=chunk_bytes, chief_incarnation=self.incarnation)
         self._plan.topology = topology
-        if self._shm is not None:
-            self._plan.shm_socket, self._plan.shm_secret = self._shm.name, self._shm.secret
         self._chunker = Chunker(self._plan, self.arena)
         self._phase, self._phase_at = Phase.BROADCASTING, time.monotonic()
         logs.phase("broadcast")
@@ -395,19 +338,19 @@ class ChiefService:
             "receiver(s); workers on %d host(s); plan of %d bytes)",
             self.num_workers, len(self._chunker), topology, lay.receivers, hosts, self._plan.ByteSize(),
         )
-        if self._sharded is not None:
-            log.info("sharded over %d training rank(s): %s bytes each (of %d)", self._sharded.world,
-                     ",".join(str(a.nbytes) for a in self._sharded.arenas), self.arena.nbytes)
+        if self.sharded:
+            log.info("sharded over %d training rank(s): %s bytes each (of %d)", self._arena.shards.world,
+                     ",".join(str(a.nbytes) for a in self._arena.shards.arenas), self.arena.nbytes)
         self._cond.notify_all()
 
     def _layout(self, members: list[Member]) -> Layout:
         """Who receives from whom, by host (``topology.arrange``); a star when a worker that
         would relay to another cannot (it has no relay: MPI, in-memory). Shards: a star, since a
         relay forwards its own stream and each worker's differs."""
-        if self._sharded is not None:
+        if self.sharded:
             return Layout("star", [-1] * len(members), len(members))
         lay = arrange(self.topology, [m.host for m in members], self.host, int(self.arena.nbytes),
-                      share=self._shm is not None)
+                      share=self._arena.server is not None)
         relaying = {p for p in lay.parents if p >= 0}
         if any(not members[r].relay_address() for r in relaying):
             if self.topology not in ("auto", "star"):
@@ -446,7 +389,7 @@ class ChiefService:
             members = [self._member(ref) for ref in refs]
             if self._chunker is None:
                 raise PreconditionError(f"{members[0].name()} asked for data before the plan was released")
-            if self._sharded is not None and len(members) > 1:
+            if self.sharded and len(members) > 1:
                 raise PreconditionError("a sharded plan streams each worker its own bytes, never one stream to many")
             chunker = self._chunker_of(members[0])
             for m, ref in zip(members, refs, strict=True):
@@ -459,11 +402,9 @@ class ChiefService:
                     for m in members:
                         m.told = True
                 raise self._error.same_round()
-            if self._file is not None:
-                self._check_files(chunk.offset, chunk.offset + len(data))
+            self._check_files(chunk.offset, chunk.offset + len(data))
             yield chunk, data
-            if self._file is not None:
-                self._file.files.drop(chunk.offset, chunk.offset + len(data))
+            self._arena.drop(chunk.offset, chunk.offset + len(data))
             for m in members:
                 m.bytes_sent += len(data)
         with self._cond:
@@ -474,19 +415,15 @@ class ChiefService:
                     m.phase = "verifying"
 
     def _hash_files(self) -> None:
-        """Read the model's files once (``FileArena.hash``) while workers join; then release the
+        """Read the model's files once (``ChiefArena.hash``) while workers join; then release the
         plan if every worker is in. A file that changes meanwhile fails the round naming it."""
         try:
-            self._file.hash()
+            digests = self._arena.hash()
         except ModelError as exc:
             self.fail(ModelError(str(exc), culprit="chief", phase="join"))
             return
-        except OSError as exc:  # an fstat that fails: the files are gone from under the chief
-            self.fail(ModelError(f"{self.source.description}: cannot read: {exc.strerror or exc}",
-                                 culprit="chief", phase="join"))
-            return
         with self._cond:
-            self.digests = self._file.digests
+            self._arena.digests = digests
             self.materialize_seconds = time.monotonic() - self._created_at
             log.info("model %s: read and hashed in %.2f s", self.source.description, self.materialize_seconds)
             if self._phase is Phase.JOINING and len(self._members) == self.num_workers:
@@ -499,10 +436,8 @@ class ChiefService:
         """A model served from its files: fail the round, naming the file, if one (with bytes in
         ``start..end`` of the arena, default all) changed since it was hashed (its bytes would no
         longer be the plan's, or fault past a cut end)."""
-        if self._file is None:
-            return
         try:
-            self._file.files.check(start, end)
+            self._arena.check(start, end)
         except ModelError as exc:
             self.fail(ModelError(str(exc), culprit="chief", phase=self._phase.value))
             raise self._error.same_round() from None
@@ -523,12 +458,7 @@ class ChiefService:
 
     def close(self) -> None:
         """Release the shared arena's socket and descriptor (workers keep their mappings)."""
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
-        if self._shared is not None:
-            self._shared.close()
-            self._shared = None
+        self._arena.close()
 
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
         with self._cond:
@@ -577,7 +507,7 @@ class ChiefService:
             if self._phase is Phase.FAILED:
                 raise self._error.same_round()
             if self._plan is None:
-                raise DeadlineError(f"plan not released within {timeout:g} s: {self._joined_summary()}")
+                raise DeadlineError(f"plan not released within {timeout:g} s: {self._supervisor.joined_summary()}")
             return self._plan if self._local is None else self.plan_of(self._local)
 
     def report_local_ready(self, req: pb.ReadyRequest) -> None:
@@ -627,7 +557,7 @@ class ChiefService:
             self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout)
             m = self._member(ref)
             if self._phase is not Phase.STARTED:
-                raise DeadlineError(f"start not released within {timeout:g} s; waiting for: {self._waiting_for()}")
+                raise DeadlineError(f"start not released within {timeout:g} s; waiting for: {self._supervisor.waiting_for()}")
             m.told, m.phase = True, "started"
             self._cond.notify_all()
             return pb.StartReply(start=True, broadcast_seconds=self.broadcast_seconds())
@@ -708,105 +638,16 @@ class ChiefService:
                 self.fail(AbortedError(f"{m.name()} was lost during the broadcast: {reason}",
                                        culprit=m.worker_id, phase="broadcast"))
 
-    def _check_leases(self) -> None:
-        if not self.heartbeats or self._phase not in (Phase.JOINING, Phase.BROADCASTING):
-            return
-        self._rejoins.check()
-        now = time.monotonic()
-        for m in list(self._members.values()):
-            silent = now - m.last_seen
-            if silent > self.timeouts.lease and not m.told and m.phase != "lost":
-                ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation)
-                self.lost(ref, f"no heartbeat for {silent:.1f} s (lease {self.timeouts.lease:g} s)")
-
     def status(self) -> pb.StatusReply:
         """Who has joined, each worker's phase and progress, and whom the chief waits for."""
         return reports.status_reply(self)
 
-    # --- supervision (the chief process's main loop) ---------------------------------------
-
-    def _waiting_for(self) -> str:
-        if self._phase is Phase.JOINING:
-            missing = self.num_workers - len(self._members)
-            taken = {m.rank for m in self._members.values()}
-            ranks = [str(r) for r in range(self.num_workers) if r not in taken]
-            if not missing:
-                return "the model's files to be read and hashed"
-            return f"{missing} more worker(s) to join (free ranks {','.join(ranks)})"
-        total = self.arena.nbytes / 2**20
-        late = [
-            m.name() + (f" [receiving {m.received() / 2**20:.1f}/{total:.1f} MiB]" if m.phase == "receiving" else f" [{m.phase}]")
-            for m in sorted(self._members.values(), key=lambda m: m.rank)
-            if m.phase not in ("ready", "started")
-        ]
-        if self._local is not None and self._local.phase != "ready":
-            late.append(self._local.name())
-        return ", ".join(late) or "nobody"
-
-    def _joined_summary(self) -> str:
-        names = ", ".join(f"{m.worker_id} rank {m.rank}" for m in sorted(self._members.values(), key=lambda m: m.rank))
-        return f"{len(self._members)}/{self.num_workers} workers joined ({names or 'none'})"
-
-    def _poll(self) -> float:
-        return min(self.timeouts.straggler_log, self.timeouts.heartbeat / 2, self.timeouts.lease / 4)
-
-    def _log_stragglers(self, fmt: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last_straggler_log >= self.timeouts.straggler_log:
-            self._last_straggler_log = now
-            log.info(fmt, *args)
+    # --- supervision (chief/supervise.py) -----------------------------------------------------
 
     def supervise(self) -> None:
-        """Block until the round has an outcome, enforcing the join and ready deadlines.
-
-        Returns when start was released; raises the round's error otherwise. Logs whom it is
-        waiting for every ``timeouts.straggler_log`` seconds.
-        """
-        logs.phase("join")
-        t = self.timeouts
-        with self._cond:
-            deadline = self._started_at + t.join
-            while self._phase is Phase.JOINING:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    taken = {m.rank for m in self._members.values()}
-                    missing = self.num_workers - len(self._members)
-                    ranks = ",".join(str(r) for r in range(self.num_workers) if r not in taken)
-                    why = (f"missing: {missing} worker(s) for rank(s) {ranks}" if missing
-                           else "the model's files were still being read and hashed")
-                    err = JoinTimeoutError(
-                        f"{self._joined_summary()}; {why} after the {t.join:g} s join timeout", phase="join"
-                    )
-                    self.fail(err)  # the lock is reentrant
-                    break
-                self._check_leases()
-                if not self._wait(lambda: self._phase is not Phase.JOINING, min(left, self._poll())):
-                    self._log_stragglers("waiting for %s; %s", self._waiting_for(), self._joined_summary())
-            deadline = time.monotonic() + t.ready
-            while self._phase is Phase.BROADCASTING:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    late = [m.worker_id for m in self._members.values() if m.phase not in ("ready", "started")]
-                    err = DeadlineError(f"not every worker was ready within {t.ready:g} s; not ready: {self._waiting_for()}",
-                                        culprit=late[0] if len(late) == 1 else None, phase="broadcast")
-                    self.fail(err)  # the lock is reentrant
-                    break
-                self._check_leases()
-                if not self._wait(lambda: self._phase is not Phase.BROADCASTING, min(left, self._poll())):
-                    self._log_stragglers("broadcasting; waiting for %s", self._waiting_for())
-            # Keep serving a little so every worker hears the outcome from us, not from a dead port.
-            self._wait(self._everyone_heard, t.linger)
-            self._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
-            if self._phase is Phase.FAILED:
-                raise self._error or AbortedError("the round failed")
-
-    def _everyone_heard(self) -> bool:
-        """Every member was told the outcome; after an SPMD failure, every rank was (members or not)."""
-        if not all(m.told for m in self._members.values()):
-            return False
-        if self.spmd and self._phase is Phase.FAILED:
-            return len(self._told_outside | set(self._members)) >= self.num_workers
-        return True
+        """Block until the round has an outcome, enforcing the join and ready deadlines
+        (``Supervisor.run``). Returns when start was released; raises the round's error otherwise."""
+        self._supervisor.run()
 
     def broadcast_seconds(self) -> float:
         if self._first_byte_at is None or self._ready_at is None:

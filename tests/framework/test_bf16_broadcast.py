@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from collective.chief.service import materialize
+from collective.chief.arena import materialize
 from collective.digest import chunk_digests, combined_digest, worker_digest
 from collective.plan import DEFAULT_CHUNK_BYTES
 from collective.sources import load_source

@@ -19,7 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 from collective import dtypes
 from collective._proto import collective_pb2 as pb
-from collective.chief.service import materialize
+from collective.chief.arena import materialize
 from collective.digest import array_digest, chunk_digests
 from collective.errors import IntegrityError, ProtocolError
 from collective.plan import Chunker, Receiver, build_plan, validate_plan

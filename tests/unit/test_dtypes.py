@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from collective import dtypes
 from collective._proto import collective_pb2 as pb
-from collective.chief.service import materialize
+from collective.chief.arena import materialize
 from collective.digest import array_digest, bytes_digest
 from collective.errors import ModelError, ProtocolError
 from collective.plan import build_plan, declaration_differences, declared, validate_plan

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from collective._proto import collective_pb2 as pb
-from collective.chief.members import FileArena
+from collective.chief.arena import FileArena
 from collective.chief.service import ChiefService, Phase
 from collective.digest import bytes_digest, chunk_digests
 from collective.errors import AbortedError, ModelError
@@ -40,7 +40,7 @@ def test_a_sharded_checkpoint_is_served_from_its_files(tmp_path, shards, chunk_b
     service, results, sup = run_round(load_source(path), [["cpu:0"], ["cpu:0", "cpu:1"]], chunk_bytes=chunk_bytes)
     assert sup is None, sup
     assert service.phase is Phase.STARTED
-    assert service._file is not None and not service.arena.flags.writeable  # the mapping, not a copy
+    assert service._arena.file is not None and not service.arena.flags.writeable  # the mapping, not a copy
     plan = service._plan
     assert plan.chunk_digests == chunk_digests(service.arena, plan.chunk_bytes)
     for v in plan.variables:
@@ -58,7 +58,7 @@ def test_the_copy_path_gives_the_same_values(tmp_path):
     path, _ = write_sharded(tmp_path, arrays, 2)
     service, results, sup = run_round(load_source(path), [["cpu:0"]], from_file=False)
     assert sup is None, sup
-    assert service._file is None and service.arena.flags.writeable
+    assert service._arena.file is None and service.arena.flags.writeable
     for name, value in arrays.items():
         assert results[0].variables.get(name).replicas[0].tobytes() == value.tobytes()
 
@@ -72,7 +72,7 @@ def test_the_file_order_and_offsets_are_the_plans(tmp_path):
     assert [s.name for s, _, _ in tensors] == [s.name for s in service.specs]
     (start,) = MappedFiles(files).starts
     assert start == files[0].data_start  # one file: the arena is the file from its first page
-    assert [start + offset - files[0].data_start for _, _, offset in tensors] == service._file.offsets
+    assert [start + offset - files[0].data_start for _, _, offset in tensors] == service._arena.file.offsets
 
 
 def write_by_hand(path, tensors: list[tuple[str, str, list[int], bytes]]) -> None:
@@ -91,7 +91,7 @@ def test_a_tensor_not_aligned_in_its_file_is_copied_into_memory(tmp_path, caplog
     caplog.set_level("INFO")
     service, results, sup = run_round(load_source(path), [["cpu:0"]])
     assert sup is None, sup
-    assert service._file is None
+    assert service._arena.file is None
     assert "is at byte" in caplog.text and "copied into memory" in caplog.text
     assert results[0].variables.get("w").replicas[0].tolist() == [0.0, 1.0]
 
@@ -146,7 +146,7 @@ def test_a_file_cut_short_is_named_not_read(tmp_path):
     shard = tmp_path / "model-00001-of-00001.safetensors"
     os.truncate(shard, shard.stat().st_size - 8)
     with pytest.raises(ModelError, match=r"model-00001-of-00001\.safetensors: changed while being served \(cut from"):
-        service._file.files.check()
+        service._arena.file.files.check()
 
 
 @pytest.mark.parametrize("count", [1, 3])
@@ -177,7 +177,7 @@ def test_a_round_from_files_through_shared_memory(tmp_path):
     path, _ = write_sharded(tmp_path, arrays, 3)
     service, results, sup = run_round(load_source(path), [["cpu:0"], ["cpu:0", "cpu:1"]], shm=True)
     assert sup is None, sup
-    assert service._shm is not None and service._shared is None  # the files are offered, no memfd
+    assert service._arena.server is not None and service._arena.shared is None  # the files are offered, no memfd
     for r in results:
         assert not isinstance(r, BaseException), r
         for name, value in arrays.items():
@@ -192,7 +192,7 @@ def test_workers_join_while_the_files_are_read_and_the_plan_waits_for_their_dige
     service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
     service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test")
     assert service.phase is Phase.JOINING and service._plan is None
-    assert service._waiting_for() == "the model's files to be read and hashed"
+    assert service._supervisor.waiting_for() == "the model's files to be read and hashed"
     release.set()
     plan = service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0"), 30)
     assert service.phase is Phase.BROADCASTING
@@ -231,7 +231,7 @@ def test_max_model_bytes_holds_and_the_files_need_no_memory_of_the_chief(tmp_pat
     monkeypatch.setattr("collective.model.available_memory", lambda: 100)
     with pytest.raises(ModelError, match="memory available"):
         ChiefService(load_source(path), 1, timeouts=FAST, from_file=False)
-    assert ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)._file is not None
+    assert ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)._arena.file is not None
 
 
 def test_a_file_changed_once_hashed_before_the_plan_fails_the_round_naming_it(tmp_path, monkeypatch):

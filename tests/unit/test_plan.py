@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collective._proto import collective_pb2 as pb
-from collective.chief.service import materialize
+from collective.chief.arena import materialize
 from collective.digest import array_digest, chunk_digests, combined_digest
 from collective.errors import IntegrityError, ProtocolError
 from collective.keys import GROUP_KEY_START, INSTANCE_KEY_START

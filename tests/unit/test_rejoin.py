@@ -238,7 +238,7 @@ def test_a_lost_incarnation_that_comes_back_is_refused_not_resurrected():
         service.heartbeat(pb.HeartbeatRequest(worker_id="w0", incarnation=refs[0].incarnation))
     with pytest.raises(AbortedError, match="was declared lost"):
         service.await_prepared(refs[0], 1.0)
-    assert "w0 (rank 0" in service._waiting_for() and "[lost]" in service._waiting_for()
+    assert "w0 (rank 0" in service._supervisor.waiting_for() and "[lost]" in service._supervisor.waiting_for()
 
 
 @pytest.mark.parametrize(("parents", "lost", "rank", "want"), [

@@ -1106,7 +1106,7 @@ def test_fuzz_any_integer_shape_loads_valid_or_fails_with_one_model_error(tmp_pa
 
 
 def test_a_100_byte_spec_of_a_huge_tensor_is_refused_before_allocating(tmp_path):
-    from collective.chief.service import materialize
+    from collective.chief.arena import materialize
 
     path = spec_file(tmp_path, [var("w", [1000000, 1000000])], name="bomb.json")
     source = load_source(str(path))  # the spec itself is valid: only its size is not

@@ -1,0 +1,127 @@
+"""The chief process's main loop: the join and ready deadlines, the heartbeat leases, the log of
+whom the round waits for, and the linger that lets every worker hear the outcome from the chief.
+
+``Supervisor`` runs under its ``ChiefService``'s lock and changes the round only through it
+(``fail``, ``lost``, the rejoin window), as ``chief/rejoin.py`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from collective import logs
+from collective._proto import collective_pb2 as pb
+from collective.chief.members import Phase
+from collective.errors import AbortedError, DeadlineError, JoinTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """The deadlines and leases of one ``ChiefService`` round, and whom it waits for."""
+
+    def __init__(self, svc) -> None:
+        self._svc = svc
+        self._last_log = svc._started_at
+
+    def waiting_for(self) -> str:
+        """Whom the round waits for: free ranks while joining, then each member not yet ready."""
+        svc = self._svc
+        if svc._phase is Phase.JOINING:
+            missing = svc.num_workers - len(svc._members)
+            taken = {m.rank for m in svc._members.values()}
+            ranks = [str(r) for r in range(svc.num_workers) if r not in taken]
+            if not missing:
+                return "the model's files to be read and hashed"
+            return f"{missing} more worker(s) to join (free ranks {','.join(ranks)})"
+        total = svc.arena.nbytes / 2**20
+        late = [
+            m.name() + (f" [receiving {m.received() / 2**20:.1f}/{total:.1f} MiB]" if m.phase == "receiving" else f" [{m.phase}]")
+            for m in sorted(svc._members.values(), key=lambda m: m.rank)
+            if m.phase not in ("ready", "started")
+        ]
+        if svc._local is not None and svc._local.phase != "ready":
+            late.append(svc._local.name())
+        return ", ".join(late) or "nobody"
+
+    def joined_summary(self) -> str:
+        svc = self._svc
+        names = ", ".join(f"{m.worker_id} rank {m.rank}" for m in sorted(svc._members.values(), key=lambda m: m.rank))
+        return f"{len(svc._members)}/{svc.num_workers} workers joined ({names or 'none'})"
+
+    def check_leases(self) -> None:
+        svc = self._svc
+        if not svc.heartbeats or svc._phase not in (Phase.JOINING, Phase.BROADCASTING):
+            return
+        svc._rejoins.check()
+        now = time.monotonic()
+        for m in list(svc._members.values()):
+            silent = now - m.last_seen
+            if silent > svc.timeouts.lease and not m.told and m.phase != "lost":
+                ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation)
+                svc.lost(ref, f"no heartbeat for {silent:.1f} s (lease {svc.timeouts.lease:g} s)")
+
+    def _poll(self) -> float:
+        t = self._svc.timeouts
+        return min(t.straggler_log, t.heartbeat / 2, t.lease / 4)
+
+    def _log_stragglers(self, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= self._svc.timeouts.straggler_log:
+            self._last_log = now
+            log.info(fmt, *args)
+
+    def run(self) -> None:
+        """Block until the round has an outcome, enforcing the join and ready deadlines.
+
+        Returns when start was released; raises the round's error otherwise. Logs whom it is
+        waiting for every ``timeouts.straggler_log`` seconds.
+        """
+        logs.phase("join")
+        svc = self._svc
+        t = svc.timeouts
+        with svc._cond:
+            deadline = svc._started_at + t.join
+            while svc._phase is Phase.JOINING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    taken = {m.rank for m in svc._members.values()}
+                    missing = svc.num_workers - len(svc._members)
+                    ranks = ",".join(str(r) for r in range(svc.num_workers) if r not in taken)
+                    why = (f"missing: {missing} worker(s) for rank(s) {ranks}" if missing
+                           else "the model's files were still being read and hashed")
+                    err = JoinTimeoutError(
+                        f"{self.joined_summary()}; {why} after the {t.join:g} s join timeout", phase="join"
+                    )
+                    svc.fail(err)  # the lock is reentrant
+                    break
+                self.check_leases()
+                if not svc._wait(lambda: svc._phase is not Phase.JOINING, min(left, self._poll())):
+                    self._log_stragglers("waiting for %s; %s", self.waiting_for(), self.joined_summary())
+            deadline = time.monotonic() + t.ready
+            while svc._phase is Phase.BROADCASTING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = [m.worker_id for m in svc._members.values() if m.phase not in ("ready", "started")]
+                    err = DeadlineError(f"not every worker was ready within {t.ready:g} s; not ready: {self.waiting_for()}",
+                                        culprit=late[0] if len(late) == 1 else None, phase="broadcast")
+                    svc.fail(err)  # the lock is reentrant
+                    break
+                self.check_leases()
+                if not svc._wait(lambda: svc._phase is not Phase.BROADCASTING, min(left, self._poll())):
+                    self._log_stragglers("broadcasting; waiting for %s", self.waiting_for())
+            # Keep serving a little so every worker hears the outcome from us, not from a dead port.
+            svc._wait(self._everyone_heard, t.linger)
+            svc._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
+            if svc._phase is Phase.FAILED:
+                raise svc._error or AbortedError("the round failed")
+
+    def _everyone_heard(self) -> bool:
+        """Every member was told the outcome; after an SPMD failure, every rank was (members or not)."""
+        svc = self._svc
+        if not all(m.told for m in svc._members.values()):
+            return False
+        if svc.spmd and svc._phase is Phase.FAILED:
+            return len(svc._told_outside | set(svc._members)) >= svc.num_workers
+        return True
