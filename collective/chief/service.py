@@ -136,7 +136,8 @@ class ChiefService:
             self.materialize_seconds,
         )
         if self._arena.file is not None:
-            threading.Thread(target=self._hash_files, name="hash-files", daemon=True).start()
+            self._hasher = threading.Thread(target=self._hash_files, name="hash-files", daemon=True)
+            self._hasher.start()
 
     # --- the arena (chief/arena.py): the model's bytes, whole or each training rank's shard --
 

@@ -231,7 +231,10 @@ def test_max_model_bytes_holds_and_the_files_need_no_memory_of_the_chief(tmp_pat
     monkeypatch.setattr("collective.model.available_memory", lambda: 100)
     with pytest.raises(ModelError, match="memory available"):
         ChiefService(load_source(path), 1, timeouts=FAST, from_file=False)
-    assert ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)._arena.file is not None
+    service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
+    assert service._arena.file is not None
+    service._hasher.join(30)  # its log line lands inside this test, not after it
+    service.close()
 
 
 def test_a_file_changed_once_hashed_before_the_plan_fails_the_round_naming_it(tmp_path, monkeypatch):
