@@ -227,6 +227,7 @@ def serve(
     spmd: bool = False,
     on_listening: Callable[[str, int], None] | None = None,
     shards=None,
+    from_file: bool | None = None,
 ) -> SyncResult:
     """Be the chief of one round in this process, as ``python -m collective.chief`` is. Blocks until start
     is released (every worker, and this process's own replicas if it trains, verified).
@@ -244,6 +245,9 @@ def serve(
     ``shards``: each training rank receives a part of the model, not a replica: ``"dim0"``
     (torch's ``Shard(0)`` of every variable) or a mapping name -> ``"dim0"`` / ``"all"`` / rank(s)
     (``collective.shards``); the training ranks are the workers, after this process if it trains.
+    ``from_file``: serve a ``.safetensors`` model (a file, a sharded checkpoint's index or its
+    directory, given as ``values``) straight from its files, mapped read-only, without a copy in
+    memory (default ``COLLECTIVE_FROM_FILE``; see README "Models").
 
     Returns a ``SyncResult`` (rank 0; ``summary`` is the round's summary; ``devices`` is empty
     when the chief does not train). Raises the round's ``CollectiveError`` (``JoinTimeoutError``,
@@ -257,6 +261,7 @@ def serve(
     args = _cli_settings("chief", env, {
         "workers": workers, "bind": bind, "token": token, "tls": tls, "timeouts": timeouts, "shm": shm,
         "topology": topology, "chunk-bytes": chunk_bytes, "model": values, "shards": shards,
+        "from-file": from_file,
     })
     workers = workers if workers is not None else args.workers
     if workers is None:
@@ -280,6 +285,7 @@ def serve(
         spmd=spmd,
         on_listening=on_listening,
         shards=shards if shards is not None else args.shards,
+        from_file=args.from_file if from_file is None else from_file,
     )
     store, digest = held if held else (VariableStore(), "")
     store.start()

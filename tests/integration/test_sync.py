@@ -208,6 +208,43 @@ def test_serve_and_join_in_one_process_off_the_main_thread(monkeypatch):
     assert w1.variables.get("w").replicas[0].tobytes() == arrays["w"].tobytes()
 
 
+@pytest.mark.parametrize("how", ["argument", "variable"])
+def test_serve_takes_from_file_as_an_argument_or_from_its_variable(tmp_path, monkeypatch, how):
+    """serve(path, from_file=True) (or COLLECTIVE_FROM_FILE=1) serves a sharded checkpoint from
+    its files, as the command's --from-file does; the workers get the files' exact values."""
+    import collective
+    from tests.clusters import run_threads
+    from tests.unit.test_sharded import values, write_sharded
+
+    arrays = values()
+    index, _ = write_sharded(tmp_path, arrays, 2)
+    if how == "variable":
+        monkeypatch.setenv("COLLECTIVE_FROM_FILE", "1")
+    t = collective.Timeouts(join=20, ready=20, start=20, linger=1, heartbeat=1, lease=10)
+    listening: list = []
+    port_known = __import__("threading").Event()
+
+    def on_listening(address, port):
+        listening.append(port)
+        port_known.set()
+
+    def worker():
+        assert port_known.wait(20)
+        return collective.join(f"127.0.0.1:{listening[0]}", worker_id="w", devices="cpu:0", timeouts=t,
+                               relay_host=None)
+
+    chief, w = run_threads([
+        lambda: collective.serve(str(index), workers=1, bind="127.0.0.1:0", timeouts=t, shm=False,
+                                 on_listening=on_listening, from_file=True if how == "argument" else None),
+        worker,
+    ], timeout=60)
+    for r in (chief, w):
+        assert not isinstance(r, BaseException), r
+    assert chief.summary["ok"] and chief.summary["chief"]["from_file"] is True, chief.summary
+    for name, value in arrays.items():
+        assert w.variables.get(name).replicas[0].tobytes() == value.tobytes()
+
+
 SERVE_ON_MAIN = """
 import sys, collective
 try:
