@@ -172,19 +172,18 @@ def test_collective_mpi_with_chief_trains_verifies_rank_0s_own_replicas(tmp_path
     assert plain["ok"] and "chief_replicas" not in plain  # off by default for the command
 
 
-def test_serve_and_join_in_one_process_off_the_main_thread(monkeypatch):
-    """serve() off the main thread installs no signal handlers (Python forbids it there) and is
-    sized from COLLECTIVE_WORKERS like the command; join() takes the chief it reports."""
-    import numpy as np
+def serve_and_join(values, worker_ids: list[str], **serve_kwargs) -> list:
+    """``collective.serve(values, **serve_kwargs)`` on loopback (port 0) and one
+    ``collective.join`` per id in ``worker_ids``, each on a thread of this process: [chief, *workers]
+    results (or the exception each raised)."""
+    import threading
 
     import collective
     from tests.clusters import run_threads
 
-    monkeypatch.setenv("COLLECTIVE_WORKERS", "2")
-    arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, np.int8)}
     t = collective.Timeouts(join=20, ready=20, start=20, linger=1, heartbeat=1, lease=10)
     listening: list = []
-    port_known = __import__("threading").Event()
+    port_known = threading.Event()
 
     def on_listening(address, port):
         listening.append(port)
@@ -195,13 +194,24 @@ def test_serve_and_join_in_one_process_off_the_main_thread(monkeypatch):
         return collective.join(f"127.0.0.1:{listening[0]}", worker_id=name, devices="cpu:0", timeouts=t,
                                relay_host=None)
 
-    chief, w1, w2 = run_threads([
-        lambda: collective.serve(arrays, bind="127.0.0.1:0", devices="cpu:0,cpu:1", timeouts=t, shm=False,
-                                 on_listening=on_listening),
-        lambda: worker("a"), lambda: worker("b"),
+    results = run_threads([
+        lambda: collective.serve(values, bind="127.0.0.1:0", timeouts=t, shm=False, on_listening=on_listening,
+                                 **serve_kwargs),
+        *[lambda name=name: worker(name) for name in worker_ids],
     ], timeout=60)
-    for r in (chief, w1, w2):
+    for r in results:
         assert not isinstance(r, BaseException), r
+    return results
+
+
+def test_serve_and_join_in_one_process_off_the_main_thread(monkeypatch):
+    """serve() off the main thread installs no signal handlers (Python forbids it there) and is
+    sized from COLLECTIVE_WORKERS like the command; join() takes the chief it reports."""
+    import numpy as np
+
+    monkeypatch.setenv("COLLECTIVE_WORKERS", "2")
+    arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, np.int8)}
+    chief, w1, w2 = serve_and_join(arrays, ["a", "b"], devices="cpu:0,cpu:1")
     assert chief.summary["ok"] and len(chief.summary["workers"]) == 2 and chief.world_size == 3
     for i in range(2):
         assert {k: v.tobytes() for k, v in chief.arrays(i).items()} == {k: v.tobytes() for k, v in arrays.items()}
@@ -212,34 +222,13 @@ def test_serve_and_join_in_one_process_off_the_main_thread(monkeypatch):
 def test_serve_takes_from_file_as_an_argument_or_from_its_variable(tmp_path, monkeypatch, how):
     """serve(path, from_file=True) (or COLLECTIVE_FROM_FILE=1) serves a sharded checkpoint from
     its files, as the command's --from-file does; the workers get the files' exact values."""
-    import collective
-    from tests.clusters import run_threads
     from tests.unit.test_sharded import values, write_sharded
 
     arrays = values()
     index, _ = write_sharded(tmp_path, arrays, 2)
     if how == "variable":
         monkeypatch.setenv("COLLECTIVE_FROM_FILE", "1")
-    t = collective.Timeouts(join=20, ready=20, start=20, linger=1, heartbeat=1, lease=10)
-    listening: list = []
-    port_known = __import__("threading").Event()
-
-    def on_listening(address, port):
-        listening.append(port)
-        port_known.set()
-
-    def worker():
-        assert port_known.wait(20)
-        return collective.join(f"127.0.0.1:{listening[0]}", worker_id="w", devices="cpu:0", timeouts=t,
-                               relay_host=None)
-
-    chief, w = run_threads([
-        lambda: collective.serve(str(index), workers=1, bind="127.0.0.1:0", timeouts=t, shm=False,
-                                 on_listening=on_listening, from_file=True if how == "argument" else None),
-        worker,
-    ], timeout=60)
-    for r in (chief, w):
-        assert not isinstance(r, BaseException), r
+    chief, w = serve_and_join(str(index), ["w"], workers=1, from_file=True if how == "argument" else None)
     assert chief.summary["ok"] and chief.summary["chief"]["from_file"] is True, chief.summary
     for name, value in arrays.items():
         assert w.variables.get(name).replicas[0].tobytes() == value.tobytes()
