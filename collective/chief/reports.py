@@ -55,9 +55,9 @@ def summary(svc) -> dict:
             "bytes": int(svc.arena.nbytes),
             "model": svc.source.description,
             "error": str(svc._error) if svc._error else None,
-        # Who the chief blames and in which phase, when it blames one party (errors.CollectiveError).
-        "culprit": svc._error.culprit if svc._error else None,
-        "error_phase": svc._error.phase if svc._error else None,
+            # Who the chief blames and in which phase, when it blames one party (errors.CollectiveError).
+            "culprit": svc._error.culprit if svc._error else None,
+            "error_phase": svc._error.phase if svc._error else None,
             "workers": [
                 {
                     "rank": m.rank,
