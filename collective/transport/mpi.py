@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -90,6 +91,7 @@ def unpack(data: bytes) -> list[bytes]:
 
 
 POLL_SECONDS = 0.0005
+ABORT_GRACE = 0.5  # seconds between a rank's last line and its MPI_Abort (see abort)
 
 
 def settle(comm: MPI.Comm, timeout: float | None = None, what: str = "this step", phase: str | None = None) -> None:
@@ -199,6 +201,11 @@ def abort(comm: MPI.Comm, code: int) -> None:
     log.error("rank %d: aborting the job (MPI_Abort, exit code %d)", comm.rank, code)
     for h in logging.getLogger().handlers:
         h.flush()
+    sys.stderr.flush()
+    # mpiexec forwards a rank's output from a pipe and drops what is still in it once the abort
+    # tears the job down: a moment first, so the line that names the cause reaches the user
+    # (once, under load, a refused sync ended with exit 2 and no output at all).
+    time.sleep(ABORT_GRACE)
     try:
         comm.Abort(code)
     finally:
