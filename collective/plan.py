@@ -71,7 +71,12 @@ def build_plan(
     ``arena`` holds the variables at the layout's offsets, or at ``offsets`` (in order, not
     overlapping: a model file's own, when the arena is the file): the plan lists its chunk
     digests, or ``chunks`` when they were computed already (``digest.one_pass``).
+    ``digests`` None: the bytes are not read yet, and the plan goes out without its digests
+    (``Plan.digests_follow``; ``complete_plan`` fills them in later).
     """
+    follow = digests is None
+    if follow:  # an empty variable's digest is known without reading anything
+        digests = ["" if s.nbytes else _EMPTY_DIGEST for s in specs]
     if offsets is None:
         offsets, total = layout(specs)
     else:
@@ -96,7 +101,7 @@ def build_plan(
         )
         for s, off, d in zip(specs, offsets, digests, strict=True)
     ]
-    return pb.Plan(
+    plan = pb.Plan(
         chief_incarnation=chief_incarnation,
         num_workers=len(workers),
         workers=list(workers),
@@ -104,10 +109,48 @@ def build_plan(
         variables=variables,
         total_bytes=total,
         chunk_bytes=chunk_bytes,
-        manifest_digest=manifest_digest(variables),
         model=model,
-        chunk_digests=chunks if chunks is not None else chunk_digests(arena.reshape(-1).view(np.uint8)[:total], chunk_bytes),
     )
+    if follow:
+        plan.digests_follow = True
+        return plan
+    return complete_plan(plan, digests, chunks if chunks is not None else
+                         chunk_digests(arena.reshape(-1).view(np.uint8)[:total], chunk_bytes))
+
+
+def complete_plan(plan: pb.Plan, digests: Sequence[str], chunks: Sequence[str]) -> pb.Plan:
+    """``plan`` with its digests: each variable's (in order), each chunk's, the manifest's; a
+    provisional plan (``digests_follow``) becomes the complete one. Returns a new Plan."""
+    out = pb.Plan()
+    out.CopyFrom(plan)
+    out.digests_follow = False
+    for v, d in zip(out.variables, digests, strict=True):
+        v.digest = d
+    out.manifest_digest = manifest_digest(out.variables)
+    del out.chunk_digests[:]
+    out.chunk_digests.extend(chunks)
+    return out
+
+
+def check_completes(provisional: pb.Plan, complete: pb.Plan) -> None:
+    """Raise ProtocolError unless ``complete`` lays out the bytes as ``provisional`` did, with
+    the digests filled in: what a worker received under the provisional plan is checked against
+    the complete one. (Who receives from whom may differ: a rejoin revises it.)"""
+    def layout_of(plan: pb.Plan) -> tuple:
+        variables = []
+        for v in plan.variables:
+            bare = pb.VariableInfo()
+            bare.CopyFrom(v)
+            bare.digest = ""
+            variables.append(bare.SerializeToString(deterministic=True))
+        return (plan.chief_incarnation, plan.total_bytes, plan.chunk_bytes, plan.model, variables,
+                [g.SerializeToString(deterministic=True) for g in plan.groups])
+
+    if complete.digests_follow or layout_of(complete) != layout_of(provisional):
+        raise ProtocolError("the complete plan (with digests) does not lay out the bytes as the provisional plan "
+                            "this worker received under did: the chief changed the round meanwhile")
+    if len(complete.chunk_digests) != -(-complete.total_bytes // complete.chunk_bytes):
+        raise ProtocolError(f"the complete plan lists {len(complete.chunk_digests)} chunk digests")
 
 
 PIECE_BYTES = 4 << 20
@@ -232,10 +275,13 @@ def validate_plan(plan: pb.Plan) -> None:
     if not _variables_valid(plan):
         _explain_invalid_variables(plan)  # raises, naming the first bad variable
         raise ProtocolError("plan variables are inconsistent")
-    if manifest_digest(plan.variables) != plan.manifest_digest:
-        raise ProtocolError("plan manifest digest does not match its variables")
     chunks = -(-plan.total_bytes // plan.chunk_bytes)
-    if len(plan.chunk_digests) != chunks:
+    if plan.digests_follow:
+        if plan.manifest_digest or plan.chunk_digests or any(v.digest for v in plan.variables if v.nbytes):
+            raise ProtocolError("plan says its digests follow, yet carries some")
+    elif manifest_digest(plan.variables) != plan.manifest_digest:
+        raise ProtocolError("plan manifest digest does not match its variables")
+    elif len(plan.chunk_digests) != chunks:
         raise ProtocolError(f"plan lists {len(plan.chunk_digests)} chunk digests for its {chunks} chunks")
     _validate_parents(plan)
     if plan.HasField("shard"):
@@ -403,7 +449,8 @@ def _frames(plan: pb.Plan) -> list[_ChunkFrame]:
         while j < len(variables) and variables[j].offset < end:
             j += 1
         ik = tuple(v.instance_key for v in variables[lo:j])
-        frames.append(_ChunkFrame(start, end, group_key, ik, plan.chunk_digests[i]))
+        # A provisional plan (digests_follow) has none yet: the sender's trailer is the chunk's digest.
+        frames.append(_ChunkFrame(start, end, group_key, ik, plan.chunk_digests[i] if plan.chunk_digests else ""))
     frames.append(_ChunkFrame(total, total, group_key, (), ""))
     return frames
 
@@ -411,10 +458,15 @@ def _frames(plan: pb.Plan) -> list[_ChunkFrame]:
 class Chunker:
     """Cuts the chief's arena into the messages of one stream. Built once, used per receiver."""
 
-    def __init__(self, plan: pb.Plan, arena: np.ndarray) -> None:
+    def __init__(self, plan: pb.Plan, arena: np.ndarray, known: Sequence[str] | None = None) -> None:
+        """``known``: the chunk digests verified so far (a relay's Receiver's, growing as the
+        stream lands), the trailers of a provisional plan (``digests_follow``); without them
+        each chunk is hashed as it is first sent, once for every stream of this Chunker."""
         self._plan = plan
         self._arena = memoryview(arena.reshape(-1).view(np.uint8))
         self._frames = _frames(plan)
+        self._known = known
+        self._hashed: dict[int, str] = {}
 
     def __len__(self) -> int:
         return len(self._frames)
@@ -423,15 +475,31 @@ class Chunker:
         """Yield the stream's messages; the last one carries the stream end."""
         return with_bytes(self.frames())
 
-    def frames(self, start: int = 0) -> Iterator[tuple[pb.Chunk, memoryview]]:
+    def frames(self, start: int = 0, landed=None) -> Iterator[tuple[pb.Chunk, memoryview]]:
         """Each message without its bytes, and a view of those bytes in the arena; from the
         message at offset ``start`` (a receiver resuming: ``WorkerRef.resume_from``) on.
+        ``landed(end)``: returns once the arena holds every byte below ``end`` (a relay's, as
+        its own stream arrives), called before each message is made.
 
         For transports that send the bytes themselves without a copy (MPI's Bcast).
         """
         for msg, first, end in frame_messages(self._plan):
             if first >= start:
-                yield msg, self._arena[first:end]
+                if landed is not None:
+                    landed(end)
+                data = self._arena[first:end]
+                if not msg.digest and end > first:  # a provisional plan: the trailer is the chunk's own digest
+                    msg.digest = self._trailer(first, data)
+                yield msg, data
+
+    def _trailer(self, start: int, data: memoryview) -> str:
+        i = start // self._plan.chunk_bytes
+        if self._known is not None and i < len(self._known):
+            return self._known[i]
+        digest = self._hashed.get(i)
+        if digest is None:
+            digest = self._hashed[i] = bytes_digest(data)
+        return digest
 
 
 def with_bytes(frames: Iterable[tuple[pb.Chunk, memoryview]]) -> Iterator[pb.Chunk]:
@@ -618,18 +686,40 @@ class Receiver:
             self._check_end(chunk.end)
 
     def _check_chunk(self, chunk: pb.Chunk, frame: _ChunkFrame) -> None:
-        """The chunk's trailer: its bytes' digest against the plan's (and the sender's claim)."""
+        """The chunk's trailer: its bytes' digest against the plan's (and the sender's claim).
+
+        A provisional plan (``digests_follow``) has no chunk digests yet: the bytes are checked
+        against the trailer, and against the chief's digests once they come (``complete``)."""
         got = bytes_digest(memoryview(self._arena[frame.start : frame.end]))
-        if got != frame.digest:
+        if not frame.digest:
+            if not chunk.digest:
+                raise ProtocolError(f"chunk at offset {chunk.offset} has no digest trailer; the plan's digests "
+                                    f"follow the stream, so every chunk must carry its own")
+            if got != chunk.digest:
+                names = ", ".join(repr(v.name) for v in overlapping(self._plan, frame.start, frame.end)[:3]) or "padding"
+                raise IntegrityError(f"chunk at offset {chunk.offset} (bytes of {names}): digest of received bytes "
+                                     f"{got} differs from its trailer {chunk.digest}")
+        elif got != frame.digest:
             raise IntegrityError(
                 culprit(self._plan, self._arena, frame.start, frame.end, upto=frame.end, digests=(got, frame.digest))
             )
-        if chunk.digest != frame.digest:
+        elif chunk.digest != frame.digest:
             raise IntegrityError(
                 f"chunk at offset {chunk.offset}: its trailer says digest {chunk.digest or '(none)'}, "
                 f"the plan and the received bytes say {frame.digest}"
             )
         self.digests.append(got)
+
+    def complete(self, plan: pb.Plan) -> None:
+        """The complete plan of a provisional one (``check_completes``): every chunk received
+        so far against the chief's digests. Raises IntegrityError naming the variable."""
+        differs = differing_chunk(plan, self.digests, plan.chunk_digests[: len(self.digests)])
+        if differs is not None:
+            k = differs[0] // plan.chunk_bytes
+            raise IntegrityError(culprit(plan, self._arena, *differs, upto=self._pos,
+                                         digests=(self.digests[k], plan.chunk_digests[k])))
+        self._plan = self.plan = plan
+        self._frames = {f.start: f for f in _frames(plan)}
 
     def _check_end(self, end: pb.StreamEnd) -> None:
         if end.total_bytes != self._plan.total_bytes or self._pos != self._plan.total_bytes:
@@ -637,7 +727,8 @@ class Receiver:
                 f"stream end claims {end.total_bytes} bytes after {self._pos} received; "
                 f"the plan has {self._plan.total_bytes}"
             )
-        if end.manifest_digest != self._plan.manifest_digest:
+        # An empty one: the sender's plan or this one is provisional (``digests_follow``).
+        if end.manifest_digest and self._plan.manifest_digest and end.manifest_digest != self._plan.manifest_digest:
             raise IntegrityError("stream end carries a manifest digest that differs from the plan's")
         self._ended = True
 

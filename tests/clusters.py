@@ -201,9 +201,11 @@ class Cluster:
         self.address = ""
 
     def chief(self, *args: str, env: dict[str, str] | None = None, wait_port: bool = True,
-              wrapper: list[str] | None = None) -> Proc:
+              wrapper: list[str] | None = None, code: str | None = None) -> Proc:
+        """``code``: Python run with ``-c`` instead of ``-m collective.chief`` (a chief with a
+        part replaced; it ends by calling ``collective.chief.__main__.main(sys.argv[1:])``)."""
         port_file = self.tmp / "chief.port"
-        p = Proc(["-m", "collective.chief", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
+        p = Proc([*(["-c", code] if code else ["-m", "collective.chief"]), "--bind", "127.0.0.1:0", "--port-file", str(port_file),
                   "--result-file", str(self.tmp / "result.json"), *self._defaults(args)], self.tmp / "chief.log", env,
                  wrapper=wrapper)
         self.procs.append(p)

@@ -93,7 +93,7 @@ class VariableInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., synchronization: _Optional[str] = ..., aggregation: _Optional[str] = ..., trainable: _Optional[bool] = ..., group_key: _Optional[int] = ..., instance_key: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model", "shm_socket", "shm_secret", "topology", "chunk_digests", "shard")
+    __slots__ = ("chief_incarnation", "num_workers", "workers", "groups", "variables", "total_bytes", "chunk_bytes", "manifest_digest", "model", "shm_socket", "shm_secret", "topology", "chunk_digests", "shard", "digests_follow")
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class Plan(_message.Message):
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     chief_incarnation: str
     num_workers: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
@@ -122,7 +123,8 @@ class Plan(_message.Message):
     topology: str
     chunk_digests: _containers.RepeatedScalarFieldContainer[str]
     shard: ShardInfo
-    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ..., topology: _Optional[str] = ..., chunk_digests: _Optional[_Iterable[str]] = ..., shard: _Optional[_Union[ShardInfo, _Mapping]] = ...) -> None: ...
+    digests_follow: bool
+    def __init__(self, chief_incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., variables: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., model: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_secret: _Optional[str] = ..., topology: _Optional[str] = ..., chunk_digests: _Optional[_Iterable[str]] = ..., shard: _Optional[_Union[ShardInfo, _Mapping]] = ..., digests_follow: _Optional[bool] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("index", "world", "pieces", "model_manifest_digest", "model_bytes")
@@ -159,14 +161,16 @@ class Piece(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "resume_from")
+    __slots__ = ("worker_id", "incarnation", "resume_from", "want_digests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
+    WANT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     resume_from: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ...) -> None: ...
+    want_digests: bool
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ..., want_digests: _Optional[bool] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("total_bytes", "manifest_digest")

@@ -47,6 +47,7 @@ from collective.plan import (
     MAX_CHUNK_BYTES,
     Chunker,
     check_declared,
+    complete_plan,
     declaration_differences,
     with_bytes,
 )
@@ -135,6 +136,10 @@ class ChiefService:
             "its files mapped (read while workers join)" if self._arena.file else "materialized",
             self.materialize_seconds,
         )
+        # Served from its files, the plan need not wait for them to be read: it goes out without
+        # its digests, which follow (Plan.digests_follow), so reading overlaps with sending.
+        # Not with MPI, whose ranks derive each chunk's trailer from the plan alone.
+        self._follow = self._arena.file is not None and transport != "mpi" and not self.sharded
         if self._arena.file is not None:
             self._hasher = threading.Thread(target=self._hash_files, name="hash-files", daemon=True)
             self._hasher.start()
@@ -309,8 +314,8 @@ class ChiefService:
             "%s joined with devices %s (%d/%d)",
             m.name(), ",".join(devices), len(self._members), self.num_workers,
         )
-        if len(self._members) == self.num_workers and self.digests is not None:  # else once hashed
-            self._release_plan()
+        if len(self._members) == self.num_workers and (self.digests is not None or self._follow):
+            self._release_plan()  # else once the files are hashed
         return self._join_reply(m)
 
     def _join_reply(self, m: Member) -> pb.JoinReply:
@@ -360,15 +365,24 @@ class ChiefService:
         return lay
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
+        """The round's plan once released; with ``ref.want_digests``, once complete (the files
+        read: ``Plan.digests_follow``)."""
         with self._cond:
             self._member(ref)
-            self._wait(lambda: self._phase is not Phase.JOINING, timeout)
+            if ref.want_digests:
+                self._wait(lambda: self._phase is Phase.FAILED or (self._plan is not None and not self._plan.digests_follow),
+                           timeout)
+            else:
+                self._wait(lambda: self._phase is not Phase.JOINING, timeout)
             m = self._member(ref)  # raises the failure if the round failed meanwhile
             if self._plan is None:
                 raise DeadlineError(
                     f"plan not released within {timeout:g} s: "
                     f"{len(self._members)}/{self.num_workers} workers joined"
                 )
+            if ref.want_digests and self._plan.digests_follow:
+                raise DeadlineError(f"the chief had not read the model's files within {timeout:g} s: "
+                                    f"{self.source.description}")
             return self.plan_of(m)
 
     def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
@@ -427,11 +441,17 @@ class ChiefService:
             self._arena.digests = digests
             self.materialize_seconds = time.monotonic() - self._created_at
             log.info("model %s: read and hashed in %.2f s", self.source.description, self.materialize_seconds)
-            if self._phase is Phase.JOINING and len(self._members) == self.num_workers:
-                try:
+            try:
+                if self._phase is Phase.JOINING and len(self._members) == self.num_workers:
                     self._release_plan()
-                except CollectiveError:
-                    pass  # a file changed: _check_files failed the round, every waiter hears it
+                elif self._phase is Phase.BROADCASTING and self._plan.digests_follow:
+                    self._check_files()
+                    self._plan = complete_plan(self._plan, digests, self._arena.file.chunk_digests[self._plan.chunk_bytes])
+                    self._chunker = Chunker(self._plan, self.arena)  # streams from now on: the complete plan's
+                    log.info("the plan's digests are complete; workers check what they received against them")
+                    self._cond.notify_all()
+            except CollectiveError:
+                pass  # a file changed: _check_files failed the round, every waiter hears it
 
     def _check_files(self, start: int = 0, end: int | None = None) -> None:
         """A model served from its files: fail the round, naming the file, if one (with bytes in
@@ -464,9 +484,9 @@ class ChiefService:
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
         with self._cond:
             m = self._member(req.worker)
-            if self._plan is None:
-                raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
-                                        f"ReportReady comes after GetPlan and the data stream")
+            if self._plan is None or self._plan.digests_follow:
+                raise PreconditionError(f"{m.name()} reported ready before the plan was complete; ReportReady comes "
+                                        f"after GetPlan, the data stream and (digests_follow) GetPlan with want_digests")
             problem = report_problem(self.plan_of(m), m, req)
             if problem is not None:
                 err = IntegrityError(f"{m.name()}: {problem}", culprit=m.worker_id, phase="ready")
@@ -504,10 +524,12 @@ class ChiefService:
         """For the chief's own replicas: block until the plan is released; raise the round's
         error if it failed, DeadlineError naming who is missing after ``timeout`` seconds."""
         with self._cond:
-            self._wait(lambda: self._phase is not Phase.JOINING, timeout)
+            # The replicas are checked against the complete plan: wait for it (Plan.digests_follow).
+            self._wait(lambda: self._phase is Phase.FAILED or (self._plan is not None and not self._plan.digests_follow),
+                       timeout)
             if self._phase is Phase.FAILED:
                 raise self._error.same_round()
-            if self._plan is None:
+            if self._plan is None or self._plan.digests_follow:
                 raise DeadlineError(f"plan not released within {timeout:g} s: {self._supervisor.joined_summary()}")
             return self._plan if self._local is None else self.plan_of(self._local)
 

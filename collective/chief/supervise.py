@@ -43,6 +43,8 @@ class Supervisor:
         ]
         if svc._local is not None and svc._local.phase != "ready":
             late.append(svc._local.name())
+        if svc._plan is not None and svc._plan.digests_follow:  # the workers check against them
+            late.insert(0, "the model's files to be read and hashed (the chief)")
         return ", ".join(late) or "nobody"
 
     def joined_summary(self) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.config import Timeouts
-from collective.digest import worker_digest
+from collective.digest import chunk_digests, worker_digest
 from collective.errors import (
     AbortedError,
     ChiefUnreachableError,
@@ -35,6 +35,7 @@ from collective.keys import parse_devices
 from collective.model import VariableSpec
 from collective.plan import (
     Receiver,
+    check_completes,
     declared,
     new_arena,
     validate_plan,
@@ -108,16 +109,10 @@ class _Watched:
         try:
             self._r.accept(chunk, placed=placed)
         except IntegrityError as exc:
-            if self.relay is None:
-                self._agent._report_failure(exc)
-                raise
-            # The plan's digests are the chief's, and the relay's own copy is checked against
-            # them as it lands: bytes that differ here were changed by the relay or its link.
-            name, relay_id = self.relay
-            blamed = IntegrityError(f"{exc}; the bytes came from {name}: its relay or the link "
-                                    f"from it changed them", culprit=relay_id, phase="receive")
-            self._agent._report_failure(blamed)
-            raise blamed from exc
+            # The plan's digests are the chief's (or, while they follow, the chief's trailers),
+            # and the relay's own copy is checked against them as it lands: bytes that differ
+            # here were changed by the relay or its link.
+            self._blame(exc, "its relay or the link from it changed them")
         except CollectiveError as exc:
             self._agent._report_failure(exc)
             raise
@@ -129,6 +124,25 @@ class _Watched:
 
     def finish(self) -> None:
         self._r.finish()
+
+    def complete(self, plan: pb.Plan) -> None:
+        """The chief's digests, once they followed the stream (``Receiver.complete``)."""
+        try:
+            self._r.complete(plan)
+        except IntegrityError as exc:
+            # Every chunk matched the trailer it came with, not the chief's digest: the sender
+            # made the trailers up (a relay), or the files changed under the chief as it read.
+            self._blame(exc, "its trailers agree with those bytes, the chief's digests do not")
+
+    def _blame(self, exc: IntegrityError, how: str) -> None:
+        """Report ``exc`` to the chief and raise it, naming the relay the bytes came from."""
+        if self.relay is None:
+            self._agent._report_failure(exc)
+            raise exc
+        name, relay_id = self.relay
+        blamed = IntegrityError(f"{exc}; the bytes came from {name}: {how}", culprit=relay_id, phase="receive")
+        self._agent._report_failure(blamed)
+        raise blamed from exc
 
 
 class WorkerAgent:
@@ -279,9 +293,10 @@ class WorkerAgent:
                                    secret=plan.shm_secret, admit=admit, wait=self.timeouts.ready)
         return self._served
 
-    def _receive(self, plan: pb.Plan, served) -> tuple[np.ndarray, list[str]]:
-        """The data stream into one pre-allocated arena, checked chunk by chunk; the arena and
-        its verified chunk digests.
+    def _receive(self, plan: pb.Plan, served) -> tuple[np.ndarray, list[str], pb.Plan]:
+        """The data stream into one pre-allocated arena, checked chunk by chunk; the arena, its
+        verified chunk digests and the plan they were verified against (a provisional plan's
+        complete one: ``_complete``).
 
         From the chief, or from the relay of the worker the plan names as this one's parent.
         A host leader receives into shared memory and hands it to its same-host peers once
@@ -289,9 +304,9 @@ class WorkerAgent:
         """
         # The relay serves from a read-only view of a served arena, which does not stop the seal.
         arena = new_arena(plan.total_bytes) if served is None else None
-        if self.relay is not None:
-            self.relay.feed(plan, arena if served is None else served.reader())  # chunks go out as they land
         receiver = _Watched(Receiver(plan, arena if served is None else served.writable), self)
+        if self.relay is not None:  # chunks go out as they land, with the digests they were verified against
+            self.relay.feed(plan, arena if served is None else served.reader(), known=receiver.digests)
         self._prepared(plan)
         parent = self._parent(plan)
         # A plan without a topology (an older chief) streams from the chief.
@@ -325,11 +340,26 @@ class WorkerAgent:
                     self._source = None
                 source.close()
         receiver.finish()
+        if plan.digests_follow:
+            plan = self._complete(plan)
+            receiver.complete(plan)
         digests = receiver.digests
         if served is None:
-            return arena, digests
+            return arena, digests, plan
         del receiver  # the last view of the writable mapping: the seal needs it gone
-        return served.complete(), digests
+        return served.complete(), digests, plan
+
+    def _complete(self, plan: pb.Plan) -> pb.Plan:
+        """A provisional plan's complete one (``Plan.digests_follow``): asked of the chief once
+        this worker holds every byte, answered once the chief has read the model's files."""
+        t0 = time.monotonic()
+        log.info("holds every byte, checked against the trailers; asking the chief for its digests")
+        ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation, want_digests=True)
+        complete = self.link.get_plan(ref, timeout=self.timeouts.ready)
+        validate_plan(complete)
+        check_completes(plan, complete)
+        log.info("the chief's digests came %.3f s after the last byte", time.monotonic() - t0)
+        return complete
 
     def _parent(self, plan: pb.Plan) -> pb.WorkerInfo | None:
         """Whom this worker receives from under ``plan``: a worker's ``WorkerInfo``, or one with
@@ -509,10 +539,14 @@ class WorkerAgent:
         arena, verified = self._attach_shared(plan), None
         via = "shared memory"
         if arena is None:
-            (arena, verified), via = self._receive(plan, served), "the network"
-        elif self.relay is not None:
-            self.relay.feed(plan, arena)
-            self.relay.progress(plan.total_bytes)
+            (arena, verified, plan), via = self._receive(plan, served), "the network"
+        else:
+            if self.relay is not None:
+                self.relay.feed(plan, arena)
+                self.relay.progress(plan.total_bytes)
+            if plan.digests_follow:  # hashed now, while the chief may still be reading its files
+                verified = chunk_digests(arena.reshape(-1).view(np.uint8), plan.chunk_bytes)
+                plan = self._complete(plan)
         recv_s = time.monotonic() - t_recv
         logs.phase("verify")
         store, arenas = make_replicas(plan, arena, self.devices)

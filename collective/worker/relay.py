@@ -56,13 +56,16 @@ class RelayHandler:
         self._cond = threading.Condition()
         self._plan: pb.Plan | None = None
         self._arena: np.ndarray | None = None
+        self._known: list[str] | None = None
         self._available = 0
         self._failed: str | None = None
         self._stall = stall_timeout
 
-    def feed(self, plan: pb.Plan, arena: np.ndarray) -> None:
+    def feed(self, plan: pb.Plan, arena: np.ndarray, known: list[str] | None = None) -> None:
+        """Serve ``arena`` under ``plan``; ``known``: the chunk digests this worker verified so
+        far (its Receiver's, growing), the trailers sent while the plan's digests follow."""
         with self._cond:
-            self._plan, self._arena = plan, arena
+            self._plan, self._arena, self._known = plan, arena, known
             self._cond.notify_all()
 
     def progress(self, nbytes: int) -> None:
@@ -89,18 +92,18 @@ class RelayHandler:
         [ref] = refs
         with self._cond:
             self._wait(lambda: self._plan is not None, "waiting for the plan")
-            plan, arena = self._plan, self._arena
+            plan, arena, known = self._plan, self._arena, self._known
             # By id: a worker restarted mid-broadcast (``collective.chief.rejoin``) has an
             # incarnation this plan has never seen.
             if not any(w.worker_id == ref.worker_id for w in plan.workers):
                 raise PreconditionError(f"worker {ref.worker_id!r} is not in this round's plan")
         log.info("relaying to worker %s%s", printable(ref.worker_id),
                  f" from byte {ref.resume_from}" if ref.resume_from else "")
-        for msg, data in Chunker(plan, arena).frames(ref.resume_from):
-            end = msg.offset + len(data)
+        def landed(end: int) -> None:
             with self._cond:
-                self._wait(lambda end=end: self._available >= end, f"relaying to {ref.worker_id}")
-            yield msg, data
+                self._wait(lambda: self._available >= end, f"relaying to {ref.worker_id}")
+
+        yield from Chunker(plan, arena, known).frames(ref.resume_from, landed)
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         log.info("relay stream to worker %s ended early: %s", printable(ref.worker_id), reason)
@@ -128,8 +131,8 @@ class Relay:
         self.port = self._endpoint.port
         self._started = time.monotonic()
 
-    def feed(self, plan: pb.Plan, arena: np.ndarray) -> None:
-        self.handler.feed(plan, arena)
+    def feed(self, plan: pb.Plan, arena: np.ndarray, known: list[str] | None = None) -> None:
+        self.handler.feed(plan, arena, known)
 
     def progress(self, nbytes: int) -> None:
         self.handler.progress(nbytes)

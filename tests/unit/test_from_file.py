@@ -14,7 +14,8 @@ from collective._proto import collective_pb2 as pb
 from collective.chief.arena import FileArena
 from collective.chief.service import ChiefService, Phase
 from collective.digest import bytes_digest, chunk_digests
-from collective.errors import AbortedError, ModelError
+from collective.errors import AbortedError, DeadlineError, ModelError, PreconditionError
+from collective.plan import check_completes, validate_plan
 from collective.sources import load_source
 from collective.sources.mapped import PAGE, DataFile, MappedFiles
 from collective.worker.agent import WorkerAgent
@@ -185,19 +186,34 @@ def test_a_round_from_files_through_shared_memory(tmp_path):
                 assert replica.tobytes() == value.tobytes()
 
 
-def test_workers_join_while_the_files_are_read_and_the_plan_waits_for_their_digests(tmp_path, monkeypatch):
+def test_the_plan_goes_out_while_the_files_are_read_and_its_digests_follow(tmp_path, monkeypatch):
     path, _ = write_sharded(tmp_path, values(), 2)
     release, real = threading.Event(), FileArena.hash
     monkeypatch.setattr(FileArena, "hash", lambda self: (release.wait(30), real(self)))
     service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
+    ref = pb.WorkerRef(worker_id="w0", incarnation="i0")
     service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test")
-    assert service.phase is Phase.JOINING and service._plan is None
-    assert service._supervisor.waiting_for() == "the model's files to be read and hashed"
-    release.set()
-    plan = service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0"), 30)
+    # Released at once, without digests: the stream need not wait for the files to be read.
     assert service.phase is Phase.BROADCASTING
+    provisional = service.get_plan(ref, 30)
+    validate_plan(provisional)
+    assert provisional.digests_follow and not provisional.chunk_digests and not provisional.manifest_digest
+    assert not any(v.digest for v in provisional.variables if v.nbytes)
+    assert service._supervisor.waiting_for().startswith("the model's files to be read and hashed (the chief)")
+    # Each chunk's trailer is the digest of its bytes, so a receiver checks every one as it lands.
+    chunks = list(service.fetch(ref))
+    assert all(c.digest == bytes_digest(c.data) for c in chunks if c.data)
+    with pytest.raises(DeadlineError, match="had not read the model's files within 0.2 s"):
+        service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0", want_digests=True), 0.2)
+    with pytest.raises(PreconditionError, match="before the plan was complete"):
+        service.report_ready(pb.ReadyRequest(worker=ref))
+    release.set()
+    plan = service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0", want_digests=True), 30)
+    check_completes(provisional, plan)
+    assert not plan.digests_follow
     assert plan.chunk_digests == chunk_digests(service.arena, plan.chunk_bytes)
     assert [v.digest for v in plan.variables] == service.digests
+    assert [c.digest for c in chunks if c.data] == list(plan.chunk_digests)
 
 
 def test_launch_refuses_from_file_over_mpi():
@@ -237,7 +253,7 @@ def test_max_model_bytes_holds_and_the_files_need_no_memory_of_the_chief(tmp_pat
     service.close()
 
 
-def test_a_file_changed_once_hashed_before_the_plan_fails_the_round_naming_it(tmp_path, monkeypatch):
+def test_a_file_changed_once_hashed_before_the_digests_go_out_fails_the_round_naming_it(tmp_path, monkeypatch):
     path, _ = write_sharded(tmp_path, values(), 2)
     shard = tmp_path / "model-00001-of-00002.safetensors"
     release, real = threading.Event(), FileArena.hash
@@ -245,12 +261,28 @@ def test_a_file_changed_once_hashed_before_the_plan_fails_the_round_naming_it(tm
     def hash_then_touch(self):
         release.wait(30)
         real(self)
-        os.utime(shard, ns=(1, 1))  # after its digests were taken, before the plan
+        os.utime(shard, ns=(1, 1))  # after its digests were taken, before the complete plan
 
     monkeypatch.setattr(FileArena, "hash", hash_then_touch)
     service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
     service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test")
     release.set()
     with pytest.raises(AbortedError, match="model-00001-of-00002.safetensors: changed while being served"):
-        service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0"), 30)
+        service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0", want_digests=True), 30)
     assert service.phase is Phase.FAILED and isinstance(service.error, ModelError)
+
+
+def test_the_chiefs_peak_rss_is_its_own_not_that_of_the_process_that_started_it():
+    """getrusage's ru_maxrss starts a child at its parent's peak (Linux keeps it across fork
+    and exec): a chief started by a big process would report the parent's memory."""
+    import subprocess
+    import sys
+
+    ballast = np.ones(400 << 20, np.uint8)  # this process: 400 MiB resident
+    code = ("import resource; from collective.chief.reports import peak_rss_bytes; "
+            "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    own, inherited = map(int, out.stdout.split())
+    del ballast
+    assert inherited >= 400 << 20  # what the summary used to report
+    assert own < 200 << 20, own    # a Python with numpy and gRPC: well under the ballast

@@ -22,6 +22,8 @@ from collective.plan import (
     Chunker,
     Receiver,
     build_plan,
+    check_completes,
+    complete_plan,
     frame_messages,
     from_pieces,
     layout,
@@ -904,3 +906,103 @@ def test_missing_extra_or_garbled_pieces_are_a_protocol_error_naming_the_sender(
     with pytest.raises(ProtocolError) as info:
         from_pieces(pb.Plan, pieces, "chief at x")
     assert says in str(info.value)
+
+
+# --- a provisional plan: the digests follow the stream (served from files) -------------------
+
+
+@pytest.fixture
+def follow():
+    """The abc model's provisional plan (no digests), its complete plan and the chief's arena."""
+    specs, arena, digests = materialize(ArraySource(dict(ABC)))
+    provisional = build_plan(specs, None, [W0], arena=arena, chunk_bytes=128, chief_incarnation="x", model="test")
+    complete = complete_plan(provisional, digests, chunk_digests(arena, 128))
+    return provisional, complete, arena
+
+
+def test_a_provisional_plan_is_valid_without_digests_and_completes_to_the_plan_with_them(follow):
+    provisional, complete, arena = follow
+    validate_plan(provisional)
+    assert provisional.digests_follow and not provisional.manifest_digest and not provisional.chunk_digests
+    assert [v.digest for v in provisional.variables] == ["", "", ""]
+    full, _, _, _ = make_plan(ABC, chunk_bytes=128)
+    validate_plan(complete)
+    assert complete == full  # filled in, the provisional plan is the plan built with the digests
+    check_completes(provisional, complete)
+
+
+def test_a_provisional_plan_that_carries_digests_is_refused(follow):
+    provisional, complete, _ = follow
+    provisional.variables[1].digest = complete.variables[1].digest
+    with pytest.raises(ProtocolError, match="says its digests follow, yet carries some"):
+        validate_plan(provisional)
+
+
+def test_a_complete_plan_with_another_layout_is_refused(follow):
+    provisional, complete, _ = follow
+    complete.variables[2].offset += 64
+    with pytest.raises(ProtocolError, match="does not lay out the bytes as the provisional plan"):
+        check_completes(provisional, complete)
+
+
+def test_the_chunker_of_a_provisional_plan_sends_each_chunks_digest_as_its_trailer(follow):
+    provisional, complete, arena = follow
+    chunks = stream(provisional, arena)
+    assert [c.digest for c in chunks if c.data] == list(complete.chunk_digests)
+    out = worker_arena(provisional)
+    r = Receiver(provisional, out)
+    for c in chunks:
+        r.accept(c)
+    r.finish()
+    r.complete(complete)
+    assert r.plan is complete and out.tobytes() == arena.tobytes()
+
+
+def test_a_relays_chunker_sends_the_digests_it_verified_once_the_bytes_landed(follow):
+    provisional, complete, arena = follow
+    known, landed = ["k0", "k1"], []
+    frames = Chunker(provisional, arena, known).frames(0, landed.append)
+    got = [(m.offset, m.digest) for m, _ in frames]
+    # The two known digests are sent as they are; the rest are hashed, each after landed(end).
+    assert got == [(0, "k0"), (128, "k1"), (256, complete.chunk_digests[2]), (384, complete.chunk_digests[3]),
+                   (392, "")]
+    assert landed == [128, 256, 384, 392, 392]
+
+
+def test_under_a_provisional_plan_a_chunk_without_its_trailer_is_refused(follow):
+    provisional, _, arena = follow
+    chunks = stream(provisional, arena)
+    chunks[2].ClearField("digest")
+    expect_reject(provisional, chunks, ProtocolError, "chunk at offset 256 has no digest trailer")
+
+
+def test_under_a_provisional_plan_bytes_that_differ_from_their_trailer_name_the_variables(follow):
+    provisional, _, arena = follow
+    chunks = stream(provisional, arena)
+    flip(chunks[1], 5)
+    expect_reject(provisional, chunks, IntegrityError,
+                  r"chunk at offset 128 \(bytes of 'b'\): digest of received bytes [0-9a-f]{32} differs from its trailer")
+
+
+def test_bytes_with_a_forged_trailer_pass_the_stream_and_fail_against_the_chiefs_digests(follow):
+    """A sender that changes bytes and hashes them again (a lying relay) passes every trailer;
+    the chief's digests, which follow, name the variable."""
+    provisional, complete, arena = follow
+    chunks = stream(provisional, arena)
+    flip(chunks[3], 2)
+    chunks[3].digest = xxhash.xxh3_128_hexdigest(chunks[3].data)
+    r = Receiver(provisional, worker_arena(provisional))
+    for c in chunks:
+        r.accept(c)
+    r.finish()
+    c_digest = complete.variables[2].digest
+    with pytest.raises(IntegrityError, match=f"variable 'c': digest of received bytes [0-9a-f]{{32}} differs from "
+                                             f"the chief's {c_digest}"):
+        r.complete(complete)
+
+
+def test_a_receiver_with_the_complete_plan_takes_the_stream_of_a_provisional_sender(follow):
+    """A worker that restarted after the digests came resumes from a relay that still holds the
+    provisional plan: the trailers are the same digests; the end carries no manifest."""
+    provisional, complete, arena = follow
+    assert receive(complete, stream(provisional, arena)).tobytes() == arena.tobytes()

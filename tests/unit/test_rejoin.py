@@ -39,8 +39,8 @@ class MemoryRelay:
         self.endpoint = InMemoryEndpoint(f"relay-{port}")
         self.endpoint.start(self.handler)
 
-    def feed(self, plan, arena) -> None:
-        self.handler.feed(plan, arena)
+    def feed(self, plan, arena, known=None) -> None:
+        self.handler.feed(plan, arena, known)
 
     def progress(self, nbytes: int) -> None:
         self.handler.progress(nbytes)

@@ -13,7 +13,7 @@ and, with ``--no-shm``, over loopback instead. Per row (median of the runs): ``r
 chief's load (read and hash every byte; the chief's ``load_seconds``), ``broadcast`` = first byte
 sent until every worker is ready (``seconds``), ``to ready`` = from the chief's loading the model
 to every worker ready (``ready_seconds``: read, the workers' join and arena setup, broadcast),
-``ratio`` = to ready / max(read, broadcast), and the chief's peak resident set (``ru_maxrss``;
+``ratio`` = to ready / max(read, broadcast), and the chief's peak resident set (``VmHWM``;
 file pages count while the chief maps them). ``--drop-caches`` (root) drops the page cache before
 every run, so ``read`` is a cold read of the files; otherwise the first run warms them.
 """
