@@ -484,9 +484,12 @@ class ChiefService:
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
         with self._cond:
             m = self._member(req.worker)
-            if self._plan is None or self._plan.digests_follow:
-                raise PreconditionError(f"{m.name()} reported ready before the plan was complete; ReportReady comes "
-                                        f"after GetPlan, the data stream and (digests_follow) GetPlan with want_digests")
+            if self._plan is None:
+                raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
+                                        f"ReportReady comes after GetPlan and the data stream")
+            if self._plan.digests_follow:
+                raise PreconditionError(f"{m.name()} reported ready before the plan was complete; with digests_follow "
+                                        f"ReportReady comes after GetPlan with want_digests")
             problem = report_problem(self.plan_of(m), m, req)
             if problem is not None:
                 err = IntegrityError(f"{m.name()}: {problem}", culprit=m.worker_id, phase="ready")
