@@ -232,3 +232,26 @@ class Cluster:
     def close(self) -> None:
         for p in self.procs:
             p.kill()
+
+
+def tampering_relay(*, forge_trailer: bool) -> str:
+    """A worker process (``python -c`` this, then the worker's arguments) whose relay flips one
+    bit of the first chunk it forwards, its own copy intact; with ``forge_trailer`` it also
+    hashes the changed chunk again, so its trailer agrees with its bytes."""
+    forge = "            msg.digest = xxhash.xxh3_128_hexdigest(data)\n" if forge_trailer else ""
+    return (
+        "import sys, xxhash\n"
+        "from collective.worker import relay\n"
+        "honest = relay.RelayHandler.stream_views\n"
+        "def tampering(self, refs):\n"
+        "    for i, (msg, data) in enumerate(honest(self, refs)):\n"
+        "        if i == 0:\n"
+        "            data = bytearray(data)\n"
+        "            data[0] ^= 1\n"
+        "            data = memoryview(bytes(data))\n"
+        f"{forge}"
+        "        yield msg, data\n"
+        "relay.RelayHandler.stream_views = tampering\n"
+        "from collective.worker.__main__ import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )

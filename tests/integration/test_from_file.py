@@ -12,6 +12,7 @@ import pytest
 import xxhash
 
 from collective.digest import combined_digest, worker_digest
+from tests.clusters import tampering_relay
 from tests.procs import error_line
 from tools.bench.checkpoint import write_checkpoint
 
@@ -197,22 +198,7 @@ sys.exit(main(sys.argv[1:]))
 
 # A relay that changes the first byte it forwards and hashes the chunk again: its trailers agree
 # with its bytes, so only the chief's digests, which follow, can tell.
-_FORGING_RELAY = """
-import sys, xxhash
-from collective.worker import relay
-honest = relay.RelayHandler.stream_views
-def forging(self, refs):
-    for i, (msg, data) in enumerate(honest(self, refs)):
-        if i == 0:
-            data = bytearray(data)
-            data[0] ^= 1
-            data = memoryview(bytes(data))
-            msg.digest = xxhash.xxh3_128_hexdigest(data)
-        yield msg, data
-relay.RelayHandler.stream_views = forging
-from collective.worker.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
+_FORGING_RELAY = tampering_relay(forge_trailer=True)
 
 ASKING = "holds every byte, checked against the trailers; asking the chief for its digests"
 

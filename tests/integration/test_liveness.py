@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.clusters import tampering_relay
 from tests.procs import error_line, wait_for
 
 pytestmark = pytest.mark.integration
@@ -261,21 +262,7 @@ def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
 
 
 # A worker whose relay lies: it flips one bit of the first chunk it forwards (its own copy intact).
-_LYING_RELAY = """
-import sys
-from collective.worker import relay
-honest = relay.RelayHandler.stream_views
-def lying(self, refs):
-    for i, (msg, data) in enumerate(honest(self, refs)):
-        if i == 0:
-            data = bytearray(data)
-            data[0] ^= 1
-            data = memoryview(bytes(data))
-        yield msg, data
-relay.RelayHandler.stream_views = lying
-from collective.worker.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
+_LYING_RELAY = tampering_relay(forge_trailer=False)
 
 
 @pytest.mark.parametrize(("topology", "liar"), [("chain", 1), ("tree", 0)])
