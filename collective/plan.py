@@ -458,12 +458,17 @@ def _frames(plan: pb.Plan) -> list[_ChunkFrame]:
 class Chunker:
     """Cuts the chief's arena into the messages of one stream. Built once, used per receiver."""
 
-    def __init__(self, plan: pb.Plan, arena: np.ndarray, known: Sequence[str] | None = None) -> None:
-        """``known``: the chunk digests verified so far (a relay's Receiver's, growing as the
+    def __init__(self, plan: pb.Plan, arena, known: Sequence[str] | None = None) -> None:
+        """``arena``: a flat array, or an object whose ``slice(start, end)`` returns the bytes
+        (``collective.shards.ShardView``). ``known``: the chunk digests verified so far (a relay's Receiver's, growing as the
         stream lands), the trailers of a provisional plan (``digests_follow``); without them
         each chunk is hashed as it is first sent, once for every stream of this Chunker."""
         self._plan = plan
-        self._arena = memoryview(arena.reshape(-1).view(np.uint8))
+        if hasattr(arena, "slice"):  # a shard's bytes where they lie in the model (collective.shards.ShardView)
+            self._slice = arena.slice
+        else:
+            flat = memoryview(arena.reshape(-1).view(np.uint8))
+            self._slice = lambda start, end: flat[start:end]
         self._frames = _frames(plan)
         self._known = known
         self._hashed: dict[int, str] = {}
@@ -487,7 +492,7 @@ class Chunker:
             if first >= start:
                 if landed is not None:
                     landed(end)
-                data = self._arena[first:end]
+                data = self._slice(first, end)
                 if not msg.digest and end > first:  # a provisional plan: the trailer is the chunk's own digest
                     msg.digest = self._trailer(first, data)
                 yield msg, data

@@ -15,9 +15,10 @@ What a caller asks for (``collective.sync(values, shards=...)``, ``serve(..., sh
 Ranks are training ranks: with ``sync`` the chief is rank 0 and holds shard 0 itself; a chief
 that does not train serves ``W = workers`` shards, worker rank ``k`` holding shard ``k``.
 
-How it travels: the chief still materialises the whole model, then copies each rank's pieces
-into that rank's own arena (``ShardedArenas``, about one more model of memory on the chief).
-Each worker gets a plan of its own (``plan_for``): its pieces as the plan's variables (local
+How it travels: the chief materialises the whole model (or maps its files: ``--from-file``) and
+serves each rank's pieces from where they lie in it (``ShardedArenas``, ``ShardView``: a piece
+is one contiguous range, rows of dimension 0; a chunk that spans two pieces is gathered, no
+more), so the chief holds the model once. Each worker gets a plan of its own (``plan_for``): its pieces as the plan's variables (local
 shapes, their own digests), its arena's chunk digests and ``Plan.shard`` (the whole shapes and
 row ranges), so the Chunker, Receiver, replicas and ready report work unchanged on it and a
 worker receives only its bytes. Sharded rounds are star-shaped (a relay forwards its own stream,
@@ -26,13 +27,14 @@ not another rank's) and never use the same-host shared arena (it is the whole mo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import bisect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from collective._proto import collective_pb2 as pb
-from collective.digest import bytes_digest, chunk_digests
+from collective.digest import bytes_digest
 from collective.errors import UsageError
 from collective.model import VariableSpec
 from collective.plan import layout, manifest_digest
@@ -131,33 +133,94 @@ def local_spec(spec: VariableSpec, piece: Piece) -> VariableSpec:
     return VariableSpec(spec.name, shape, spec.dtype, spec.synchronization, spec.aggregation, spec.trainable)
 
 
+class ShardView:
+    """One rank's arena without a copy: each of its pieces is one contiguous range of the whole
+    model's arena (rows of dimension 0 are), placed at its offset in the rank's own layout
+    (``collective.plan.layout`` over its local specs); the padding between them reads as zeros.
+    ``slice`` is what a ``Chunker`` sends: a view into the model's arena when the range lies in
+    one piece, else the range gathered into a buffer of its own (at most one chunk)."""
+
+    def __init__(self, flat: np.ndarray, segments: list[tuple[int, int, int]], nbytes: int) -> None:
+        self._flat = flat
+        self.segments = [s for s in segments if s[2]]  # (local offset, model offset, bytes), in order
+        self._starts = [lo for lo, _, _ in self.segments]
+        self.nbytes = nbytes
+
+    def _overlapping(self, start: int, end: int):
+        i = max(0, bisect.bisect_right(self._starts, start) - 1)
+        for lo, src, n in self.segments[i:]:
+            if lo >= end:
+                break
+            a, b = max(start, lo), min(end, lo + n)
+            if a < b:
+                yield a, b, src + a - lo
+
+    def slice(self, start: int, end: int) -> memoryview:
+        """Bytes ``start..end`` of this rank's arena."""
+        parts = list(self._overlapping(start, end))
+        if len(parts) == 1 and parts[0][:2] == (start, end):
+            src = parts[0][2]
+            return memoryview(self._flat[src : src + end - start])
+        out = np.zeros(end - start, dtype=np.uint8)
+        for a, b, src in parts:
+            out[a - start : b - start] = self._flat[src : src + b - a]
+        return memoryview(out)
+
+    def sources(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The model arena's ranges that bytes ``start..end`` of this rank's arena come from."""
+        return [(src, src + b - a) for a, b, src in self._overlapping(start, end)]
+
+    def copy(self) -> np.ndarray:
+        """The whole rank's arena, copied out (what the chief's own replicas are made from)."""
+        return np.frombuffer(self.slice(0, self.nbytes), dtype=np.uint8).copy() if self.nbytes else \
+            np.zeros(0, dtype=np.uint8)
+
+
 class ShardedArenas:
-    """The chief's side: each rank's pieces copied out of the whole arena into an arena of its
-    own (the layout of ``collective.plan.layout`` over its local specs), with their digests."""
+    """The chief's side: each rank's pieces, read where they lie in the whole model's arena
+    (``ShardView``: nothing is copied), with their digests and each rank's chunk digests.
+
+    ``offsets``: where each variable lies in ``arena`` (default: ``collective.plan.layout``; a
+    model served from its files has the files' offsets). ``drop(start, end)``: called for each
+    range of ``arena`` once hashed (a mapped file's pages leave the chief)."""
 
     def __init__(self, specs: Sequence[VariableSpec], arena: np.ndarray, request, world: int,
-                 chunk_bytes: int) -> None:
+                 chunk_bytes: int, *, offsets: Sequence[int] | None = None,
+                 drop: Callable[[int, int], None] | None = None) -> None:
         self.world, self.chunk_bytes = world, chunk_bytes
         self.pieces = assign(specs, request, world)
         self._specs = list(specs)
-        offsets, self.model_bytes = layout(specs)
         flat = arena.reshape(-1).view(np.uint8)
-        self.arenas: list[np.ndarray] = []
+        if offsets is None:
+            offsets, self.model_bytes = layout(specs)
+        else:
+            self.model_bytes = int(flat.nbytes)
+        self.views: list[ShardView] = []
         self.local: list[list[tuple[VariableSpec, int, str]]] = []  # (local spec, offset, digest) per rank
+        self.chunk_digests: list[list[str]] = []
         for pieces in self.pieces:
             local = [local_spec(specs[p.index], p) for p in pieces]
             local_offsets, total = layout(local)
-            out = np.zeros(total, dtype=np.uint8)
-            entries = []
+            segments, entries = [], []
             for p, spec, off in zip(pieces, local, local_offsets, strict=True):
                 whole = specs[p.index]
                 row = whole.nbytes // whole.shape[0] if whole.shape and whole.shape[0] else 0
                 src = offsets[p.index] + (p.start * row if p.placement == DIM0 else 0)
-                out[off : off + spec.nbytes] = flat[src : src + spec.nbytes]
-                entries.append((spec, off, bytes_digest(memoryview(out[off : off + spec.nbytes]))))
-            self.arenas.append(out)
+                segments.append((off, src, spec.nbytes))
+                entries.append((spec, off, bytes_digest(memoryview(flat[src : src + spec.nbytes]))))
+                if drop is not None:
+                    drop(src, src + spec.nbytes)
+            view = ShardView(flat, segments, total)
+            digests = []
+            for start in range(0, total, chunk_bytes):
+                end = min(start + chunk_bytes, total)
+                digests.append(bytes_digest(view.slice(start, end)))
+                if drop is not None:
+                    for a, b in view.sources(start, end):
+                        drop(a, b)
+            self.views.append(view)
             self.local.append(entries)
-        self.chunk_digests = [chunk_digests(a, chunk_bytes) for a in self.arenas]
+            self.chunk_digests.append(digests)
 
     def plan_for(self, base: pb.Plan, index: int) -> pb.Plan:
         """Shard ``index``'s own plan: ``base`` (the round's plan of the whole model: workers,
@@ -173,7 +236,7 @@ class ShardedArenas:
             variables.append(v)
         plan = pb.Plan(
             chief_incarnation=base.chief_incarnation, num_workers=base.num_workers, workers=base.workers,
-            groups=base.groups, variables=variables, total_bytes=int(self.arenas[index].nbytes),
+            groups=base.groups, variables=variables, total_bytes=int(self.views[index].nbytes),
             chunk_bytes=base.chunk_bytes, manifest_digest=manifest_digest(variables),
             model=base.model, topology=base.topology, chunk_digests=self.chunk_digests[index],
         )

@@ -15,7 +15,7 @@ import numpy as np
 
 from collective._proto import collective_pb2 as pb
 from collective.digest import array_digest, one_pass
-from collective.errors import ModelError, UsageError
+from collective.errors import ModelError
 from collective.model import ModelSource, VariableSpec, check_fits, validate_model
 from collective.plan import Chunker, build_plan, layout
 from collective.shards import ShardedArenas
@@ -105,14 +105,15 @@ class ChiefArena:
     def __init__(self, source: ModelSource, *, ranks: int, trains: bool, chunk_bytes: int | None,
                  shm: bool, from_file: bool, shards, max_bytes: int | None) -> None:
         """``ranks``: the workers; ``trains``: the chief holds replicas too (then it is shard 0
-        and worker rank k is shard k + 1). Raises UsageError for ``from_file`` with ``shards``
-        and ModelError as ``materialize`` / ``map_files`` do."""
+        and worker rank k is shard k + 1). Raises ModelError as ``materialize`` / ``map_files``
+        do. With ``shards``, each rank's part is served from where it lies in the model (no
+        copy); from files, the parts are hashed with the files (``hash``)."""
         self.description = source.description
         self.shared = self.server = None
         self._shm = shm = shm and shards is None  # the shared arena is the whole model: never a shard
-        if from_file and shards is not None:
-            raise UsageError("--from-file and --shards do not go together yet: a sharded round copies each rank's "
-                             "part out of the model; drop one of them")
+        self.sharded = shards is not None
+        self._shard_request, self._world = shards, ranks + (1 if trains else 0)
+        self._shard_chunk = chunk_bytes or chunk_bytes_for("star")
         sizes = {chunk_bytes} if chunk_bytes else {chunk_bytes_for(t) for t in TOPOLOGIES}
         self.file = map_files(source, sizes, max_bytes=max_bytes) if from_file else None
         self.digests: list[str] | None
@@ -134,11 +135,11 @@ class ChiefArena:
             self.specs, self.array, self.digests = materialize(source, max_bytes=max_bytes)
         self.shard_base = 1 if trains else 0
         self.shards: ShardedArenas | None = None
-        if shards is not None:
-            self.shards = ShardedArenas(self.specs, self.array, shards, ranks + self.shard_base,
-                                        chunk_bytes or chunk_bytes_for("star"))
+        if shards is not None and self.file is None:
+            self.shards = ShardedArenas(self.specs, self.array, shards, self._world, self._shard_chunk)
         self._plans: dict[int, tuple[pb.Plan, pb.Plan]] = {}  # shard index -> (base plan, its plan)
         self._chunkers: dict[int, Chunker] = {}
+        self._local: np.ndarray | None = None
 
     def serve(self, admit: Callable[[str, str], str | None]) -> None:
         """With ``shm``, hand the arena to same-host workers: the sealed memfd, or the model's
@@ -187,36 +188,58 @@ class ChiefArena:
     def chunker_of(self, index: int, plan: pb.Plan) -> Chunker:
         """Shards: the chunker of shard ``index``'s own stream (made once)."""
         if index not in self._chunkers:
-            self._chunkers[index] = Chunker(self.plan_of(index, plan), self.shards.arenas[index])
+            self._chunkers[index] = Chunker(self.plan_of(index, plan), self.shards.views[index])
         return self._chunkers[index]
 
     def bytes_total(self, index: int) -> int:
         """The bytes shard ``index`` receives: the arena, or its shard's."""
-        return int(self.array.nbytes if self.shards is None else self.shards.arenas[index].nbytes)
+        return int(self.array.nbytes if self.shards is None else self.shards.views[index].nbytes)
 
     def local(self) -> np.ndarray:
-        """What the chief's own replicas are copies of: the arena, or shard 0's."""
-        return self.array if self.shards is None else self.shards.arenas[0]
+        """What the chief's own replicas are copies of: the arena, or shard 0's (copied out once)."""
+        if self.shards is None:
+            return self.array
+        if self._local is None:
+            self._local = self.shards.views[0].copy()
+        return self._local
 
     def hash(self) -> list[str]:
-        """Read the model's files once (``FileArena.hash``); return the variables' digests.
-        Raises ModelError naming a file that changes meanwhile or cannot be read."""
+        """Read the model's files once (``FileArena.hash``); with shards, then each rank's part
+        and its chunks; return the variables' digests. Raises ModelError naming a file that
+        changes meanwhile or cannot be read."""
         try:
             self.file.hash()
+            if self.sharded:
+                files = self.file.files
+                self.shards = ShardedArenas(self.specs, self.array, self._shard_request, self._world, self._shard_chunk,
+                                            offsets=self.file.offsets, drop=files.drop)
+                files.check()
         except OSError as exc:  # an fstat that fails: the files are gone from under the chief
             raise ModelError(f"{self.description}: cannot read: {exc.strerror or exc}") from None
         return self.file.digests
 
-    def check(self, start: int = 0, end: int | None = None) -> None:
-        """Served from files: raise ModelError naming a file with bytes in ``start..end`` of the
-        arena (default all) that changed since it was hashed; else nothing to check."""
-        if self.file is not None:
-            self.file.files.check(start, end)
+    def _ranges(self, start: int, end: int | None, shard: int | None) -> list[tuple[int, int | None]]:
+        """The model arena's ranges behind bytes ``start..end`` of the arena, or of shard
+        ``shard``'s when the round is sharded."""
+        if shard is None or self.shards is None:
+            return [(start, end)]
+        view = self.shards.views[shard]
+        return view.sources(start, view.nbytes if end is None else end)
 
-    def drop(self, start: int, end: int) -> None:
-        """Served from files: bytes ``start..end`` were sent; their pages leave this process."""
+    def check(self, start: int = 0, end: int | None = None, shard: int | None = None) -> None:
+        """Served from files: raise ModelError naming a file with bytes in ``start..end`` of the
+        arena, or of shard ``shard`` (default all), that changed since it was hashed; else nothing
+        to check."""
         if self.file is not None:
-            self.file.files.drop(start, end)
+            for a, b in self._ranges(start, end, shard):
+                self.file.files.check(a, b)
+
+    def drop(self, start: int, end: int, shard: int | None = None) -> None:
+        """Served from files: bytes ``start..end`` (of shard ``shard``'s arena) were sent; their
+        pages leave this process."""
+        if self.file is not None:
+            for a, b in self._ranges(start, end, shard):
+                self.file.files.drop(a, b)
 
     def close(self) -> None:
         """Release the shared arena's socket and descriptor (workers keep their mappings)."""

@@ -160,7 +160,7 @@ class ChiefService:
 
     @property
     def sharded(self) -> bool:
-        return self._arena.shards is not None
+        return self._arena.sharded
 
     def _shard_of(self, m: Member) -> int:
         return 0 if m is self._local else m.rank + self._arena.shard_base
@@ -346,7 +346,7 @@ class ChiefService:
         )
         if self.sharded:
             log.info("sharded over %d training rank(s): %s bytes each (of %d)", self._arena.shards.world,
-                     ",".join(str(a.nbytes) for a in self._arena.shards.arenas), self.arena.nbytes)
+                     ",".join(str(v.nbytes) for v in self._arena.shards.views), self.arena.nbytes)
         self._cond.notify_all()
 
     def _layout(self, members: list[Member]) -> Layout:
@@ -407,6 +407,7 @@ class ChiefService:
             if self.sharded and len(members) > 1:
                 raise PreconditionError("a sharded plan streams each worker its own bytes, never one stream to many")
             chunker = self._chunker_of(members[0])
+            shard = self._shard_of(members[0]) if self.sharded else None
             for m, ref in zip(members, refs, strict=True):
                 m.phase, m.bytes_sent = "receiving", ref.resume_from  # resumed: it holds the bytes before
             if self._first_byte_at is None:
@@ -417,9 +418,9 @@ class ChiefService:
                     for m in members:
                         m.told = True
                 raise self._error.same_round()
-            self._check_files(chunk.offset, chunk.offset + len(data))
+            self._check_files(chunk.offset, chunk.offset + len(data), shard)
             yield chunk, data
-            self._arena.drop(chunk.offset, chunk.offset + len(data))
+            self._arena.drop(chunk.offset, chunk.offset + len(data), shard)
             for m in members:
                 m.bytes_sent += len(data)
         with self._cond:
@@ -453,12 +454,12 @@ class ChiefService:
             except CollectiveError:
                 pass  # a file changed: _check_files failed the round, every waiter hears it
 
-    def _check_files(self, start: int = 0, end: int | None = None) -> None:
+    def _check_files(self, start: int = 0, end: int | None = None, shard: int | None = None) -> None:
         """A model served from its files: fail the round, naming the file, if one (with bytes in
         ``start..end`` of the arena, default all) changed since it was hashed (its bytes would no
         longer be the plan's, or fault past a cut end)."""
         try:
-            self._arena.check(start, end)
+            self._arena.check(start, end, shard)
         except ModelError as exc:
             self.fail(ModelError(str(exc), culprit="chief", phase=self._phase.value))
             raise self._error.same_round() from None

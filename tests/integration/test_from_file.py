@@ -252,3 +252,26 @@ def test_a_relay_that_forges_trailers_is_named_once_the_chiefs_digests_come(tmp_
     for w in workers:
         assert w.wait(30) != 0
         assert "training started" not in w.output()
+
+
+def test_shards_are_served_from_the_files_and_the_chief_holds_no_copy(tmp_path, cluster):
+    """--from-file with --shards dim0: each worker receives its half, read from the mapped files;
+    the chief's peak resident set stays far below the 512 MiB model (a copy, as before this
+    change, held it twice)."""
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, 512 << 20, 2, tensor_bytes=24 << 20)
+    try:
+        chief = cluster.chief("--workers", "2", "--model", str(ckpt), "--from-file", "--shards", "dim0", *CHIEF)
+        workers = [cluster.worker(f"w{i}", "--rank", str(i), *WORKER) for i in range(2)]
+        for p in (*workers, chief):
+            assert p.wait(180) == 0, p.output()[-3000:]
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["ok"] and result["chief"]["from_file"], result["error"]
+    model = result["bytes"]
+    for w in result["workers"]:
+        assert w["digest"] == w["expected_digest"], w
+        assert 0.45 * model < w["bytes"] <= 0.5 * model + 64 * len(result["variables"]), (w["bytes"], model)
+    rss = result["chief"]["peak_rss_bytes"]
+    assert rss < 200 << 20, f"chief peak RSS {rss / 2**20:.1f} MiB for a {model / 2**20:.0f} MiB model"

@@ -286,3 +286,25 @@ def test_the_chiefs_peak_rss_is_its_own_not_that_of_the_process_that_started_it(
     del ballast
     assert inherited >= 400 << 20  # what the summary used to report
     assert own < 200 << 20, own    # a Python with numpy and gRPC: well under the ballast
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 64])
+def test_shards_are_served_from_the_files_without_a_copy(tmp_path, chunk_bytes):
+    from collective.shards import rows
+
+    arrays = values()
+    path, _ = write_sharded(tmp_path, arrays, 2)
+    service, results, sup = run_round(load_source(path), [["cpu:0"], ["cpu:0", "cpu:1"], ["cpu:0"]],
+                                      shards="dim0", chunk_bytes=chunk_bytes)
+    assert sup is None, sup
+    assert service._arena.file is not None
+    for view in service._arena.shards.views:  # each rank's pieces are the mapped files' own bytes
+        for lo, _, n in view.segments:
+            assert np.shares_memory(np.frombuffer(view.slice(lo, lo + n), np.uint8), service.arena)
+    for rank, r in enumerate(results):
+        assert not isinstance(r, BaseException), r
+        assert r.plan.shard.index == rank and r.plan.shard.world == 3
+        for name, whole in arrays.items():
+            start, stop = rows(whole.shape[0], 3, rank)
+            for replica in r.variables.get(name).replicas:
+                assert replica.tobytes() == whole[start:stop].tobytes()

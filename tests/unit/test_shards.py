@@ -241,3 +241,60 @@ def test_a_rank_given_nothing_receives_an_empty_stream_and_is_ready():
     assert sup is None, sup
     assert sorted(v.name for v in results[0].variables) == sorted(arrays)
     assert len(results[1].variables) == 0 and results[1].bytes_received == results[1].plan.total_bytes == 0
+
+
+# --- the chief serves each shard from where it lies in the model: no copy ------------------------
+
+
+def _shard_copy(specs, flat, pieces):
+    """A rank's arena as the chief used to build it: each piece copied to its local offset."""
+    from collective.plan import layout
+    from collective.shards import local_spec
+
+    offsets, _ = layout(specs)
+    local = [local_spec(specs[p.index], p) for p in pieces]
+    local_offsets, total = layout(local)
+    out = np.zeros(total, np.uint8)
+    for p, spec, off in zip(pieces, local, local_offsets, strict=True):
+        whole = specs[p.index]
+        row = whole.nbytes // whole.shape[0] if whole.shape and whole.shape[0] else 0
+        src = offsets[p.index] + (p.start * row if p.placement == "dim0" else 0)
+        out[off : off + spec.nbytes] = flat[src : src + spec.nbytes]
+    return out
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 1000, 4096, 1 << 20])
+def test_a_shard_view_reads_the_models_arena_and_equals_the_copied_shard(chunk_bytes):
+    from collective.chief.arena import materialize
+    from collective.digest import bytes_digest, chunk_digests
+    from collective.shards import ShardedArenas
+    from tests.clusters import ArraySource
+
+    specs, arena, _ = materialize(ArraySource(model()))
+    sharded = ShardedArenas(specs, arena, "dim0", 4, chunk_bytes)
+    for rank, view in enumerate(sharded.views):
+        want = _shard_copy(specs, arena, sharded.pieces[rank])
+        assert view.nbytes == want.nbytes
+        assert bytes(view.slice(0, view.nbytes)) == want.tobytes()
+        assert np.array_equal(view.copy(), want)
+        assert sharded.chunk_digests[rank] == chunk_digests(want, chunk_bytes)
+        assert [d for _, _, d in sharded.local[rank]] == [
+            bytes_digest(memoryview(want[off : off + s.nbytes])) for s, off, _ in sharded.local[rank]]
+        # A range inside one piece is the model's own memory, not a copy of it.
+        lo, src, n = view.segments[0]
+        inside = view.slice(lo + 1, lo + n)
+        assert np.shares_memory(np.frombuffer(inside, np.uint8), arena)
+        assert view.sources(lo + 1, lo + n) == [(src + 1, src + n)]
+
+
+def test_the_chief_holds_the_model_once_with_shards():
+    """Before, ShardedArenas copied every rank's part out: the chief held the model twice."""
+    from collective.chief.arena import materialize
+    from collective.shards import ShardedArenas
+    from tests.clusters import ArraySource
+
+    specs, arena, _ = materialize(ArraySource({"w": np.ones((4096, 256), np.float32)}))
+    sharded = ShardedArenas(specs, arena, "dim0", 4, 1 << 20)
+    for view in sharded.views:
+        for lo, _, n in view.segments:
+            assert np.shares_memory(np.frombuffer(view.slice(lo, lo + n), np.uint8), arena)
