@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(launch, "shm", help="same-host workers take the arena through shared memory (--no-shm: network only)",
                type=parse_bool, default=True, action=argparse.BooleanOptionalAction)
     add_option(launch, "from-file", help="the chief serves a .safetensors model straight from its file(s), mapped "
-               "read-only, not a copy in memory (gRPC; no shared memory then)", type=parse_bool, default=False,
+               "read-only, not a copy in memory (same-host workers map the files)", type=parse_bool, default=False,
                action=argparse.BooleanOptionalAction)
     launch.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
     launch.add_argument("--quiet", action="store_true", help="do not echo the processes' log lines")

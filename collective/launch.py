@@ -84,8 +84,6 @@ class Launcher:
         if transport not in ("grpc", "mpi"):
             raise UsageError(f"--transport {transport!r} is not one of grpc, mpi")
         self.transport = transport
-        if from_file and transport == "mpi":
-            raise UsageError("--from-file is for the gRPC chief; --transport mpi copies the model into rank 0's arena")
         if workers < 1:
             raise UsageError(f"--workers must be at least 1, got {workers}")
         if devices_per_worker < 1:
@@ -291,7 +289,7 @@ class Launcher:
             raise UsageError("mpiexec not found: install the mpi extra (pip install 'collective[mpi]') or a system MPI")
         t = self.timeouts
         args = [
-            "-m", "collective.mpi", "--json", "--model", self.model,
+            "-m", "collective.mpi", "--json", "--model", self.model, *(["--from-file"] if self.from_file else []),
             "--devices-per-worker", str(self.devices.count(",") + 1),
             "--join-timeout", str(t.join), "--ready-timeout", str(t.ready), "--start-timeout", str(t.start),
         ]

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
     add_option(p, "seed", help="seed for initializer specs", type=int, default=None)
     add_max_model_bytes_option(p)
+    add_option(p, "from-file", help="rank 0 serves a .safetensors model straight from its file(s), mapped read-only, "
+               "instead of a copy in memory", type=parse_bool, default=False, action=argparse.BooleanOptionalAction)
     add_option(p, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
     add_option(p, "chief-trains", help="rank 0 trains too: it holds verified replicas of its own (--no-chief-trains: "
                "it only serves)", type=parse_bool, default=False, action=argparse.BooleanOptionalAction)
@@ -113,7 +115,7 @@ def _chief(comm, args, watchdog) -> int:
     devices = [f"cpu:{i}" for i in range(args.devices_per_worker)] if args.chief_trains else None
     service, _held = run_chief_rank(comm, source, watchdog, timeouts, chunk_bytes=args.chunk_bytes,
                                     split_bytes=args.split_bytes, devices=devices,
-                                    max_model_bytes=args.max_model_bytes)
+                                    max_model_bytes=args.max_model_bytes, from_file=args.from_file)
     result = service.result()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
@@ -126,10 +128,11 @@ def _chief(comm, args, watchdog) -> int:
 
 
 def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_bytes=None, devices=None,
-                   spmd=False, max_model_bytes=None):
+                   spmd=False, max_model_bytes=None, from_file=False):
     """Rank 0's round: the chief's round (``run_round``) driven by the MPI collectives; with
-    ``devices``, the chief's own replicas too. Returns (service, (store, digest) or None); the
-    outcome is ``service.result()``."""
+    ``devices``, the chief's own replicas too. ``from_file``: the model's files mapped, not
+    copied (the plan waits for them to be read: the ranks derive every trailer from it).
+    Returns (service, (store, digest) or None); the outcome is ``service.result()``."""
     from collective.chief.round import run_round
     from collective.plan import DEFAULT_CHUNK_BYTES
     from collective.transport.mpi import MpiChiefDriver
@@ -145,7 +148,7 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
     return run_round(
         source, comm.size - 1, drive, devices=devices, timeouts=timeouts,
         chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi", heartbeats=False, spmd=spmd,
-        max_model_bytes=max_model_bytes,
+        max_model_bytes=max_model_bytes, from_file=from_file,
     )
 
 

@@ -69,8 +69,7 @@ CHIEF_FLAGS: tuple[Flag, ...] = (
          "variable over the workers) or a JSON object name -> \"dim0\" / \"all\" / rank(s), \"*\" for the rest; "
          "a star, without shared memory", parse_shards),
     Flag("from-file", "serve a .safetensors model straight from its file(s), mapped read-only, instead of a copy "
-         "in memory (then no shared-memory arena: same-host workers stream over loopback)", parse_bool, False,
-         boolean=True),
+         "in memory (same-host workers map the files)", parse_bool, False, boolean=True),
     *timeout_flags("join", "ready", "heartbeat", "rejoin"),
     Flag("log-format", "text or json", default="text", choices=("text", "json")),
     max_model_bytes_flag(),

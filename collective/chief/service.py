@@ -430,6 +430,12 @@ class ChiefService:
                 if m.phase == "receiving":
                     m.phase = "verifying"
 
+    def sent(self, start: int, end: int) -> None:
+        """Bytes ``start..end`` of the arena went out in one collective call (MPI's Bcast of a
+        span, which ``stream_views`` does not see): served from files, their pages leave this
+        process."""
+        self._arena.drop(start, end)
+
     def _hash_files(self) -> None:
         """Read the model's files once (``ChiefArena.hash``) while workers join; then release the
         plan if every worker is in. A file that changes meanwhile fails the round naming it."""

@@ -256,7 +256,9 @@ class MpiChiefDriver:
         if not self._answer_each(joins, join):
             return
         self.watchdog.phase("plan", t.join)
-        plan = encode_outcome(lambda: self.h.get_plan(self.refs[0], 0.0))
+        # At once, unless the chief still reads the model's files (--from-file): the workers wait
+        # asleep in bcast_bytes' settle meanwhile.
+        plan = encode_outcome(lambda: self.h.get_plan(self.refs[0], t.join))
         bcast_bytes(self.comm, plan)
         if plan[0] != _OK:
             return
@@ -305,6 +307,7 @@ class MpiChiefDriver:
                 self.comm.Bcast([status, MPI.INT64_T], root=0)
                 if end > start:
                     self.comm.Bcast([self.h.arena[start:end], MPI.BYTE], root=0)
+                    self.h.sent(start, end)  # served from files: the span's pages leave rank 0
             for _ in views:  # the end message: marks every worker's stream complete
                 pass
         except E.CollectiveError as exc:

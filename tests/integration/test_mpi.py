@@ -190,3 +190,38 @@ def test_ctrl_c_on_mpiexec_ends_every_rank_with_one_line_and_exit_130(tmp_path):
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     assert text.count("interrupted") == 1, text  # rank 0's line, once
     assert "BAD TERMINATION" not in text, text
+
+
+def test_rank_0_serves_a_checkpoint_from_its_files_under_mpiexec(tmp_path):
+    """--from-file under mpiexec: rank 0 maps the files (nothing copied), reads them while the
+    workers wait asleep, then Bcasts straight from the mapping, 32 MiB spans here, each span's
+    pages dropped once sent; the digests are the files' bytes."""
+    from tests.integration.test_from_file import tensor_bytes
+    from tools.bench.checkpoint import write_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, 256 << 20, 2, tensor_bytes=20 << 20)
+    proc = mpirun(3, "--model", str(ckpt), "--from-file", "--split-bytes", str(32 << 20), "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = last_json(proc.stdout)
+    assert result["ok"] is True and result["transport"] == "mpi" and result["chief"]["from_file"] is True
+    assert {v["name"]: v["digest"] for v in result["variables"]} == {
+        n: xxhash.xxh3_128_hexdigest(b) for n, b in tensor_bytes(ckpt).items()}
+    assert all(w["digest"] == w["expected_digest"] for w in result["workers"]) and len(result["workers"]) == 2
+    rss = result["chief"]["peak_rss_bytes"]
+    assert rss < 200 << 20, f"rank 0 peak RSS {rss / 2**20:.1f} MiB: a copy of the 256 MiB model, not its files"
+
+
+def test_collective_launch_passes_from_file_to_mpiexec(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    from tools.bench.checkpoint import write_checkpoint
+
+    write_checkpoint(ckpt, 4 << 20, 2, tensor_bytes=1 << 20)
+    proc = subprocess.run(
+        [sys.executable, "-m", "collective.cli", "launch", "--transport", "mpi", "--workers", "2", "--json", "--quiet",
+         "--run-dir", str(tmp_path / "run"), "--model", str(ckpt), "--from-file"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = last_json(proc.stdout)
+    assert result["ok"] is True and result["transport"] == "mpi" and result["chief"]["from_file"] is True

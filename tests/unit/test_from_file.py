@@ -216,14 +216,6 @@ def test_the_plan_goes_out_while_the_files_are_read_and_its_digests_follow(tmp_p
     assert [c.digest for c in chunks if c.data] == list(plan.chunk_digests)
 
 
-def test_launch_refuses_from_file_over_mpi():
-    from collective.errors import UsageError
-    from collective.launch import Launcher
-
-    with pytest.raises(UsageError, match="--from-file is for the gRPC chief"):
-        Launcher(workers=1, transport="mpi", from_file=True)
-
-
 def test_a_check_of_a_range_looks_at_the_files_with_bytes_in_it(tmp_path):
     files = []
     for i in range(3):
