@@ -15,6 +15,11 @@ What a caller asks for (``collective.sync(values, shards=...)``, ``serve(..., sh
 Ranks are training ranks: with ``sync`` the chief is rank 0 and holds shard 0 itself; a chief
 that does not train serves ``W = workers`` shards, worker rank ``k`` holding shard ``k``.
 
+``Groups(request, shard_of)`` cuts the model over ``S`` shards and gives training rank ``r``
+shard ``shard_of[r]`` (``0..S-1``, each used): the ranks of one shard hold the same pieces. That
+is HSDP (FSDP2 on a 2-D mesh, ``(Replicate(), Shard(0))``): each replica group holds the whole
+model, cut over its ``S`` ranks; ranks placed by ``request`` are then shards, not training ranks.
+
 How it travels: the chief materialises the whole model (or maps its files: ``--from-file``) and
 serves each rank's pieces from where they lie in it (``ShardedArenas``, ``ShardView``: a piece
 is one contiguous range, rows of dimension 0; a chunk that spans two pieces is gathered, no
@@ -87,9 +92,33 @@ def _placement(name: str, value, world: int) -> str | tuple[int, ...]:
     return tuple(ranks)
 
 
+@dataclass(frozen=True)
+class Groups:
+    """A request cut over ``S`` shards, training rank ``r`` holding shard ``shard_of[r]``."""
+
+    request: object  # "dim0" or a mapping name -> placement, over the S shards
+    shard_of: tuple[int, ...]
+
+    @property
+    def shards(self) -> int:
+        return max(self.shard_of) + 1 if self.shard_of else 0
+
+    def check(self, world: int) -> None:
+        """Raise UsageError unless every training rank has a shard and every shard a rank."""
+        if len(self.shard_of) != world:
+            raise UsageError(f"shards: {len(self.shard_of)} shard indices for {world} training rank(s)")
+        if sorted(set(self.shard_of)) != list(range(self.shards)):
+            raise UsageError(f"shards: the shard indices {sorted(set(self.shard_of))} are not 0..S-1 each held "
+                             f"by some rank")
+
+
 def normalize(request, names: Sequence[str], world: int) -> dict[str, str | tuple[int, ...]]:
     """Each variable's placement (``"dim0"``, ``"all"`` or the ranks holding it whole) from a
-    request (``"dim0"`` or a mapping). Raises UsageError for a request that cannot be met."""
+    request (``"dim0"``, a mapping, or ``Groups``: then over its shards). Raises UsageError for
+    a request that cannot be met."""
+    if isinstance(request, Groups):
+        request.check(world)
+        return normalize(request.request, names, request.shards)
     if world < 1:
         raise UsageError(f"shards: the world has {world} training ranks")
     if isinstance(request, str):
@@ -112,7 +141,11 @@ def normalize(request, names: Sequence[str], world: int) -> dict[str, str | tupl
 
 
 def assign(specs: Sequence[VariableSpec], request, world: int) -> list[list[Piece]]:
-    """Each rank's pieces, in model order."""
+    """Each rank's pieces, in model order (with ``Groups``, each rank its shard's)."""
+    if isinstance(request, Groups):
+        request.check(world)
+        by_shard = assign(specs, request.request, request.shards)
+        return [by_shard[i] for i in request.shard_of]
     placements = normalize(request, [s.name for s in specs], world)
     out: list[list[Piece]] = [[] for _ in range(world)]
     for i, s in enumerate(specs):
@@ -188,17 +221,24 @@ class ShardedArenas:
                  chunk_bytes: int, *, offsets: Sequence[int] | None = None,
                  drop: Callable[[int, int], None] | None = None) -> None:
         self.world, self.chunk_bytes = world, chunk_bytes
-        self.pieces = assign(specs, request, world)
+        if isinstance(request, Groups):  # each shard laid out and hashed once, whatever its ranks
+            request.check(world)
+            self.shard_of, self.shards = list(request.shard_of), request.shards
+            by_shard = assign(specs, request.request, self.shards)
+        else:
+            self.shard_of, self.shards = list(range(world)), world
+            by_shard = assign(specs, request, world)
+        self.pieces = [by_shard[i] for i in self.shard_of]
         self._specs = list(specs)
         flat = arena.reshape(-1).view(np.uint8)
         if offsets is None:
             offsets, self.model_bytes = layout(specs)
         else:
             self.model_bytes = int(flat.nbytes)
-        self.views: list[ShardView] = []
-        self.local: list[list[tuple[VariableSpec, int, str]]] = []  # (local spec, offset, digest) per rank
-        self.chunk_digests: list[list[str]] = []
-        for pieces in self.pieces:
+        views: list[ShardView] = []
+        local_entries: list[list[tuple[VariableSpec, int, str]]] = []
+        chunks: list[list[str]] = []
+        for pieces in by_shard:
             local = [local_spec(specs[p.index], p) for p in pieces]
             local_offsets, total = layout(local)
             segments, entries = [], []
@@ -218,12 +258,16 @@ class ShardedArenas:
                 if drop is not None:
                     for a, b in view.sources(start, end):
                         drop(a, b)
-            self.views.append(view)
-            self.local.append(entries)
-            self.chunk_digests.append(digests)
+            views.append(view)
+            local_entries.append(entries)
+            chunks.append(digests)
+        # Per training rank: its shard's.
+        self.views: list[ShardView] = [views[i] for i in self.shard_of]
+        self.local = [local_entries[i] for i in self.shard_of]  # (local spec, offset, digest)
+        self.chunk_digests = [chunks[i] for i in self.shard_of]
 
     def plan_for(self, base: pb.Plan, index: int) -> pb.Plan:
-        """Shard ``index``'s own plan: ``base`` (the round's plan of the whole model: workers,
+        """Training rank ``index``'s own plan (its shard's: ``Plan.shard``): ``base`` (the round's plan of the whole model: workers,
         groups, keys) with this rank's pieces as its variables and its arena's chunks."""
         by_name = {v.name: v for v in base.variables}
         variables = []
@@ -240,7 +284,7 @@ class ShardedArenas:
             chunk_bytes=base.chunk_bytes, manifest_digest=manifest_digest(variables),
             model=base.model, topology=base.topology, chunk_digests=self.chunk_digests[index],
         )
-        plan.shard.index, plan.shard.world = index, self.world
+        plan.shard.index, plan.shard.world = self.shard_of[index], self.shards
         plan.shard.model_manifest_digest, plan.shard.model_bytes = base.manifest_digest, self.model_bytes
         for p in self.pieces[index]:
             plan.shard.pieces.add(shape=self._specs[p.index].shape, row_start=p.start, row_stop=p.stop,

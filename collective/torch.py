@@ -27,7 +27,8 @@ chief listens at ``MASTER_PORT + 1``), ``mpiexec`` and ``COLLECTIVE_*``. bfloat1
 tensors travel as ``ml_dtypes`` arrays, bit for bit.
 
 A sharded module (FSDP2's ``fully_shard``, or parameters made DTensors with ``Shard(0)`` /
-``Replicate`` over a 1-D mesh of every rank) gets only its local shards::
+``Replicate`` over a mesh of every rank: 1-D, or 2-D for HSDP's ``(Replicate(), Shard(0))``)
+gets only its local shards::
 
     full = Net().state_dict() if rank == 0 else None   # rank 0's whole values (or a checkpoint path)
     model = Net(); fully_shard(model, mesh=mesh)
@@ -172,7 +173,8 @@ def sync_module(module: torch.nn.Module, *, devices: Any = None, mesh: Any = Non
     rank receives only its local shards (``Shard(0)``; ``Replicate`` and plain tensors whole).
     Rank 0 then passes ``values``: the whole state (name -> tensor or array, the names of
     ``state_dict()``, or a model path), since its own DTensors hold only its shard; ``mesh``, if
-    given, must be the DTensors' 1-D mesh of every rank, its rank order the training ranks'.
+    given, must be the DTensors' mesh of every rank (1-D, or 2-D with one sharding dimension:
+    HSDP, where each replica group's ranks receive the model's shards between them).
     """
     if mesh is not None or any(_is_dtensor(t) for t in module.state_dict(keep_vars=True).values()):
         return _sync_sharded(module, mesh, values, devices, sync_kwargs)
@@ -201,30 +203,58 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _placements(module: torch.nn.Module, mesh: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], list]:
+def _placements(module: torch.nn.Module, mesh: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], list, Any, Any]:
     """Each state tensor's local tensor (the DTensor's shard, or the tensor) and placement
-    (``dim0`` or ``all``), and the declaration of the whole state. UsageError for a placement a
-    plan cannot carry (another dimension, a partial sum, a mesh of more than one dimension)."""
+    (``dim0`` or ``all``), the declaration of the whole state, the DTensors' mesh (``mesh`` or
+    theirs) and the mesh dimension that shards (None: none does). UsageError for a placement a
+    plan cannot carry (another tensor dimension, a partial sum, two sharding mesh dimensions,
+    DTensors on different meshes)."""
     from torch.distributed.tensor import Replicate, Shard
 
     from collective.model import VariableSpec
 
-    local, request, specs = {}, {}, []
+    local, request, specs, dims = {}, {}, [], set()
     for name, t in module.state_dict(keep_vars=True).items():
         shape, placement = tuple(t.shape), "all"  # a DTensor's shape is the whole tensor's
         if _is_dtensor(t):
-            if t.device_mesh.ndim != 1 or (mesh is not None and t.device_mesh != mesh):
-                raise UsageError(f"{name}: its DTensor lives on mesh {t.device_mesh}; sync_module shards over one "
-                                 f"1-D mesh of every rank{f' ({mesh})' if mesh is not None else ''}")
-            (p,) = t.placements
-            if isinstance(p, Shard) and p.dim == 0:
+            if mesh is None:
+                mesh = t.device_mesh
+            elif t.device_mesh != mesh:
+                raise UsageError(f"{name}: its DTensor lives on mesh {t.device_mesh}, not {mesh}; sync_module takes "
+                                 f"one mesh of every rank")
+            sharding = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+            if (any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and p.dim != 0) for p in t.placements)
+                    or len(sharding) > 1):
+                raise UsageError(f"{name}: placements {tuple(t.placements)!r} cannot be synced; use Shard(0) on at "
+                                 f"most one mesh dimension and Replicate on the others (FSDP2, HSDP)")
+            if sharding:
                 placement = "dim0"
-            elif not isinstance(p, Replicate):
-                raise UsageError(f"{name}: placement {p!r} cannot be synced; use Shard(0) or Replicate")
+                dims.add(sharding[0])
             t = t.to_local()
         local[name], request[name] = t, placement
         specs.append(VariableSpec(name, shape, dtypes.wire(to_numpy(torch.empty(0, dtype=t.dtype)).dtype)))
-    return local, request, specs
+    if len(dims) > 1:
+        raise UsageError(f"the module's DTensors shard over mesh dimensions {sorted(dims)}; sync_module takes one")
+    return local, request, specs, mesh, (dims.pop() if dims else None)
+
+
+def _shard_groups(mesh: Any, dim: Any, request: dict[str, str]):
+    """The request for ``collective.sync``: rank ``r`` holds the shard of its coordinate on the
+    mesh's sharding dimension ``dim`` (``collective.shards.Groups``; the plain request when that
+    is rank ``r``'s own shard, a 1-D mesh in rank order). Over a 2-D mesh (HSDP) the ranks of one
+    replica group hold the whole model between them. UsageError for a mesh that is not every
+    rank once."""
+    from collective.shards import Groups
+
+    if mesh is None:
+        return request
+    grid = mesh.mesh.cpu().numpy()
+    if sorted(grid.reshape(-1).tolist()) != list(range(grid.size)):
+        raise UsageError(f"mesh {mesh} does not hold every rank 0..{grid.size - 1} once")
+    shard_of = [0] * grid.size
+    for coordinate, rank in np.ndenumerate(grid):
+        shard_of[int(rank)] = coordinate[dim] if dim is not None else 0
+    return request if shard_of == list(range(grid.size)) else Groups(request, tuple(shard_of))
 
 
 class _Declared:
@@ -244,7 +274,7 @@ def _sync_sharded(module: torch.nn.Module, mesh: Any, values: Any, devices: Any,
     from collective._api import as_source
     from collective.plan import declaration_differences, declared
 
-    local, request, specs = _placements(module, mesh)
+    local, request, specs, mesh, dim = _placements(module, mesh)
     if values is not None:
         if isinstance(values, Mapping):
             values = {n: to_numpy(v) if isinstance(v, torch.Tensor) else v for n, v in values.items()}
@@ -256,14 +286,15 @@ def _sync_sharded(module: torch.nn.Module, mesh: Any, values: Any, devices: Any,
     else:
         source = _Declared(specs)
     result = collective.sync(source, devices=devices if devices is not None else module_device(module),
-                             shards=request, **kwargs)
-    if mesh is not None and (mesh.size(), mesh.get_local_rank()) != (result.world_size, result.rank):
-        raise UsageError(f"the mesh has {mesh.size()} ranks and puts this one at {mesh.get_local_rank()}; "
-                         f"collective says rank {result.rank} of {result.world_size}: shard i must be rank i's")
+                             shards=_shard_groups(mesh, dim, request), **kwargs)
+    if mesh is not None and (mesh.size(), mesh.get_rank()) != (result.world_size, result.rank):
+        raise UsageError(f"the mesh has {mesh.size()} ranks and puts this one at rank {mesh.get_rank()}; "
+                         f"collective says rank {result.rank} of {result.world_size}: the mesh's ranks must be "
+                         f"the training ranks")
     arrays = result.arrays(0)
     for name, t in local.items():
         if tuple(t.shape) != arrays[name].shape:
             raise UsageError(f"{name}: this rank's local shard is {tuple(t.shape)}, its rows of rank 0's value "
-                             f"{arrays[name].shape} (torch.chunk's rule over {result.world_size} ranks)")
+                             f"{arrays[name].shape} (torch.chunk's rule over the shards)")
     _write(local, arrays, zero_copy=False)  # into each DTensor's own local tensor, read back and checked
     return result

@@ -13,6 +13,9 @@ and the bytes each rank received must stay within 1.05 x model / world + its pla
 one step and prints one line per rank.
 
 ``TORCH_SHARDS_HIDDEN=n`` sets the width of the hidden layers (default 512).
+``TORCH_SHARDS_MESH=RxS`` shards over a 2-D mesh instead (HSDP: ``R`` replica groups of ``S``
+ranks, placements ``(Replicate(), Shard(0))``): each rank then receives its shard of ``S``, so
+about model / S bytes, and the ranks of one replica group hold the model between them.
 """
 
 from __future__ import annotations
@@ -57,7 +60,10 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (world,))
+    shape = tuple(int(n) for n in os.environ.get("TORCH_SHARDS_MESH", str(world)).split("x"))
+    mesh = (init_device_mesh("cpu", shape) if len(shape) == 1
+            else init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
+    shards = shape[-1]
     model = build_model(seed=rank)
     whole = {k: v.detach().clone() for k, v in model.state_dict().items()} if rank == 0 else None
     model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -78,7 +84,7 @@ def main() -> int:
     after, got = state_digest(local), state_digest(assembled)  # before the step below changes the shards
     want = state_digest(build_model(seed=0).state_dict())  # rank 0's initial state, rebuilt from its seed
     plan = result.plan_bytes
-    bound = 1.05 * model_bytes / world + plan
+    bound = 1.05 * model_bytes / shards + plan
     loss = model(torch.ones(8, 64)).square().mean()
     loss.backward()
     with torch.no_grad():
@@ -86,8 +92,8 @@ def main() -> int:
             p -= 0.01 * p.grad
     print(f"rank {rank}/{world}: own shards {own[:12]} -> {after[:12]}; whole state "
           f"{got} (rank 0's initial: {got == want}); "
-          f"received {result.bytes_received} bytes (model {model_bytes}, model/world {model_bytes / world:.0f}, "
-          f"plan {plan}, within 1.05 x model/world + plan: {result.bytes_received <= bound}); "
+          f"received {result.bytes_received} bytes (model {model_bytes}, {shards} shards, model/shards "
+          f"{model_bytes / shards:.0f}, plan {plan}, within 1.05 x model/shards + plan: {result.bytes_received <= bound}); "
           f"one FSDP step (loss {loss.item():.4f})", flush=True)
     dist.destroy_process_group()
     return 0

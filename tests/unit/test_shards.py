@@ -298,3 +298,37 @@ def test_the_chief_holds_the_model_once_with_shards():
     for view in sharded.views:
         for lo, _, n in view.segments:
             assert np.shares_memory(np.frombuffer(view.slice(lo, lo + n), np.uint8), arena)
+
+
+# --- groups: the ranks of one shard hold the same pieces (HSDP) ----------------------------------
+
+
+def test_groups_give_the_ranks_of_one_shard_the_same_rows_over_the_shards():
+    from collective.shards import Groups
+
+    arrays = model()
+    service, results, sup = run(arrays, 4, Groups("dim0", (0, 1, 0, 1)))
+    assert sup is None, sup
+    for rank, r in enumerate(results):
+        assert not isinstance(r, BaseException), r
+        shard = rank % 2
+        assert (r.plan.shard.index, r.plan.shard.world) == (shard, 2)
+        for name, whole in arrays.items():
+            start, stop = rows(whole.shape[0], 2, shard) if whole.ndim else (0, 0)
+            want = whole[start:stop] if whole.ndim else whole
+            assert r.variables.get(name).replicas[0].tobytes() == want.tobytes()
+        assert r.bytes_received <= model_bytes(arrays) / 2 + 64 * len(arrays) + arrays["step"].nbytes
+    assert results[0].worker_digest == results[2].worker_digest != results[1].worker_digest
+    # Each shard was laid out and hashed once: ranks 0 and 2 share one view of the model.
+    assert service._arena.shards.views[0] is service._arena.shards.views[2]
+
+
+@pytest.mark.parametrize(("shard_of", "says"), [
+    ((0, 1, 0), "3 shard indices for 4 training rank"),
+    ((0, 2, 0, 2), r"the shard indices \[0, 2\] are not 0..S-1"),
+])
+def test_groups_that_do_not_fit_the_world_are_a_usage_error(shard_of, says):
+    from collective.shards import Groups
+
+    with pytest.raises(UsageError, match=says):
+        normalize(Groups("dim0", shard_of), ["a"], 4)
