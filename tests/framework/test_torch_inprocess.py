@@ -154,7 +154,7 @@ def test_sync_module_alone_writes_whole_values_into_a_sharded_modules_local_tens
 def test_sync_module_refuses_what_a_shard_plan_cannot_carry(mesh):
     from torch.distributed.tensor import Shard
 
-    with pytest.raises(UsageError, match=r"0.weight: placement Shard\(dim=1\) cannot be synced; use Shard\(0\)"):
+    with pytest.raises(UsageError, match=r"0.weight: placements \(Shard\(dim=1\),\) cannot be synced; use Shard\(0\)"):
         sync_module(sharded(1, mesh, Shard(1)), mesh=mesh, values=state_arrays(net(2)), rank=0, world_size=1)
     wrong = dict(state_arrays(net(2)), **{"0.bias": np.zeros(5, np.float32)})
     with pytest.raises(UsageError, match=r"values= differ from the module's state .*0.bias"):
