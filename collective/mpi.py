@@ -31,6 +31,7 @@ from collective.config import (
     timeouts_from_args,
 )
 from collective.errors import CollectiveError, UsageError
+from collective.options import parse_shards
 
 log = logging.getLogger("collective.mpi")
 
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
     add_option(p, "seed", help="seed for initializer specs", type=int, default=None)
     add_max_model_bytes_option(p)
+    add_option(p, "shards", help="each worker rank receives a part of the model, not a replica: dim0 (torch's "
+               "Shard(0) of every variable over the workers) or a JSON object name -> placement",
+               type=parse_shards, default=None)
     add_option(p, "from-file", help="rank 0 serves a .safetensors model straight from its file(s), mapped read-only, "
                "instead of a copy in memory", type=parse_bool, default=False, action=argparse.BooleanOptionalAction)
     add_option(p, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
@@ -115,7 +119,7 @@ def _chief(comm, args, watchdog) -> int:
     devices = [f"cpu:{i}" for i in range(args.devices_per_worker)] if args.chief_trains else None
     service, _held = run_chief_rank(comm, source, watchdog, timeouts, chunk_bytes=args.chunk_bytes,
                                     split_bytes=args.split_bytes, devices=devices,
-                                    max_model_bytes=args.max_model_bytes, from_file=args.from_file)
+                                    max_model_bytes=args.max_model_bytes, from_file=args.from_file, shards=args.shards)
     result = service.result()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
@@ -123,12 +127,13 @@ def _chief(comm, args, watchdog) -> int:
     if not result["ok"]:
         log.error("round failed: %s", result["error"])
         return 1
-    log.info("training started: %d workers hold identical variables", comm.size - 1)
+    log.info("training started: %d workers hold %s", comm.size - 1,
+             "their shards" if args.shards is not None else "identical variables")
     return 0
 
 
 def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_bytes=None, devices=None,
-                   spmd=False, max_model_bytes=None, from_file=False):
+                   spmd=False, max_model_bytes=None, from_file=False, shards=None):
     """Rank 0's round: the chief's round (``run_round``) driven by the MPI collectives; with
     ``devices``, the chief's own replicas too. ``from_file``: the model's files mapped, not
     copied (the plan waits for them to be read: the ranks derive every trailer from it).
@@ -148,7 +153,7 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
     return run_round(
         source, comm.size - 1, drive, devices=devices, timeouts=timeouts,
         chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi", heartbeats=False, spmd=spmd,
-        max_model_bytes=max_model_bytes, from_file=from_file,
+        max_model_bytes=max_model_bytes, from_file=from_file, shards=shards,
     )
 
 
@@ -194,13 +199,14 @@ def sync_over_mpi(source, devices, roles, timeouts=None, shards=None):
     """``collective.sync`` under mpiexec: rank 0 serves ``source`` and trains too, every other
     rank receives (declaring ``source``'s variables if given). A failure every rank heard
     together is raised on every rank; a failure of one rank alone aborts the job (MPI_Abort),
-    as the command does, since the others cannot leave their collectives otherwise. ``shards``
-    are refused that way: each rank would need its own stream, which a Bcast is not."""
+    as the command does, since the others cannot leave their collectives otherwise. With
+    ``shards`` each rank gets its own plan and its own stream, point to point from rank 0."""
     from mpi4py import MPI
 
     from collective.config import Timeouts
     from collective.errors import AbortedError
     from collective.replicas import SyncResult
+    from collective.shards import placements
     from collective.transport.mpi import PhaseWatchdog, abort
 
     comm = MPI.COMM_WORLD
@@ -214,11 +220,8 @@ def sync_over_mpi(source, devices, roles, timeouts=None, shards=None):
     try:
         if comm.rank == 0:
             try:
-                if shards is not None:
-                    raise UsageError("shards travel over gRPC only: each rank gets its own stream, which MPI's "
-                                     "Bcast is not")
                 service, held = run_chief_rank(comm, source, watchdog, timeouts, devices=devices,
-                                               spmd=True)
+                                               spmd=True, shards=shards)
             except CollectiveError as exc:
                 exc.unannounced = True  # the driver did not carry it: the workers wait in a collective
                 raise
@@ -227,10 +230,13 @@ def sync_over_mpi(source, devices, roles, timeouts=None, shards=None):
                 raise service.error or AbortedError(f"round failed: {result['error']}")
             store, digest = held
             store.start()
-            return SyncResult(0, comm.size, list(devices), store, digest, result)
+            placed = placements(service.await_plan(0.0)) if service.sharded else None
+            return SyncResult(0, comm.size, list(devices), store, digest, result, shards=placed)
         worker = run_worker_rank(comm, watchdog, timeouts, devices,
                                  expected=source.specs() if source is not None else None)
-        return SyncResult(comm.rank, comm.size, list(worker.devices), worker.variables, worker.worker_digest)
+        return SyncResult(comm.rank, comm.size, list(worker.devices), worker.variables, worker.worker_digest,
+                          shards=placements(worker.plan), bytes_received=worker.bytes_received,
+                          plan_bytes=worker.plan.ByteSize())
     except Exception as exc:
         if not isinstance(exc, CollectiveError) or getattr(exc, "unannounced", False):
             log.error("rank %d on %s failed alone: %s; aborting the job", comm.rank, socket.gethostname(), exc)

@@ -36,7 +36,8 @@ gets only its local shards::
 
 Each rank receives only its rows (``collective.shards``: a plan of its own, verified by digest),
 about model / world bytes, and writes them into each DTensor's local tensor in place; plain
-tensors (buffers) and ``Replicate`` DTensors get the whole value. Over gRPC only.
+tensors (buffers) and ``Replicate`` DTensors get the whole value. Over gRPC, or under mpiexec
+(each rank's stream point to point from rank 0).
 """
 
 from __future__ import annotations

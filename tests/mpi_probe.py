@@ -77,6 +77,10 @@ if _probe_rank("PROBE_CORRUPT_RANK") or _probe_rank("PROBE_CRASH_RANK"):
             self._last = self._r.span(start, end)
             return self._last
 
+        def view(self, offset, nbytes):  # a shard's own stream, chunk by chunk
+            self._last = self._r.view(offset, nbytes)
+            return self._last
+
         def accept(self, chunk, placed=False):
             if crash:
                 raise RuntimeError("probe: a bug in the middle of the data stream")

@@ -114,6 +114,14 @@ def settle(comm: MPI.Comm, timeout: float | None = None, what: str = "this step"
         time.sleep(POLL_SECONDS)
 
 
+def recv_asleep(comm: MPI.Comm, buf, source: int = 0, tag: int = 0) -> None:
+    """``Recv`` that waits asleep: a rank waiting its turn (another rank's stream goes first)
+    leaves its core to the ranks at work, as ``settle`` does."""
+    req = comm.Irecv(buf, source=source, tag=tag)
+    while not req.Test():
+        time.sleep(POLL_SECONDS)
+
+
 def bcast_bytes(comm: MPI.Comm, data: bytes | None, root: int = 0) -> bytes:
     settle(comm)
     n = np.array([len(data) if comm.rank == root and data is not None else 0], dtype=np.int64)
@@ -227,6 +235,7 @@ class MpiChiefDriver:
         self.local = local
         self.split_bytes = split_bytes or SPAN_BYTES
         self.refs: list[pb.WorkerRef] = []
+        self.sharded = bool(getattr(handler, "sharded", False))
 
     def _answer_each(self, requests: list[bytes], fn: Callable[[int, bytes], object]) -> bool:
         """Answer every worker's request; False if the round failed (everyone was told)."""
@@ -258,13 +267,15 @@ class MpiChiefDriver:
         self.watchdog.phase("plan", t.join)
         # At once, unless the chief still reads the model's files (--from-file): the workers wait
         # asleep in bcast_bytes' settle meanwhile.
-        plan = encode_outcome(lambda: self.h.get_plan(self.refs[0], t.join))
-        bcast_bytes(self.comm, plan)
-        if plan[0] != _OK:
+        # With shards each rank has a plan of its own: all of them go out, each rank takes its own.
+        refs = self.refs if self.sharded else self.refs[:1]
+        plans = [encode_outcome(lambda ref=ref: self.h.get_plan(ref, t.join)) for ref in refs]
+        bcast_bytes(self.comm, pack(plans))
+        if any(p[0] != _OK for p in plans):
             return
-        self.plan = pb.Plan.FromString(plan[1:])
+        self.plan = pb.Plan.FromString(plans[0][1:])
         self.watchdog.phase("broadcast", t.ready)
-        if not self._stream():
+        if not (self._stream_each() if self.sharded else self._stream()):
             return
         if self.local is not None:
             try:
@@ -319,7 +330,33 @@ class MpiChiefDriver:
         return True
 
 
+    def _stream_each(self) -> bool:
+        """Shards: each worker its own stream (a Bcast is one stream to all), point to point and
+        in rank order, one MPI message per chunk straight from the chief's arena. Before each
+        chunk a one-int status: 0, its bytes follow; n, the round's error follows in n bytes
+        (then the stream ends, for this rank and every later one). Ranks waiting their turn
+        sleep (``recv_asleep``)."""
+        status = np.zeros(1, dtype=np.int64)
+        settle(self.comm)
+        error: E.CollectiveError | None = None
+        for rank, ref in enumerate(self.refs, start=1):
+            if error is None:
+                try:
+                    for _msg, data in self.h.stream_views([ref]):
+                        self.comm.Send([status, MPI.INT64_T], dest=rank, tag=_STREAM)
+                        if len(data):
+                            self.comm.Send([data, MPI.BYTE], dest=rank, tag=_STREAM)
+                    continue
+                except E.CollectiveError as exc:
+                    error = exc
+            meta = encode_error(error)
+            self.comm.Send([np.array([len(meta)], dtype=np.int64), MPI.INT64_T], dest=rank, tag=_STREAM)
+            self.comm.Send([np.frombuffer(meta, np.uint8), MPI.BYTE], dest=rank, tag=_STREAM)
+        return error is None
+
+
 SPAN_BYTES = 256 << 20  # per Bcast call: far below MPI's 2 GiB count limit
+_STREAM = 7  # the tag of a shard's point-to-point stream
 
 
 def spans(plan: pb.Plan, span_bytes: int = SPAN_BYTES) -> list[tuple[int, int]]:
@@ -377,14 +414,18 @@ class MpiChiefLink(ChiefLink):
         return self._mine(bcast_bytes(self.comm, None), pb.JoinReply)
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
+        """The round's plan, or with shards this rank's own (one plan per rank in the batch)."""
         self.watchdog.phase("plan", self.t.join)
-        return self._decode(bcast_bytes(self.comm, None), pb.Plan)
+        plans = unpack(bcast_bytes(self.comm, None))
+        return self._decode(plans[0] if len(plans) == 1 else plans[self.comm.rank - 1], pb.Plan)
 
     def receive_into(self, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
         """The arena in the chief's large Bcasts, straight into the receiver's memory; then every
         chunk of the span is checked as if it had arrived alone (keys, trailers, digests)."""
         self.watchdog.phase("broadcast", self.t.ready)
         plan = receiver.plan
+        if plan.HasField("shard"):
+            return self._receive_own(receiver)
         messages = list(frame_messages(plan))
         status = np.zeros(1, dtype=np.int64)
         settle(self.comm)
@@ -408,6 +449,38 @@ class MpiChiefLink(ChiefLink):
                             raise
                         failed = exc  # stay in the remaining Bcasts: the ranks must stay in step
                     i += 1
+        finally:
+            self._streaming = False
+        self._ready_next = True
+        if failed is not None:
+            self._send_failure(self._failure)
+            raise failed
+
+    def _receive_own(self, receiver) -> None:
+        """A shard's own stream (``MpiChiefDriver._stream_each``): each chunk received in place
+        and checked as it lands. After a failure this rank reported, the rest of its stream is
+        still taken (into scratch memory), so rank 0 is never left sending to no one."""
+        status = np.zeros(1, dtype=np.int64)
+        failed: E.CollectiveError | None = None
+        settle(self.comm)
+        self._streaming = True
+        try:
+            for msg, start, end in frame_messages(receiver.plan):
+                recv_asleep(self.comm, [status, MPI.INT64_T], tag=_STREAM)
+                if status[0]:
+                    meta = np.empty(int(status[0]), dtype=np.uint8)
+                    self.comm.Recv([meta, MPI.BYTE], source=0, tag=_STREAM)
+                    self._decode(meta.tobytes(), pb.Chunk)  # raises the chief's error
+                into = receiver.view(start, end - start) if failed is None else np.empty(end - start, np.uint8)
+                if end > start:
+                    self.comm.Recv([into, MPI.BYTE], source=0, tag=_STREAM)
+                if failed is None:
+                    try:
+                        receiver.accept(msg, placed=True)
+                    except E.CollectiveError as exc:
+                        if self._failure is None:  # not reported to the chief: nothing to send in step
+                            raise
+                        failed = exc
         finally:
             self._streaming = False
         self._ready_next = True

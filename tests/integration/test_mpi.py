@@ -121,6 +121,31 @@ def test_a_corrupted_rank_ends_the_job_naming_the_rank_and_the_variable(tmp_path
     assert "round failed: worker mpi-rank-2" in out and "rank 1 (worker on" in out, out
 
 
+def test_shards_under_the_mpi_command_each_worker_receives_only_its_half(tmp_path):
+    proc = mpirun(3, "--model", "mlp", "--shards", "dim0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = last_json(proc.stdout)
+    assert result["ok"] and result["transport"] == "mpi", result
+    model = result["bytes"]
+    for w in result["workers"]:
+        assert w["digest"] == w["expected_digest"]
+        assert 0.45 * model < w["bytes"] <= 0.5 * model + 64 * len(result["variables"]), (w["bytes"], model)
+    assert len({w["digest"] for w in result["workers"]}) == 2  # each its own shard
+    assert "training started: 2 workers hold their shards" in proc.stderr
+
+
+def test_a_corrupted_shard_ends_the_job_naming_the_rank_in_step(tmp_path):
+    """Rank 1 corrupts the first chunk of its own stream; rank 2's stream comes after it, from
+    rank 0, point to point: every rank still ends in step, the culprit named, no MPI_Abort."""
+    proc = mpirun(3, "--model", "mlp", "--shards", "dim0", "--join-timeout", "20", script=["tests/mpi_probe.py"],
+                  env={"PROBE_CORRUPT_RANK": "1"})
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "rank 1 (worker" in out and "digest" in out and "training started" not in out, out
+    assert "MPI_Abort" not in out, out
+    assert "round failed: worker mpi-rank-1" in out and "rank 2 (worker on" in out, out
+
+
 def test_a_bad_model_file_ends_every_rank_naming_rank_0_and_the_file(tmp_path):
     bad = tmp_path / "broken.safetensors"
     bad.write_bytes(b"\xff" * 20)

@@ -87,10 +87,7 @@ def test_ranks_that_pass_no_values_receive_rank_0s(tmp_path):
     assert_every_rank_holds_rank_0s_inputs(run_ranks(tmp_path, collective_env, {"SYNC_NO_VALUES": "1"}))
 
 
-def test_shards_over_grpc_each_rank_receives_only_its_rows(tmp_path):
-    """Three processes (torchrun's variables): rank 0 asks for dim0 shards; each rank holds on
-    both devices exactly its rows of rank 0's values and received about a third of the model."""
-    results = run_ranks(tmp_path, torchrun_env, {"SYNC_SHARDS": "dim0"})
+def assert_each_rank_holds_its_rows(results: list[dict]) -> None:
     for r in results:
         assert r["exit"] == 0 and "error" not in r, r["log"]
         assert r["held"] == [r["expected"], r["expected"]], f"rank {r['rank']} holds other rows"
@@ -103,12 +100,19 @@ def test_shards_over_grpc_each_rank_receives_only_its_rows(tmp_path):
     assert by_rank[1]["held"][0]["step"] == by_rank[0]["inputs"]["step"]  # 0-d: whole everywhere
 
 
-def test_shards_under_mpiexec_are_refused_and_the_job_ends(tmp_path):
-    """Rank 0 alone knows it asked for shards: it aborts the job (the others wait in a
-    collective) with one line naming the reason."""
-    proc, _ = mpirun_sync(tmp_path, {"SYNC_SHARDS": "dim0"})
-    assert proc.returncode != 0
-    assert "shards travel over gRPC only" in proc.stdout + proc.stderr
+def test_shards_over_grpc_each_rank_receives_only_its_rows(tmp_path):
+    """Three processes (torchrun's variables): rank 0 asks for dim0 shards; each rank holds on
+    both devices exactly its rows of rank 0's values and received about a third of the model."""
+    assert_each_rank_holds_its_rows(run_ranks(tmp_path, torchrun_env, {"SYNC_SHARDS": "dim0"}))
+
+
+def test_shards_under_mpiexec_each_rank_receives_only_its_rows(tmp_path):
+    """The same under a real mpiexec: each rank's plan and stream are its own, point to point
+    from rank 0 (a Bcast is one stream to all)."""
+    proc, results = mpirun_sync(tmp_path, {"SYNC_SHARDS": "dim0"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(results) == WORLD, proc.stdout + proc.stderr
+    assert_each_rank_holds_its_rows(results)
 
 
 def assert_everyone_fails_naming_rank_2(results: list[dict], rank_2: str) -> None:
