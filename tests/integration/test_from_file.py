@@ -275,3 +275,24 @@ def test_shards_are_served_from_the_files_and_the_chief_holds_no_copy(tmp_path, 
         assert 0.45 * model < w["bytes"] <= 0.5 * model + 64 * len(result["variables"]), (w["bytes"], model)
     rss = result["chief"]["peak_rss_bytes"]
     assert rss < 200 << 20, f"chief peak RSS {rss / 2**20:.1f} MiB for a {model / 2**20:.0f} MiB model"
+
+
+def test_a_chief_that_never_finishes_reading_fails_the_round_at_the_ready_deadline_naming_itself(tmp_path, cluster):
+    """The digests never come (the gate stays shut): the workers hold every byte and wait; the
+    chief's ready deadline ends the round, and what it was waiting for is its own read."""
+    from tests.procs import wait_for
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, 1 << 20, 2, tensor_bytes=100_000)
+    chief = cluster.chief("--workers", "2", "--model", str(ckpt), "--from-file", "--no-shm", "--ready-timeout", "4",
+                          code=_GATED_CHIEF, env={"GATE": str(tmp_path / "never")})
+    workers = [cluster.worker(f"w{i}", "--no-shm", *WORKER) for i in range(2)]
+    for w in workers:
+        wait_for(w, ASKING, timeout=60)
+    assert chief.wait(60) != 0
+    aborted = error_line(chief.output(), "round aborted:")
+    assert "not every worker was ready within 4 s" in aborted, aborted
+    assert "the model's files to be read and hashed (the chief)" in aborted, aborted
+    for w in workers:
+        assert w.wait(60) != 0
+        assert "training started" not in w.output() and "Traceback" not in w.output()
