@@ -69,46 +69,54 @@ def test_status_watch_follows_the_round_until_start(cluster, tmp_path):
     assert "0/1 workers joined" in out and ": started for" in out
 
 
+# A worker that takes its stream slowly (5 ms per chunk: 6,009 chunks of transformer-100m take
+# 30 s or more), so the chain behind it flows for as long as the test looks, however fast the
+# machine or the data path.
+_SLOW_HEAD = """
+import sys, time
+from collective import plan
+real = plan.Receiver.accept
+def slow(self, chunk, placed=False):
+    time.sleep(0.005)
+    return real(self, chunk, placed=placed)
+plan.Receiver.accept = slow
+from collective.worker.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_status_shows_the_bytes_of_workers_fed_by_a_relay(cluster):
     """In a chain only rank 0 takes bytes from the chief; the others report theirs in their
-    heartbeats. Freezing rank 0 part-way holds the others' counts still while we look."""
-    import signal
-
+    heartbeats. Rank 0 takes its stream slowly, so the others hold part of the model while we
+    look. (It used to be frozen with SIGSTOP once a quarter through: under load the 0.67 s
+    broadcast of the raw data path had ended before the signal landed.)"""
     from collective.transport.grpc import GrpcChiefLink
+    from tests.procs import Proc
 
     # The default 5 s between heartbeats: while relay-fed, a worker beats every second anyway.
     hb = ["--heartbeat-interval", "5", "--heartbeat-timeout", "30"]
     cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
                   "--chunk-bytes", "65536", *hb)
-    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *hb) for i in range(3)]
+    head = Proc(["-c", _SLOW_HEAD, "--chief", cluster.address, "--worker-id", "w0", "--rank", "0", "--no-shm",
+                 "--join-timeout", "60", *hb], cluster.tmp / "w0.log")
+    cluster.procs.append(head)
+    workers = [head] + [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *hb) for i in (1, 2)]
     link = GrpcChiefLink(cluster.address)
     try:
         deadline = time.monotonic() + 60
-        while True:  # rank 0 (fed by the chief) a quarter of the way through, the chain flowing
-            st = link.status(timeout=5)
-            head = [w for w in st.workers if w.rank == 0]
-            relaying = all(f"relaying to worker w{r + 1}" in workers[r].output() for r in (0, 1))
-            if relaying and head and head[0].bytes_total and head[0].bytes_received > head[0].bytes_total // 4:
-                break
-            assert time.monotonic() < deadline and all(w.proc.poll() is None for w in workers), st
-            time.sleep(0.05)
-        # (Under load, rank 0 may be a quarter through before the others have even connected to
-        # its relay: freezing it then left them with nothing to report.)
-        workers[0].signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 10  # progress beats every second, well inside the 30 s lease
-        while True:  # ranks 1 and 2 hold what rank 0 relayed before it froze, and say so
+        while True:  # ranks 1 and 2 hold part of what rank 0 relayed, and say so in their heartbeats
             st = link.status(timeout=5)
             fed = {w.rank: w for w in st.workers if w.rank > 0}
-            if all(0 < w.bytes_received < w.bytes_total for w in fed.values()):
+            if len(fed) == 2 and all(0 < w.bytes_received < w.bytes_total for w in fed.values()):
                 break
-            assert time.monotonic() < deadline, f"relay-fed workers show no bytes: {st}"
+            assert time.monotonic() < deadline and all(w.proc.poll() is None for w in workers), st
             time.sleep(0.1)
+        assert all(f"relaying to worker w{r + 1}" in workers[r].output() for r in (0, 1))
         assert st.phase == "broadcasting"
         assert {w.phase for w in fed.values()} == {"receiving"}, st
         proc = status("--chief", cluster.address, "--json")
         assert proc.returncode == 0, proc.stderr
         shown = {w["rank"]: w for w in json.loads(proc.stdout)["workers"]}
-        assert all(int(shown[r]["bytes_received"]) > 0 for r in (1, 2)), shown
+        assert all(0 < int(shown[r]["bytes_received"]) < int(shown[r]["bytes_total"]) for r in (1, 2)), shown
     finally:
         link.close()
-        workers[0].signal(signal.SIGCONT)
