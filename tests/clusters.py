@@ -214,14 +214,16 @@ class Cluster:
         return p
 
     def worker(self, name: str, *args: str, chief: str | None = None, env: dict[str, str] | None = None,
-               sigint_ignored: bool = False) -> Proc:
+               sigint_ignored: bool = False, code: str | None = None) -> Proc:
+        """``code``: Python run with ``-c`` instead of ``-m collective.worker`` (a worker with a
+        part replaced, e.g. ``SLOW_RECEIVER``; it ends by calling the worker's ``main``)."""
         log = self.tmp / f"{name}.log"
         n = 1
         while log.exists():  # a second process with the same id (a restart, a twin) gets its own log
             n += 1
             log = self.tmp / f"{name}-{n}.log"
-        p = Proc(["-m", "collective.worker", "--chief", chief or self.address, "--worker-id", name,
-                  *self._defaults(args)], log, env, sigint_ignored=sigint_ignored)
+        p = Proc([*(["-c", code] if code else ["-m", "collective.worker"]), "--chief", chief or self.address,
+                  "--worker-id", name, *self._defaults(args)], log, env, sigint_ignored=sigint_ignored)
         self.procs.append(p)
         return p
 
@@ -255,3 +257,20 @@ def tampering_relay(*, forge_trailer: bool) -> str:
         "from collective.worker.__main__ import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
+
+
+# A worker that takes its stream slowly: 5 ms per chunk, so transformer-100m in 64 KiB chunks
+# (6,009 of them) takes 30 s or more. A test that freezes or kills a process "mid-broadcast"
+# gives the receiver this, so the broadcast is still under way when its signal lands, however
+# fast the data path (0.7 s for that model here) and however loaded the machine.
+SLOW_RECEIVER = """
+import sys, time
+from collective import plan
+real = plan.Receiver.accept
+def slow(self, chunk, placed=False):
+    time.sleep(0.005)
+    return real(self, chunk, placed=placed)
+plan.Receiver.accept = slow
+from collective.worker.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""

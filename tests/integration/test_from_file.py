@@ -206,7 +206,7 @@ ASKING = "holds every byte, checked against the trailers; asking the chief for i
 def _gated_chain(tmp_path: Path, cluster, liar: int | None):
     """A chain of 3 network workers under a gated chief; the gate opens once every worker holds
     every byte. Returns the chief, the workers and the checkpoint's tensors."""
-    from tests.procs import Proc, wait_for
+    from tests.procs import wait_for
 
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, 2 << 20, 2, tensor_bytes=300_000)
@@ -215,13 +215,8 @@ def _gated_chain(tmp_path: Path, cluster, liar: int | None):
                           "--chunk-bytes", "65536", *CHIEF, code=_GATED_CHIEF, env={"GATE": str(gate)})
     workers = []
     for i in range(3):
-        args = ["--chief", cluster.address, "--worker-id", f"w{i}", "--rank", str(i), "--no-shm",
-                "--join-timeout", "60", *WORKER]
-        if i == liar:
-            workers.append(Proc(["-c", _FORGING_RELAY, *args], tmp_path / f"w{i}-forging.log"))
-            cluster.procs.append(workers[-1])
-        else:
-            workers.append(cluster.worker(f"w{i}", *args[4:]))
+        workers.append(cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *WORKER,
+                                      code=_FORGING_RELAY if i == liar else None))
     for w in workers:
         wait_for(w, ASKING, timeout=60)
     assert "plan released" in chief.output() and "read and hashed" not in chief.output()

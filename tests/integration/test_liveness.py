@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.clusters import tampering_relay
+from tests.clusters import SLOW_RECEIVER, tampering_relay
 from tests.procs import error_line, wait_for
 
 pytestmark = pytest.mark.integration
@@ -25,7 +25,7 @@ HB = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5"]
 def test_a_worker_killed_during_the_broadcast_aborts_the_round_naming_it(cluster):
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
                           "--no-shm", *HB)  # the network stream, cut off mid-way
-    victim = cluster.worker("victim", *HB)
+    victim = cluster.worker("victim", *HB, code=SLOW_RECEIVER)
     other = cluster.worker("other", *HB)
     wait_for(victim, "phase=receive")
     victim.signal(signal.SIGKILL)
@@ -101,7 +101,7 @@ def test_sigterm_to_the_chief_tells_every_worker_it_is_shutting_down(cluster):
 def test_a_chief_killed_mid_broadcast_fails_every_worker_fast(cluster):
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536",
                           "--no-shm", *HB)
-    workers = [cluster.worker(f"w{i}", *HB) for i in range(2)]
+    workers = [cluster.worker(f"w{i}", *HB, code=SLOW_RECEIVER if i == 0 else None) for i in range(2)]
     wait_for(workers[0], "phase=receive")
     chief.signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -154,7 +154,7 @@ def test_a_worker_restarted_after_the_broadcast_began_aborts_the_round_naming_it
     """Without ``--rejoin-timeout`` (its default 0), as under torchrun's --max-restarts 0."""
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
                           "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
-    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
+    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30", code=SLOW_RECEIVER)
     other = cluster.worker("other", *HB)
     wait_for(old, "phase=receive")
     old.signal(signal.SIGSTOP)  # frozen, its connection still open: only the restart can tell
@@ -175,7 +175,7 @@ def test_with_a_rejoin_window_a_killed_worker_restarted_mid_broadcast_takes_its_
     admitted in its rank; the other worker is not restarted and the round completes."""
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
                           "--topology", "star", "--rejoin-timeout", "60", *HB)
-    victim = cluster.worker("phoenix", "--rank", "0", *HB)
+    victim = cluster.worker("phoenix", "--rank", "0", *HB, code=SLOW_RECEIVER)
     other = cluster.worker("other", "--rank", "1", *HB)
     wait_for(victim, "phase=receive")
     victim.signal(signal.SIGKILL)
@@ -197,7 +197,7 @@ def test_with_a_rejoin_window_a_frozen_worker_replaced_by_a_restart_is_refused_a
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
                           "--topology", "star", "--rejoin-timeout", "60",
                           "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
-    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
+    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30", code=SLOW_RECEIVER)
     other = cluster.worker("other", *HB)
     wait_for(old, "phase=receive")
     old.signal(signal.SIGSTOP)  # frozen, its connection still open: the restart replaces it
@@ -249,7 +249,7 @@ def test_relay_topologies_deliver_bit_exact_replicas(cluster, topology):
 def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
     chief = cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
                           "--chunk-bytes", "65536", *HB)
-    relay = cluster.worker("relay", "--rank", "0", *HB)
+    relay = cluster.worker("relay", "--rank", "0", *HB, code=SLOW_RECEIVER)
     downstream = [cluster.worker(f"d{i}", "--rank", str(i), *HB) for i in (1, 2)]
     wait_for(relay, "relaying to worker d1")
     relay.signal(signal.SIGKILL)
@@ -269,18 +269,12 @@ _LYING_RELAY = tampering_relay(forge_trailer=False)
 def test_a_relay_that_forwards_corrupted_bytes_is_named_and_start_is_never_released(cluster, topology, liar):
     # chain: rank 2 receives from rank 1; tree (binomial): rank 2 from rank 0. Before, the chief
     # blamed the receiver alone ("worker w2 failed during receive: ... differ").
-    from tests.procs import Proc
 
     chief = cluster.chief("--workers", "3", "--topology", topology, "--no-shm", "--chunk-bytes", "65536",
                           *HB)
     workers = []
     for i in range(3):
-        args = ["--chief", cluster.address, "--worker-id", f"w{i}", "--rank", str(i), "--join-timeout", "60", *HB]
-        if i == liar:
-            workers.append(Proc(["-c", _LYING_RELAY, *args], cluster.tmp / f"w{i}-liar.log"))
-            cluster.procs.append(workers[-1])
-        else:
-            workers.append(cluster.worker(f"w{i}", *args[4:]))
+        workers.append(cluster.worker(f"w{i}", "--rank", str(i), *HB, code=_LYING_RELAY if i == liar else None))
     assert chief.wait(60) != 0
     aborted = error_line(chief.output(), "round aborted:")
     assert "worker w2 (rank 2" in aborted and "differ from the chief's" in aborted, aborted
@@ -313,11 +307,7 @@ def test_a_worker_killed_between_two_calls_is_named_through_its_presence_call(cl
     started) and the lease is 60 s: only the presence call can tell the chief in time."""
     lease = ["--heartbeat-interval", "1", "--heartbeat-timeout", "60"]
     chief = cluster.chief("--workers", "2", *lease)
-    from tests.procs import Proc
-
-    victim = Proc(["-c", _SLOW_VERIFY, "--chief", cluster.address, "--worker-id", "victim", "--join-timeout", "60",
-                   *lease], cluster.tmp / "victim-slow.log")
-    cluster.procs.append(victim)
+    victim = cluster.worker("victim", *lease, code=_SLOW_VERIFY)
     other = cluster.worker("other", *lease)
     wait_for(victim, "VERIFYING")
     victim.signal(signal.SIGKILL)
@@ -377,7 +367,8 @@ def test_a_frozen_chief_mid_broadcast_is_named_by_every_worker_of_a_chain_within
     relay-fed worker must not wait for its parent to notice first (one lease per hop)."""
     chief = cluster.chief("--workers", "4", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
                           "--chunk-bytes", "65536", *HB)
-    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *HB) for i in range(4)]
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *HB, code=SLOW_RECEIVER if i == 0 else None)
+               for i in range(4)]
     wait_for(workers[2], "relaying to worker w3")  # bytes are moving down the whole chain
     chief.signal(signal.SIGSTOP)
     t0 = time.monotonic()
@@ -402,7 +393,8 @@ def test_a_frozen_relay_parent_is_named_by_its_children_not_the_chief(cluster):
     it hear that at once (their stream from the frozen relay is cut), naming the parent."""
     chief = cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
                           "--chunk-bytes", "65536", *HB)
-    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *HB) for i in range(3)]
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *HB, code=SLOW_RECEIVER if i == 0 else None)
+               for i in range(3)]
     wait_for(workers[1], "relaying to worker w2")
     workers[0].signal(signal.SIGSTOP)
     t0 = time.monotonic()

@@ -69,38 +69,20 @@ def test_status_watch_follows_the_round_until_start(cluster, tmp_path):
     assert "0/1 workers joined" in out and ": started for" in out
 
 
-# A worker that takes its stream slowly (5 ms per chunk: 6,009 chunks of transformer-100m take
-# 30 s or more), so the chain behind it flows for as long as the test looks, however fast the
-# machine or the data path.
-_SLOW_HEAD = """
-import sys, time
-from collective import plan
-real = plan.Receiver.accept
-def slow(self, chunk, placed=False):
-    time.sleep(0.005)
-    return real(self, chunk, placed=placed)
-plan.Receiver.accept = slow
-from collective.worker.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_status_shows_the_bytes_of_workers_fed_by_a_relay(cluster):
     """In a chain only rank 0 takes bytes from the chief; the others report theirs in their
     heartbeats. Rank 0 takes its stream slowly, so the others hold part of the model while we
     look. (It used to be frozen with SIGSTOP once a quarter through: under load the 0.67 s
     broadcast of the raw data path had ended before the signal landed.)"""
     from collective.transport.grpc import GrpcChiefLink
-    from tests.procs import Proc
+    from tests.clusters import SLOW_RECEIVER
 
     # The default 5 s between heartbeats: while relay-fed, a worker beats every second anyway.
     hb = ["--heartbeat-interval", "5", "--heartbeat-timeout", "30"]
     cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
                   "--chunk-bytes", "65536", *hb)
-    head = Proc(["-c", _SLOW_HEAD, "--chief", cluster.address, "--worker-id", "w0", "--rank", "0", "--no-shm",
-                 "--join-timeout", "60", *hb], cluster.tmp / "w0.log")
-    cluster.procs.append(head)
-    workers = [head] + [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *hb) for i in (1, 2)]
+    workers = [cluster.worker(f"w{i}", "--rank", str(i), "--no-shm", *hb, code=SLOW_RECEIVER if i == 0 else None)
+               for i in range(3)]
     link = GrpcChiefLink(cluster.address)
     try:
         deadline = time.monotonic() + 60
