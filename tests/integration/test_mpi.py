@@ -250,3 +250,21 @@ def test_collective_launch_passes_from_file_to_mpiexec(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = last_json(proc.stdout)
     assert result["ok"] is True and result["transport"] == "mpi" and result["chief"]["from_file"] is True
+
+
+def test_shards_from_the_files_under_mpiexec(tmp_path):
+    """--from-file with --shards dim0 under mpiexec: each worker rank's own stream, point to point,
+    read from the mapped files; each holds its half, verified."""
+    from tools.bench.checkpoint import write_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, 16 << 20, 2, tensor_bytes=2 << 20)
+    proc = mpirun(3, "--model", str(ckpt), "--from-file", "--shards", "dim0", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = last_json(proc.stdout)
+    assert result["ok"] is True and result["chief"]["from_file"] is True
+    model = result["bytes"]
+    for w in result["workers"]:
+        assert w["digest"] == w["expected_digest"]
+        assert 0.45 * model < w["bytes"] <= 0.5 * model + 64 * len(result["variables"]), (w["bytes"], model)
+    assert len({w["digest"] for w in result["workers"]}) == 2
