@@ -399,6 +399,7 @@ def sync(
     shm: bool | None = None,
     bind: str | None = None,
     shards=None,
+    from_file: bool | None = None,
 ) -> SyncResult:
     """Make every training process hold rank 0's values, bit for bit. SPMD: every rank calls it.
 
@@ -425,7 +426,12 @@ def sync(
     ``r*ceil(n/W)..`` of each variable, a 0-d one whole) or a mapping name -> ``"dim0"`` /
     ``"all"`` / a rank / a list of ranks (``"*"``: every other variable); ``result.arrays(i)``
     then holds this rank's pieces, named as the variables, and ``result.shards`` says which rows.
-    gRPC only (not under mpiexec).
+    Over gRPC, and under mpiexec (each rank's stream point to point from rank 0).
+
+    ``from_file`` (rank 0's argument; default ``COLLECTIVE_FROM_FILE``, else off): ``values`` is
+    a ``.safetensors`` file, a sharded checkpoint's index or its directory, and rank 0 serves it
+    straight from its files, mapped read-only, instead of a copy in its memory (``serve``'s
+    ``from_file``); with ``shards`` it then holds only its own shard and the files' pages.
 
     Returns a ``SyncResult``; ``result.arrays(i)`` is name -> the array on ``devices[i]``.
     Raises ``UsageError`` for bad roles or values, otherwise the round's ``CollectiveError``
@@ -453,13 +459,16 @@ def sync(
     if roles.mpi:
         from collective.mpi import sync_over_mpi
 
-        return sync_over_mpi(source, devices, roles, timeouts, shards=shards)
+        if from_file is None:  # serve() reads it for gRPC
+            with config.reading(env):
+                from_file = config.parse_bool(config.env_default("from-file", False))
+        return sync_over_mpi(source, devices, roles, timeouts, shards=shards, from_file=from_file)
     if roles.rank == 0:
         host, port = parse_address(roles.chief, what="the chief's address")
         bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or (f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}")
         result = serve(
             source, workers=roles.world_size - 1, bind=bind, devices=devices, trains=True, token=token, tls=tls,
-            timeouts=timeouts, shm=shm, spmd=True, shards=shards,
+            timeouts=timeouts, shm=shm, spmd=True, shards=shards, from_file=from_file,
         )
         return result
     worker = join(

@@ -195,7 +195,7 @@ def _worker(comm, args, watchdog) -> int:
     return 0
 
 
-def sync_over_mpi(source, devices, roles, timeouts=None, shards=None):
+def sync_over_mpi(source, devices, roles, timeouts=None, shards=None, from_file=False):
     """``collective.sync`` under mpiexec: rank 0 serves ``source`` and trains too, every other
     rank receives (declaring ``source``'s variables if given). A failure every rank heard
     together is raised on every rank; a failure of one rank alone aborts the job (MPI_Abort),
@@ -221,7 +221,7 @@ def sync_over_mpi(source, devices, roles, timeouts=None, shards=None):
         if comm.rank == 0:
             try:
                 service, held = run_chief_rank(comm, source, watchdog, timeouts, devices=devices,
-                                               spmd=True, shards=shards)
+                                               spmd=True, shards=shards, from_file=from_file)
             except CollectiveError as exc:
                 exc.unannounced = True  # the driver did not carry it: the workers wait in a collective
                 raise

@@ -8,6 +8,8 @@ dtype, one extra variable). ``SYNC_NO_VALUES=1``: ranks other than 0 pass no val
 ``SYNC_OUT=dir``: write the line to ``dir/rank<r>.json`` too (ranks under mpiexec share stdout).
 ``SYNC_SHARDS=dim0``: rank 0 asks for shards; each rank also prints the digests of the rows of
 rank 0's values it should hold (``expected``) and the bytes it received.
+``SYNC_FROM_FILE=path``: rank 0 passes ``path`` (a .safetensors of its values) with
+``from_file=True`` instead of the arrays; the others pass no values.
 """
 
 from __future__ import annotations
@@ -55,12 +57,16 @@ def main() -> int:
     rank = resolve_roles(None, None, None).rank
     values = values_for(rank)
     given = values if rank == 0 or not os.environ.get("SYNC_NO_VALUES") else None
+    path = os.environ.get("SYNC_FROM_FILE")
+    if path:
+        given = path if rank == 0 else None
     if str(rank) == os.environ.get("SYNC_LATE_RANK"):
         time.sleep(1.0)
     t = collective.Timeouts(join=30, rpc=10, stall=10, ready=30, start=30, linger=2, heartbeat=1, lease=10)
     shards = os.environ.get("SYNC_SHARDS") or None
     try:
-        result = collective.sync(given, devices="cpu:0,cpu:1", timeouts=t, shards=shards if rank == 0 else None)
+        result = collective.sync(given, devices="cpu:0,cpu:1", timeouts=t, shards=shards if rank == 0 else None,
+                                 from_file=bool(path) if rank == 0 else None)
     except collective.CollectiveError as exc:
         report(rank, {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
         return 1
@@ -69,6 +75,8 @@ def main() -> int:
         "inputs": digests(values), "held": [digests(result.arrays(i)) for i in range(len(result.devices))],
         "digest": result.digest,
     }
+    if result.summary is not None:  # rank 0: did it serve from the file (mapped) or a copy?
+        line["from_file"] = result.summary["chief"]["from_file"]
     if result.shards is not None:
         chief = values_for(0)
         line["expected"] = digests({n: chief[n][slice(*p.rows)] if p.placement == "dim0" else chief[n]

@@ -115,6 +115,31 @@ def test_shards_under_mpiexec_each_rank_receives_only_its_rows(tmp_path):
     assert_each_rank_holds_its_rows(results)
 
 
+def write_rank_0s_values(tmp_path) -> str:
+    from safetensors.numpy import save_file
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from sync_rank import values_for
+
+    path = tmp_path / "rank0.safetensors"
+    save_file(values_for(0), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_rank_0_serves_its_checkpoint_from_the_file_and_each_rank_receives_its_rows(tmp_path, launcher):
+    """sync(path, from_file=True, shards="dim0") on rank 0, as an FSDP job would hand over a
+    checkpoint: the file is mapped, not copied, and each rank holds its rows of it."""
+    extra = {"SYNC_FROM_FILE": write_rank_0s_values(tmp_path), "SYNC_SHARDS": "dim0"}
+    if launcher == "torchrun":
+        results = run_ranks(tmp_path, torchrun_env, extra)
+    else:
+        proc, results = mpirun_sync(tmp_path, extra)
+        assert proc.returncode == 0 and len(results) == WORLD, proc.stdout + proc.stderr
+    assert_each_rank_holds_its_rows(results)
+    assert {r["rank"]: r.get("from_file") for r in results} == {0: True, 1: None, 2: None}
+
+
 def assert_everyone_fails_naming_rank_2(results: list[dict], rank_2: str) -> None:
     for r in results:
         assert r["exit"] != 0, r["log"]
