@@ -131,8 +131,14 @@ class _Watched:
             self._r.complete(plan)
         except IntegrityError as exc:
             # Every chunk matched the trailer it came with, not the chief's digest: the sender
-            # made the trailers up (a relay), or the files changed under the chief as it read.
-            self._blame(exc, "its trailers agree with those bytes, the chief's digests do not")
+            # made the trailers up (a relay), or the chief read other bytes than it sent.
+            if self.relay is not None:
+                self._blame(exc, "its trailers agree with those bytes, the chief's digests do not")
+            blamed = IntegrityError(f"{exc}; the chief's own stream carried these bytes, its trailers agreeing: it "
+                                    f"read other bytes from the model's files than it sent", culprit="chief",
+                                    phase="receive")
+            self._agent._report_failure(blamed)
+            raise blamed from exc
 
     def _blame(self, exc: IntegrityError, how: str) -> None:
         """Report ``exc`` to the chief and raise it, naming the relay the bytes came from."""

@@ -14,7 +14,13 @@ from collective._proto import collective_pb2 as pb
 from collective.chief.arena import FileArena
 from collective.chief.service import ChiefService, Phase
 from collective.digest import bytes_digest, chunk_digests
-from collective.errors import AbortedError, DeadlineError, ModelError, PreconditionError
+from collective.errors import (
+    AbortedError,
+    DeadlineError,
+    IntegrityError,
+    ModelError,
+    PreconditionError,
+)
 from collective.plan import check_completes, validate_plan
 from collective.sources import load_source
 from collective.sources.mapped import PAGE, DataFile, MappedFiles
@@ -300,3 +306,28 @@ def test_shards_are_served_from_the_files_without_a_copy(tmp_path, chunk_bytes):
             start, stop = rows(whole.shape[0], 3, rank)
             for replica in r.variables.get(name).replicas:
                 assert replica.tobytes() == whole[start:stop].tobytes()
+
+
+def test_bytes_the_chief_sent_that_differ_from_what_it_read_blame_the_chief(tmp_path, monkeypatch):
+    """The digests follow the stream: the worker checked every chunk against its trailer, then
+    the chief's digests differ (it read other bytes than it sent). The culprit is the chief."""
+    path, _ = write_sharded(tmp_path, values(), 2)
+    asked, real_hash, real_get = threading.Event(), FileArena.hash, ChiefService.get_plan
+
+    def hash_after_the_stream(self):
+        asked.wait(30)  # the worker holds every byte and asks for the digests
+        real_hash(self)
+        for digests in self.chunk_digests.values():
+            digests[0] = "0" * 32  # what it "read" differs from what it sent
+
+    def get_plan(self, ref, timeout):
+        if ref.want_digests:
+            asked.set()
+        return real_get(self, ref, timeout)
+
+    monkeypatch.setattr(FileArena, "hash", hash_after_the_stream)
+    monkeypatch.setattr(ChiefService, "get_plan", get_plan)
+    service, results, sup = run_round(load_source(path), [["cpu:0"]])
+    assert isinstance(results[0], IntegrityError), results
+    assert "the chief's own stream carried these bytes" in str(results[0]) and results[0].culprit == "chief"
+    assert service.phase is Phase.FAILED and service.error.culprit == "chief"
