@@ -456,12 +456,12 @@ def sync(
         store, digest = _alone(source, devices)
         store.start()
         return SyncResult(0, 1, devices, store, digest)
+    if from_file is None:
+        with config.reading(env):
+            from_file = config.parse_bool(config.env_default("from-file", False))
     if roles.mpi:
         from collective.mpi import sync_over_mpi
 
-        if from_file is None:  # serve() reads it for gRPC
-            with config.reading(env):
-                from_file = config.parse_bool(config.env_default("from-file", False))
         return sync_over_mpi(source, devices, roles, timeouts, shards=shards, from_file=from_file)
     if roles.rank == 0:
         host, port = parse_address(roles.chief, what="the chief's address")

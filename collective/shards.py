@@ -112,13 +112,21 @@ class Groups:
                              f"by some rank")
 
 
+def _grouped(request, world: int) -> tuple[object, list[int], int]:
+    """(the request over the shards, each training rank's shard, the number of shards): from
+    ``Groups`` (checked against ``world``), else each rank its own shard."""
+    if isinstance(request, Groups):
+        request.check(world)
+        return request.request, list(request.shard_of), request.shards
+    return request, list(range(world)), world
+
+
 def normalize(request, names: Sequence[str], world: int) -> dict[str, str | tuple[int, ...]]:
     """Each variable's placement (``"dim0"``, ``"all"`` or the ranks holding it whole) from a
     request (``"dim0"``, a mapping, or ``Groups``: then over its shards). Raises UsageError for
     a request that cannot be met."""
     if isinstance(request, Groups):
-        request.check(world)
-        return normalize(request.request, names, request.shards)
+        request, _, world = _grouped(request, world)
     if world < 1:
         raise UsageError(f"shards: the world has {world} training ranks")
     if isinstance(request, str):
@@ -141,11 +149,9 @@ def normalize(request, names: Sequence[str], world: int) -> dict[str, str | tupl
 
 
 def assign(specs: Sequence[VariableSpec], request, world: int) -> list[list[Piece]]:
-    """Each rank's pieces, in model order (with ``Groups``, each rank its shard's)."""
-    if isinstance(request, Groups):
-        request.check(world)
-        by_shard = assign(specs, request.request, request.shards)
-        return [by_shard[i] for i in request.shard_of]
+    """Each shard's pieces, in model order: with ``Groups`` one list per shard, else per rank
+    (each rank its own shard)."""
+    request, _, world = _grouped(request, world)
     placements = normalize(request, [s.name for s in specs], world)
     out: list[list[Piece]] = [[] for _ in range(world)]
     for i, s in enumerate(specs):
@@ -189,24 +195,26 @@ class ShardView:
                 yield a, b, src + a - lo
 
     def slice(self, start: int, end: int) -> memoryview:
-        """Bytes ``start..end`` of this rank's arena."""
+        """Bytes ``start..end`` of this rank's arena: a view when one piece holds them all."""
         parts = list(self._overlapping(start, end))
         if len(parts) == 1 and parts[0][:2] == (start, end):
             src = parts[0][2]
             return memoryview(self._flat[src : src + end - start])
+        return memoryview(self._gather(start, end, parts))
+
+    def _gather(self, start: int, end: int, parts) -> np.ndarray:
         out = np.zeros(end - start, dtype=np.uint8)
         for a, b, src in parts:
             out[a - start : b - start] = self._flat[src : src + b - a]
-        return memoryview(out)
+        return out
 
     def sources(self, start: int, end: int) -> list[tuple[int, int]]:
         """The model arena's ranges that bytes ``start..end`` of this rank's arena come from."""
         return [(src, src + b - a) for a, b, src in self._overlapping(start, end)]
 
     def copy(self) -> np.ndarray:
-        """The whole rank's arena, copied out (what the chief's own replicas are made from)."""
-        return np.frombuffer(self.slice(0, self.nbytes), dtype=np.uint8).copy() if self.nbytes else \
-            np.zeros(0, dtype=np.uint8)
+        """The whole rank's arena, copied out once (what the chief's own replicas are made from)."""
+        return self._gather(0, self.nbytes, self._overlapping(0, self.nbytes))
 
 
 class ShardedArenas:
@@ -221,13 +229,8 @@ class ShardedArenas:
                  chunk_bytes: int, *, offsets: Sequence[int] | None = None,
                  drop: Callable[[int, int], None] | None = None) -> None:
         self.world, self.chunk_bytes = world, chunk_bytes
-        if isinstance(request, Groups):  # each shard laid out and hashed once, whatever its ranks
-            request.check(world)
-            self.shard_of, self.shards = list(request.shard_of), request.shards
-            by_shard = assign(specs, request.request, self.shards)
-        else:
-            self.shard_of, self.shards = list(range(world)), world
-            by_shard = assign(specs, request, world)
+        _, self.shard_of, self.shards = _grouped(request, world)
+        by_shard = assign(specs, request, world)  # each shard laid out and hashed once, whatever its ranks
         self.pieces = [by_shard[i] for i in self.shard_of]
         self._specs = list(specs)
         flat = arena.reshape(-1).view(np.uint8)

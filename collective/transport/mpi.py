@@ -329,7 +329,6 @@ class MpiChiefDriver:
             return False
         return True
 
-
     def _stream_each(self) -> bool:
         """Shards: each worker its own stream (a Bcast is one stream to all), point to point and
         in rank order, one MPI message per chunk straight from the chief's arena. Before each
@@ -395,6 +394,7 @@ class MpiChiefLink(ChiefLink):
         self.announced: E.CollectiveError | None = None
         self.failure_heard = False
         self._streaming = False     # inside receive_into's collectives
+        self._stream_failed: E.CollectiveError | None = None  # a bad chunk found there, reported at ready
         self._ready_next = False    # the stream is done; the ready step is this rank's next
         self._failure: pb.FailureReport | None = None
 
@@ -420,73 +420,68 @@ class MpiChiefLink(ChiefLink):
         return self._decode(plans[0] if len(plans) == 1 else plans[self.comm.rank - 1], pb.Plan)
 
     def receive_into(self, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
-        """The arena in the chief's large Bcasts, straight into the receiver's memory; then every
-        chunk of the span is checked as if it had arrived alone (keys, trailers, digests)."""
+        """The data stream straight into the receiver's memory, every chunk checked as if it had
+        arrived alone (keys, trailers, digests): the chief's large Bcasts, or with shards this
+        rank's own stream (``_receive_own``). A bad chunk this rank has reported keeps it in
+        the stream's collectives to the end (the ranks must stay in step); it goes to the chief
+        at the ready step."""
         self.watchdog.phase("broadcast", self.t.ready)
-        plan = receiver.plan
-        if plan.HasField("shard"):
-            return self._receive_own(receiver)
-        messages = list(frame_messages(plan))
-        status = np.zeros(1, dtype=np.int64)
+        self._stream_failed = None
         settle(self.comm)
-        i = 0
-        failed: E.CollectiveError | None = None
         self._streaming = True
         try:
-            for start, end in spans(plan, self.split_bytes):
-                self.comm.Bcast([status, MPI.INT64_T], root=0)
-                if status[0]:
-                    meta = np.empty(int(status[0]), dtype=np.uint8)
-                    self.comm.Bcast([meta, MPI.BYTE], root=0)
-                    self._decode(meta.tobytes(), pb.Chunk)  # raises the chief's error
-                if end > start:
-                    self.comm.Bcast([receiver.span(start, end), MPI.BYTE], root=0)
-                while failed is None and i < len(messages) and messages[i][2] <= end:  # whole chunks, end included
-                    try:
-                        receiver.accept(messages[i][0], placed=True)
-                    except E.CollectiveError as exc:
-                        if self._failure is None:  # not reported to the chief: nothing to send in step
-                            raise
-                        failed = exc  # stay in the remaining Bcasts: the ranks must stay in step
-                    i += 1
+            (self._receive_own if receiver.plan.HasField("shard") else self._receive_spans)(receiver)
         finally:
             self._streaming = False
         self._ready_next = True
-        if failed is not None:
+        if self._stream_failed is not None:
             self._send_failure(self._failure)
-            raise failed
+            raise self._stream_failed
+
+    def _accept(self, receiver, msg: pb.Chunk) -> None:
+        """Check one chunk that landed in place; after a failure, nothing (see receive_into)."""
+        if self._stream_failed is not None:
+            return
+        try:
+            receiver.accept(msg, placed=True)
+        except E.CollectiveError as exc:
+            if self._failure is None:  # not reported to the chief: nothing to send in step
+                raise
+            self._stream_failed = exc
+
+    def _chief_error(self, n: int, receive: Callable[[np.ndarray], None]) -> None:
+        """A status word of ``n`` > 0: the chief's error follows in ``n`` bytes; raise it."""
+        if n:
+            meta = np.empty(n, dtype=np.uint8)
+            receive(meta)
+            self._decode(meta.tobytes(), pb.Chunk)
+
+    def _receive_spans(self, receiver) -> None:
+        """The arena in the chief's large Bcasts, a status word before each span."""
+        messages = list(frame_messages(receiver.plan))
+        status = np.zeros(1, dtype=np.int64)
+        i = 0
+        for start, end in spans(receiver.plan, self.split_bytes):
+            self.comm.Bcast([status, MPI.INT64_T], root=0)
+            self._chief_error(int(status[0]), lambda buf: self.comm.Bcast([buf, MPI.BYTE], root=0))
+            if end > start:
+                self.comm.Bcast([receiver.span(start, end), MPI.BYTE], root=0)
+            while i < len(messages) and messages[i][2] <= end:  # whole chunks, end included
+                self._accept(receiver, messages[i][0])
+                i += 1
 
     def _receive_own(self, receiver) -> None:
-        """A shard's own stream (``MpiChiefDriver._stream_each``): each chunk received in place
-        and checked as it lands. After a failure this rank reported, the rest of its stream is
-        still taken (into scratch memory), so rank 0 is never left sending to no one."""
+        """A shard's own stream (``MpiChiefDriver._stream_each``), point to point, a status word
+        before each chunk; waiting its turn asleep. After a reported failure the rest is still
+        taken (into scratch memory), so rank 0 is never left sending to no one."""
         status = np.zeros(1, dtype=np.int64)
-        failed: E.CollectiveError | None = None
-        settle(self.comm)
-        self._streaming = True
-        try:
-            for msg, start, end in frame_messages(receiver.plan):
-                recv_asleep(self.comm, [status, MPI.INT64_T], tag=_STREAM)
-                if status[0]:
-                    meta = np.empty(int(status[0]), dtype=np.uint8)
-                    self.comm.Recv([meta, MPI.BYTE], source=0, tag=_STREAM)
-                    self._decode(meta.tobytes(), pb.Chunk)  # raises the chief's error
-                into = receiver.view(start, end - start) if failed is None else np.empty(end - start, np.uint8)
-                if end > start:
-                    self.comm.Recv([into, MPI.BYTE], source=0, tag=_STREAM)
-                if failed is None:
-                    try:
-                        receiver.accept(msg, placed=True)
-                    except E.CollectiveError as exc:
-                        if self._failure is None:  # not reported to the chief: nothing to send in step
-                            raise
-                        failed = exc
-        finally:
-            self._streaming = False
-        self._ready_next = True
-        if failed is not None:
-            self._send_failure(self._failure)
-            raise failed
+        for msg, start, end in frame_messages(receiver.plan):
+            recv_asleep(self.comm, [status, MPI.INT64_T], tag=_STREAM)
+            self._chief_error(int(status[0]), lambda buf: self.comm.Recv([buf, MPI.BYTE], source=0, tag=_STREAM))
+            if end > start:
+                into = receiver.view(start, end - start) if self._stream_failed is None else np.empty(end - start, np.uint8)
+                self.comm.Recv([into, MPI.BYTE], source=0, tag=_STREAM)
+            self._accept(receiver, msg)
 
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
         raise E.ProtocolError("over MPI the data stream is received in place: use receive_into")
