@@ -14,11 +14,11 @@ import numpy as np
 
 from collective import dtypes as dtypemod
 from collective.errors import ModelError
-from collective.model import VariableSpec
+from collective.model import VariableSpec, quoted
 from collective.sources._common import (
     StoredSource,
     _dtype_problem,
-    _no_duplicate_pairs,
+    _json_loads,
     _one_line,
     _Problem,
     _read_c_order,
@@ -84,7 +84,7 @@ def _npz_types(archive: zipfile.ZipFile, label: str) -> dict[str, np.dtype]:
             value = np.lib.format.read_array(f, allow_pickle=False)
         if value.dtype.kind != "U" or value.shape != ():
             raise ValueError(f"expected a unicode scalar, not {value.shape} {value.dtype}")
-        types = json.loads(str(value[()]), object_pairs_hook=_no_duplicate_pairs)
+        types = _json_loads(str(value[()]))
         if not isinstance(types, dict):
             raise ValueError("expected a JSON object of name -> dtype")
     except (*_NPZ_READ_ERRORS, _Problem, json.JSONDecodeError) as exc:
@@ -93,7 +93,7 @@ def _npz_types(archive: zipfile.ZipFile, label: str) -> dict[str, np.dtype]:
     for name, text in types.items():
         dtype = dtypemod.by_name(text) if isinstance(text, str) else None
         if dtype is None:
-            raise ModelError(f"{where}: array {name!r}: unknown type {text!r}; use one of {', '.join(dtypemod.EXTENDED)}")
+            raise ModelError(f"{where}: array {name!r}: unknown type {quoted(text)}; use one of {', '.join(dtypemod.EXTENDED)}")
         out[name] = dtype
     return out
 
