@@ -199,29 +199,29 @@ def spec_problem(spec: VariableSpec) -> str | None:
     """
     name = spec.name
     if not isinstance(name, str) or not name:
-        return f"variable {name!r}: the name must be a non-empty string"
+        return f"variable {quoted(name)}: the name must be a non-empty string"
     try:
         name.encode("utf-8")
     except UnicodeEncodeError as exc:
         return (
-            f"variable {name!r}: the name is not valid Unicode text (a lone surrogate "
+            f"variable {quoted(name)}: the name is not valid Unicode text (a lone surrogate "
             f"{name[exc.start]!r} at character {exc.start}); rename it"
         )
     try:
         itemsize = dtypes.from_wire(spec.dtype).itemsize
     except (TypeError, ValueError, SyntaxError):
-        return f"variable {name!r}: dtype {spec.dtype!r} is not a numpy dtype"
+        return f"variable {quoted(name)}: dtype {quoted(spec.dtype)} is not a numpy dtype"
     shape = tuple(spec.shape)
     problem = shape_problem(shape)
     if problem:
-        return f"variable {name!r}: {problem}"
+        return f"variable {quoted(name)}: {problem}"
     nbytes = 1
     for d in shape:
         nbytes *= d
     nbytes *= itemsize
     if nbytes > MAX_BYTES:
         return (
-            f"variable {name!r} is {_shape_text(spec)} {_dtype_name(spec.dtype)} = {format_bytes(nbytes)}, "
+            f"variable {quoted(name)} is {_shape_text(spec)} {_dtype_name(spec.dtype)} = {format_bytes(nbytes)}, "
             f"more than the 2**63-1 bytes any variable can have"
         )
     return None
@@ -238,13 +238,13 @@ def check_specs(specs: Iterable[VariableSpec]) -> None:
         if problem:
             raise InvalidVariableError(problem)
         if spec.name in names:
-            raise InvalidVariableError(f"variable {spec.name!r}: duplicate name")
+            raise InvalidVariableError(f"variable {quoted(spec.name)}: duplicate name")
         names.add(spec.name)
     for name in names:
         m = _REPLICA_SUFFIX.fullmatch(name)
         if m and m.group(1) in names:
             raise InvalidVariableError(
-                f"variable {name!r} is named like replica {m.group(2)} of variable {m.group(1)!r} "
+                f"variable {quoted(name)} is named like replica {m.group(2)} of variable {quoted(m.group(1))} "
                 f"(a worker's device {m.group(2)} holds that replica under that name); rename one of them"
             )
 
@@ -308,9 +308,9 @@ def check_fits(
         return
     what = f"{_shape_text(largest)} {_dtype_name(largest.dtype)} = {format_bytes(largest.nbytes)}"
     if largest.nbytes == total or len(specs) == 1:
-        subject = f"variable {largest.name!r} is {what}"
+        subject = f"variable {quoted(largest.name)} is {what}"
     else:
-        subject = f"the model's {len(specs)} variables need {format_bytes(total)} (largest: {largest.name!r} {what})"
+        subject = f"the model's {len(specs)} variables need {format_bytes(total)} (largest: {quoted(largest.name)} {what})"
     if max_bytes is not None and total > max_bytes:
         raise ModelError(
             f"{label}: {subject}, more than --max-model-bytes {format_bytes(max_bytes)} ({MAX_MODEL_BYTES_ENV}); "

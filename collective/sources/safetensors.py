@@ -100,7 +100,7 @@ class SafetensorsSource(StoredSource):
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            where = f"{label}: tensor {name!r}"
+            where = f"{label}: tensor {quoted(name)}"
             if not name:
                 raise ModelError(f"{label}: empty tensor name")
             try:
@@ -121,7 +121,7 @@ class SafetensorsSource(StoredSource):
         for begin, end, name in sorted(spans):
             if begin != expected:
                 raise ModelError(
-                    f"{label}: tensor {name!r}: data_offsets start at {quoted(begin)}, expected {expected} "
+                    f"{label}: tensor {quoted(name)}: data_offsets start at {quoted(begin)}, expected {expected} "
                     f"(overlapping tensors or a hole)"
                 )
             expected = end
@@ -175,7 +175,7 @@ class SafetensorsSource(StoredSource):
                 _read_c_order(f, out)
         except (OSError, EOFError) as exc:
             message = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            raise ModelError(f"{self.label}: tensor {spec.name!r}: cannot read ({message})") from exc
+            raise ModelError(f"{self.label}: tensor {quoted(spec.name)}: cannot read ({message})") from exc
 
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -227,17 +227,17 @@ class ShardedSafetensorsSource(StoredSource):
         wanted: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             if not isinstance(fname, str) or not fname or not fname.lower().endswith(SAFETENSORS_SUFFIX):
-                raise ModelError(f"{label}: tensor {name!r}: shard {quoted(fname)} is not a .safetensors file name")
+                raise ModelError(f"{label}: tensor {quoted(name)}: shard {quoted(fname)} is not a .safetensors file name")
             norm = os.path.normpath(fname)
             if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
-                raise ModelError(f"{label}: tensor {name!r}: shard {quoted(fname)} is outside the index's "
+                raise ModelError(f"{label}: tensor {quoted(name)}: shard {quoted(fname)} is outside the index's "
                                  f"directory; shards must lie beside the index")
             if norm not in shards:
                 shard_path, shard_label = self.path.parent / norm, os.path.join(label_dir, norm)
                 if not shard_path.exists():
                     raise ModelError(
                         f"{shard_label}: missing shard ({sum(1 for v in weight_map.values() if v == fname)} "
-                        f"tensor(s) of {label}, first {name!r}); download every shard beside the index"
+                        f"tensor(s) of {label}, first {quoted(name)}); download every shard beside the index"
                     )
                 problem = not_regular(shard_path)
                 if problem:
@@ -258,7 +258,7 @@ class ShardedSafetensorsSource(StoredSource):
                 spec = held[norm].pop(name, None)
                 if spec is None:
                     raise ModelError(
-                        f"{shard.label}: does not hold tensor {name!r}, which {label} puts there; "
+                        f"{shard.label}: does not hold tensor {quoted(name)}, which {label} puts there; "
                         f"the index and its shards do not match (download them again)"
                     )
                 entries[name] = _ShardEntry(shard, spec)
@@ -267,7 +267,7 @@ class ShardedSafetensorsSource(StoredSource):
                 extra = next(iter(held[norm]))
                 raise ModelError(
                     f"{shard.label}: holds {len(held[norm])} tensor(s) {label} does not list for it "
-                    f"(first {extra!r}); the index and its shards do not match (download them again)"
+                    f"(first {quoted(extra)}); the index and its shards do not match (download them again)"
                 )
         self.shards = list(shards.values())
         return {name: entries[name] for name in weight_map}

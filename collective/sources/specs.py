@@ -283,7 +283,7 @@ def _parse_entry(index: int, entry: object) -> _SpecEntry:
             )
         if "name" in entry:
             name = _check_name(entry["name"])
-            where = f"variable {name!r}"
+            where = f"variable {quoted(name)}"
         for key in entry:
             if key not in _ENTRY_KEYS:
                 raise _Problem(f"unknown key {quoted(key)}; use {', '.join(_ENTRY_KEYS)}")
@@ -381,7 +381,7 @@ class SpecSource:
                 raise ModelError(f"{label}: {exc}") from exc
             name = entry.spec.name
             if name in entries:
-                raise ModelError(f"{label}: variable {name!r}: duplicate name (entry #{index})")
+                raise ModelError(f"{label}: variable {quoted(name)}: duplicate name (entry #{index})")
             entries[name] = entry
         return entries
 

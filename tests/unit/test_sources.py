@@ -1271,3 +1271,15 @@ def test_yaml_scalars_python_cannot_read_are_one_model_error(tmp_path, value, sa
     path = tmp_path / "model.yaml"
     path.write_text(f"variables:\n  - name: w\n    shape: [{value}]\n    dtype: float32\n    initializer: zeros\n")
     raises_model_error(path, "model.yaml: invalid YAML at line 3, column 13: ", says)
+
+
+@pytest.mark.parametrize("fmt", ["json", "safetensors"])
+def test_a_rejected_name_of_a_megabyte_is_quoted_by_a_prefix(tmp_path, fmt):
+    name = "n" * (1 << 20)
+    if fmt == "json":
+        path = write_json(tmp_path / "model.json", {"variables": [var(name, [1], "float128")]})
+    else:
+        path = write_safetensors(tmp_path / "model.safetensors", {name: {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}},
+                                 b"\0" * 16)
+    error = raises_model_error(path, f"{'n' * 80!r}...(1048576 characters)")
+    assert len(str(error)) < 600  # the path, the name's prefix and the dtype hint; was a megabyte
