@@ -38,6 +38,9 @@ def _run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     if tls.enabled:
         server_credentials(tls)  # refuse a half-configured TLS setup before loading a big model
+    if args.port_file and os.path.exists(args.port_file) and not os.path.isfile(args.port_file):
+        # It is replaced by a regular file: /dev/full would be gone, a FIFO's reader never told.
+        raise UsageError(f"--port-file {args.port_file}: is not a regular file; name a file the chief may replace")
     source = load_source(args.model, seed=args.seed)
 
     def on_listening(address: str, port: int) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from collective import dtypes as dtypemod
 from collective.errors import ModelError
-from collective.model import VariableSpec, quoted, shape_problem
+from collective.model import MAX_NDIM, VariableSpec, quoted, shape_problem
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 NPZ_SUFFIX = ".npz"
@@ -77,6 +77,8 @@ def _parse_dtype(value: object) -> np.dtype:
 def _parse_shape(value: object) -> tuple[int, ...]:
     if not isinstance(value, list | tuple):
         raise _Problem(f"shape must be a list of non-negative integers ([] for a scalar), not {quoted(value)}")
+    if len(value) > MAX_NDIM:  # by its length alone: a YAML list of aliases can be millions long
+        raise _Problem(shape_problem(value) or "")
     for dim in value:
         if not _is_int(dim) or int(dim) < 0:
             raise _Problem(f"shape {quoted(list(value))}: dimension {quoted(dim)} is not a non-negative integer")

@@ -160,3 +160,13 @@ def test_a_port_file_on_a_full_disk_is_one_line_and_exit_2(tmp_path):
     fill = f'mount -t tmpfs -o size=4k tmpfs "{disk}" && {{ head -c 65536 /dev/zero > "{disk}/fill"; exec "$@"; }}'
     proc = _port_file_chief(port_file, "unshare", "-m", "sh", "-c", fill, "sh")
     _refused(proc, port_file, "No space left on device")
+
+
+def test_a_port_file_that_is_no_regular_file_is_refused_before_it_is_replaced(tmp_path):
+    """It was replaced by a regular file (a FIFO's reader never told; as root, /dev/full gone)."""
+    port_file = tmp_path / "chief.port"
+    os.mkfifo(port_file)
+    proc = _port_file_chief(str(port_file))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert f"--port-file {port_file}: is not a regular file" in out and port_file.is_fifo(), out[-3000:]
