@@ -9,6 +9,9 @@ materialise a model straight into its send arena without an extra copy.
 from __future__ import annotations
 
 import enum
+import itertools
+import math
+import numbers
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -20,6 +23,47 @@ import numpy as np
 from collective import dtypes
 from collective.errors import InvalidVariableError, ModelError
 from collective.sizes import format_bytes
+
+_QUOTED_CHARS = 80
+_QUOTED_ITEMS = 8
+_QUOTED_BITS = 256  # ints up to 78 digits are shown whole
+
+
+def quoted(value: object, *, _nested: bool = False) -> str:
+    """``value`` as an error message quotes a rejected value: a scalar's repr (a string cut to a
+    short prefix, an integer past 78 digits by its length), a list or mapping by its first few
+    items, a list or mapping inside one as ``[...]`` / ``{...}``.
+
+    Formatting never costs more than a bounded part of ``value``: a YAML alias bomb is a few
+    hundred bytes whose nested lists expand to gigabytes when formatted whole (``!r``), and an
+    integer past Python's 4,300-digit limit cannot be formatted at all (ValueError)."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, numbers.Integral):
+        number = int(value)  # type: ignore[call-overload]
+        if number.bit_length() <= _QUOTED_BITS:
+            return str(number)
+        digits = int(math.log10(abs(number))) + 1
+        if abs(number) < 10 ** (digits - 1):  # log10 rounded up across a power of ten
+            digits -= 1
+        return f"<an integer of {digits} digits>"
+    if isinstance(value, str | bytes):
+        if len(value) <= _QUOTED_CHARS:
+            return repr(value)
+        return f"{value[:_QUOTED_CHARS]!r}...({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    if isinstance(value, dict):
+        if _nested:
+            return "{...}"
+        items = [f"{quoted(k, _nested=True)}: {quoted(v, _nested=True)}"
+                 for k, v in itertools.islice(value.items(), _QUOTED_ITEMS)]
+        return "{" + ", ".join(items) + (", ..." if len(value) > _QUOTED_ITEMS else "") + "}"
+    if isinstance(value, list | tuple | set | frozenset):
+        if _nested:
+            return "[...]"
+        items = [quoted(v, _nested=True) for v in itertools.islice(value, _QUOTED_ITEMS)]
+        return "[" + ", ".join(items) + (", ..." if len(value) > _QUOTED_ITEMS else "") + "]"
+    text = repr(value)  # a float, a date: short; anything else is cut
+    return text if len(text) <= _QUOTED_CHARS else text[:_QUOTED_CHARS] + "..."
 
 
 class _ParsedEnum(enum.Enum):
@@ -34,7 +78,7 @@ class _ParsedEnum(enum.Enum):
                 return cls.__members__[key]
         where = f" of variable {variable!r}" if variable else ""
         allowed = ", ".join(m.name for m in cls)
-        raise ValueError(f"unknown {cls.__name__.lower()} {value!r}{where}; use one of {allowed}")
+        raise ValueError(f"unknown {cls.__name__.lower()} {quoted(value)}{where}; use one of {allowed}")
 
 
 class Synchronization(_ParsedEnum):
@@ -122,7 +166,7 @@ _REPLICA_SUFFIX = re.compile(r"(.+)/replica_([1-9][0-9]*)", re.DOTALL)
 
 
 def _shape_text(spec: VariableSpec) -> str:
-    return f"[{', '.join(str(d) for d in spec.shape)}]"
+    return f"[{', '.join(quoted(d) for d in spec.shape)}]"
 
 
 def _dtype_name(text: str) -> str:
@@ -130,6 +174,21 @@ def _dtype_name(text: str) -> str:
         return dtypes.from_wire(text).name
     except (TypeError, ValueError, SyntaxError):
         return text
+
+
+def shape_problem(shape: Sequence[int]) -> str | None:
+    """Why ``shape`` (non-negative integers) cannot be a variable's: more than ``MAX_NDIM``
+    dimensions, or a dimension past int64; checked before anything multiplies the dimensions (a
+    product of thousands of huge integers takes hours)."""
+    if len(shape) > MAX_NDIM:
+        return f"{len(shape)} dimensions; at most {MAX_NDIM} are supported"
+    for d in shape:
+        if not 0 <= d <= MAX_BYTES:
+            return (
+                f"shape [{', '.join(quoted(d) for d in shape)}] has dimension {quoted(d)}; dimensions must "
+                f"be between 0 and 2**63-1"
+            )
+    return None
 
 
 def spec_problem(spec: VariableSpec) -> str | None:
@@ -140,34 +199,29 @@ def spec_problem(spec: VariableSpec) -> str | None:
     """
     name = spec.name
     if not isinstance(name, str) or not name:
-        return f"variable {name!r}: the name must be a non-empty string"
+        return f"variable {quoted(name)}: the name must be a non-empty string"
     try:
         name.encode("utf-8")
     except UnicodeEncodeError as exc:
         return (
-            f"variable {name!r}: the name is not valid Unicode text (a lone surrogate "
+            f"variable {quoted(name)}: the name is not valid Unicode text (a lone surrogate "
             f"{name[exc.start]!r} at character {exc.start}); rename it"
         )
     try:
         itemsize = dtypes.from_wire(spec.dtype).itemsize
     except (TypeError, ValueError, SyntaxError):
-        return f"variable {name!r}: dtype {spec.dtype!r} is not a numpy dtype"
+        return f"variable {quoted(name)}: dtype {quoted(spec.dtype)} is not a numpy dtype"
     shape = tuple(spec.shape)
-    if len(shape) > MAX_NDIM:
-        return f"variable {name!r}: {len(shape)} dimensions; at most {MAX_NDIM} are supported"
-    for d in shape:
-        if not 0 <= d <= MAX_BYTES:
-            return (
-                f"variable {name!r}: shape {_shape_text(spec)} has dimension {d}; dimensions must be "
-                f"between 0 and 2**63-1"
-            )
+    problem = shape_problem(shape)
+    if problem:
+        return f"variable {quoted(name)}: {problem}"
     nbytes = 1
     for d in shape:
         nbytes *= d
     nbytes *= itemsize
     if nbytes > MAX_BYTES:
         return (
-            f"variable {name!r} is {_shape_text(spec)} {_dtype_name(spec.dtype)} = {format_bytes(nbytes)}, "
+            f"variable {quoted(name)} is {_shape_text(spec)} {_dtype_name(spec.dtype)} = {format_bytes(nbytes)}, "
             f"more than the 2**63-1 bytes any variable can have"
         )
     return None
@@ -184,13 +238,13 @@ def check_specs(specs: Iterable[VariableSpec]) -> None:
         if problem:
             raise InvalidVariableError(problem)
         if spec.name in names:
-            raise InvalidVariableError(f"variable {spec.name!r}: duplicate name")
+            raise InvalidVariableError(f"variable {quoted(spec.name)}: duplicate name")
         names.add(spec.name)
     for name in names:
         m = _REPLICA_SUFFIX.fullmatch(name)
         if m and m.group(1) in names:
             raise InvalidVariableError(
-                f"variable {name!r} is named like replica {m.group(2)} of variable {m.group(1)!r} "
+                f"variable {quoted(name)} is named like replica {m.group(2)} of variable {quoted(m.group(1))} "
                 f"(a worker's device {m.group(2)} holds that replica under that name); rename one of them"
             )
 
@@ -254,9 +308,9 @@ def check_fits(
         return
     what = f"{_shape_text(largest)} {_dtype_name(largest.dtype)} = {format_bytes(largest.nbytes)}"
     if largest.nbytes == total or len(specs) == 1:
-        subject = f"variable {largest.name!r} is {what}"
+        subject = f"variable {quoted(largest.name)} is {what}"
     else:
-        subject = f"the model's {len(specs)} variables need {format_bytes(total)} (largest: {largest.name!r} {what})"
+        subject = f"the model's {len(specs)} variables need {format_bytes(total)} (largest: {quoted(largest.name)} {what})"
     if max_bytes is not None and total > max_bytes:
         raise ModelError(
             f"{label}: {subject}, more than --max-model-bytes {format_bytes(max_bytes)} ({MAX_MODEL_BYTES_ENV}); "

@@ -22,7 +22,17 @@ SIGINT_IGNORED = ["-c", "import os, signal, sys; signal.signal(signal.SIGINT, si
 def file_limit(soft: int, hard: int) -> list[str]:
     """An exec wrapper like SIGINT_IGNORED: the command after it starts with RLIMIT_NOFILE
     (soft, hard), as under a shell's ``ulimit -n``."""
-    return ["-c", f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+    return _rlimit("RLIMIT_NOFILE", soft, hard)
+
+
+def memory_limit(nbytes: int) -> list[str]:
+    """An exec wrapper: the command after it starts with RLIMIT_AS ``nbytes`` (``ulimit -v``), so
+    a process that would take more gets a MemoryError instead of the machine's memory."""
+    return _rlimit("RLIMIT_AS", nbytes, nbytes)
+
+
+def _rlimit(name: str, soft: int, hard: int) -> list[str]:
+    return ["-c", f"import os, resource, sys; resource.setrlimit(resource.{name}, ({soft}, {hard})); "
                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]
 
 

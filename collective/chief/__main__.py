@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -37,13 +38,21 @@ def _run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     if tls.enabled:
         server_credentials(tls)  # refuse a half-configured TLS setup before loading a big model
+    if args.port_file and os.path.exists(args.port_file) and not os.path.isfile(args.port_file):
+        # It is replaced by a regular file: /dev/full would be gone, a FIFO's reader never told.
+        raise UsageError(f"--port-file {args.port_file}: is not a regular file; name a file the chief may replace")
     source = load_source(args.model, seed=args.seed)
 
     def on_listening(address: str, port: int) -> None:
         if args.port_file:
             tmp = Path(args.port_file + ".tmp")
-            tmp.write_text(str(port))
-            os.replace(tmp, args.port_file)
+            try:
+                tmp.write_text(str(port))
+                os.replace(tmp, args.port_file)
+            except OSError as exc:  # a full disk, a missing directory: the user's to fix, not a bug
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise UsageError(f"--port-file {args.port_file}: cannot write it: {exc.strerror or exc}") from exc
 
     run_chief(
         source, args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),

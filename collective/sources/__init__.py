@@ -46,6 +46,7 @@ from collective.sources._common import (
     SAFETENSORS_SUFFIX,
     SPEC_SUFFIXES,
     _check_seed,
+    not_regular,
 )
 from collective.sources.npz import NPZ_DTYPES_MEMBER, NpzSource, save_npz
 from collective.sources.safetensors import INDEX_SUFFIX, SafetensorsSource, ShardedSafetensorsSource
@@ -118,6 +119,10 @@ def _open(ref: str, seed: int | None) -> ModelSource:
         raise ModelError(_unknown_model_message(ref))
     if path.is_dir():
         path, ref = _in_directory(path, ref)
+    problem = not_regular(path)  # before anything opens it: a FIFO would block the read for ever
+    if problem:
+        raise ModelError(f"model {ref!r}: {problem}; use a .yaml/.json spec, .npz or .safetensors file, "
+                         f"or a checkpoint directory")
     if path.name.lower().endswith(INDEX_SUFFIX):
         return ShardedSafetensorsSource(path, label=ref)
     suffix = path.suffix.lower()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -13,7 +15,7 @@ import numpy as np
 
 from collective import dtypes as dtypemod
 from collective.errors import ModelError
-from collective.model import VariableSpec
+from collective.model import MAX_NDIM, VariableSpec, quoted, shape_problem
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 NPZ_SUFFIX = ".npz"
@@ -48,13 +50,13 @@ def _is_number(value: object) -> bool:
 
 def _check_seed(value: object, *, where: str) -> int:
     if not _is_int(value) or int(value) < 0:  # type: ignore[call-overload]
-        raise ModelError(f"{where} must be a non-negative integer, not {value!r}")
+        raise ModelError(f"{where} must be a non-negative integer, not {quoted(value)}")
     return int(value)  # type: ignore[call-overload]
 
 
 def _parse_dtype(value: object) -> np.dtype:
     if not isinstance(value, str) or not value.strip():
-        raise _Problem(f"dtype must be a numpy dtype name such as 'float32', not {value!r}")
+        raise _Problem(f"dtype must be a numpy dtype name such as 'float32', not {quoted(value)}")
     extended = dtypemod.by_name(value.strip())
     if extended is not None:
         return extended
@@ -64,8 +66,8 @@ def _parse_dtype(value: object) -> np.dtype:
             dtype = np.dtype(value.strip())
     except (TypeError, ValueError, Warning) as exc:
         if dtypemod.is_ml_dtypes_name(value.strip()):  # numpy knows it only once ml_dtypes is imported
-            raise _Problem(f"unsupported dtype {value.strip()!r}; {_KINDS_HINT}") from exc
-        raise _Problem(f"unknown dtype {value!r}; {_KINDS_HINT}") from exc
+            raise _Problem(f"unsupported dtype {quoted(value.strip())}; {_KINDS_HINT}") from exc
+        raise _Problem(f"unknown dtype {quoted(value)}; {_KINDS_HINT}") from exc
     problem = _dtype_problem(dtype)
     if problem:
         raise _Problem(problem)
@@ -74,16 +76,22 @@ def _parse_dtype(value: object) -> np.dtype:
 
 def _parse_shape(value: object) -> tuple[int, ...]:
     if not isinstance(value, list | tuple):
-        raise _Problem(f"shape must be a list of non-negative integers ([] for a scalar), not {value!r}")
+        raise _Problem(f"shape must be a list of non-negative integers ([] for a scalar), not {quoted(value)}")
+    if len(value) > MAX_NDIM:  # by its length alone: a YAML list of aliases can be millions long
+        raise _Problem(shape_problem(value) or "")
     for dim in value:
         if not _is_int(dim) or int(dim) < 0:
-            raise _Problem(f"shape {list(value)!r}: dimension {dim!r} is not a non-negative integer")
-    return tuple(int(d) for d in value)
+            raise _Problem(f"shape {quoted(list(value))}: dimension {quoted(dim)} is not a non-negative integer")
+    shape = tuple(int(d) for d in value)
+    problem = shape_problem(shape)
+    if problem:
+        raise _Problem(problem)
+    return shape
 
 
 def _check_name(name: object) -> str:
     if not isinstance(name, str):
-        raise _Problem(f"name must be a non-empty string, not {name!r}")
+        raise _Problem(f"name must be a non-empty string, not {quoted(name)}")
     if not name:
         raise _Problem("empty variable name")
     return name
@@ -111,13 +119,58 @@ def _no_duplicate_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
-            raise _Problem(f"duplicate key {key!r}")
+            raise _Problem(f"duplicate key {quoted(key)}")
         result[key] = value
     return result
 
 
+MAX_INT_DIGITS = 4300
+"""Python's own limit on reading an integer from text; no shape, offset or seed comes near it."""
+
+
+def long_integer(text: str) -> str | None:
+    """Why the integer written ``text`` is refused unread: more than ``MAX_INT_DIGITS``
+    characters (int() raises ValueError past 4,300 decimal digits, a traceback to the user, and
+    reads hexadecimal ones into integers no message can format); else None."""
+    if len(text) <= MAX_INT_DIGITS:
+        return None
+    return f"integer {text[:12]}... has {len(text)} characters, more than the {MAX_INT_DIGITS} a number here may have"
+
+
+def _json_int(text: str) -> int:
+    problem = long_integer(text)
+    if problem:
+        raise _Problem(problem)
+    return int(text)
+
+
+def _json_loads(text: str) -> Any:
+    """``json.loads`` that refuses a duplicate key and an integer past ``MAX_INT_DIGITS`` with
+    ``_Problem``; invalid JSON raises JSONDecodeError, nesting past the stack RecursionError."""
+    return json.loads(text, object_pairs_hook=_no_duplicate_pairs, parse_int=_json_int)
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
+
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def not_regular(path: Path) -> str | None:
+    """Why ``path`` (symbolic links followed) is no model file: "is a FIFO (named pipe)", a
+    device, a socket, a directory, "cannot be read: ..."; None for a regular file. Checked
+    before a file is opened: opening a FIFO for reading waits for a writer for ever, and a
+    device such as /dev/zero never ends."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((what for test, what in _NOT_REGULAR if test(mode)), None)
+    return f"is {kind}, not a regular file" if kind else "is not a regular file"
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ import numpy as np
 
 from collective import dtypes as dtypemod
 from collective.errors import ModelError
-from collective.model import VariableSpec
+from collective.model import VariableSpec, quoted
 from collective.sources._common import (
     StoredSource,
     _dtype_problem,
-    _no_duplicate_pairs,
+    _json_loads,
     _one_line,
     _Problem,
     _read_c_order,
@@ -84,7 +84,7 @@ def _npz_types(archive: zipfile.ZipFile, label: str) -> dict[str, np.dtype]:
             value = np.lib.format.read_array(f, allow_pickle=False)
         if value.dtype.kind != "U" or value.shape != ():
             raise ValueError(f"expected a unicode scalar, not {value.shape} {value.dtype}")
-        types = json.loads(str(value[()]), object_pairs_hook=_no_duplicate_pairs)
+        types = _json_loads(str(value[()]))
         if not isinstance(types, dict):
             raise ValueError("expected a JSON object of name -> dtype")
     except (*_NPZ_READ_ERRORS, _Problem, json.JSONDecodeError) as exc:
@@ -93,7 +93,7 @@ def _npz_types(archive: zipfile.ZipFile, label: str) -> dict[str, np.dtype]:
     for name, text in types.items():
         dtype = dtypemod.by_name(text) if isinstance(text, str) else None
         if dtype is None:
-            raise ModelError(f"{where}: array {name!r}: unknown type {text!r}; use one of {', '.join(dtypemod.EXTENDED)}")
+            raise ModelError(f"{where}: array {quoted(name)}: unknown type {quoted(text)}; use one of {', '.join(dtypemod.EXTENDED)}")
         out[name] = dtype
     return out
 
@@ -138,11 +138,11 @@ class NpzSource(StoredSource):
                 if types and member == NPZ_DTYPES_MEMBER + ".npy":
                     continue
                 if not member.endswith(".npy"):
-                    raise ModelError(f"{label}: member {member!r} is not a .npy array")
+                    raise ModelError(f"{label}: member {quoted(member)} is not a .npy array")
                 name = member[: -len(".npy")]
-                where = f"{label}: array {name!r}"
+                where = f"{label}: array {quoted(name)}"
                 if not name:
-                    raise ModelError(f"{label}: member {member!r}: empty variable name")
+                    raise ModelError(f"{label}: member {quoted(member)}: empty variable name")
                 if name in entries:
                     raise ModelError(f"{where}: duplicate name")
                 try:
@@ -167,7 +167,7 @@ class NpzSource(StoredSource):
         return entries
 
     def _fill(self, entry: _NpzEntry, spec: VariableSpec, out: np.ndarray) -> None:
-        where = f"{self.label}: array {spec.name!r}"
+        where = f"{self.label}: array {quoted(spec.name)}"
         try:
             with zipfile.ZipFile(self.path) as archive, archive.open(entry.member) as f:
                 shape, fortran_order, dtype = _read_npy_header(f)

@@ -11,17 +11,18 @@ import numpy as np
 
 from collective import dtypes as dtypemod
 from collective.errors import ModelError
-from collective.model import VariableSpec
+from collective.model import VariableSpec, quoted
 from collective.sources._common import (
     _SAFETENSORS_MAX_HEADER,
     SAFETENSORS_SUFFIX,
     StoredSource,
     _is_int,
-    _no_duplicate_pairs,
+    _json_loads,
     _one_line,
     _parse_shape,
     _Problem,
     _read_c_order,
+    not_regular,
 )
 from collective.sources.mapped import DataFile
 
@@ -86,7 +87,7 @@ class SafetensorsSource(StoredSource):
             text = raw.decode("utf-8")
             if not text.startswith("{"):
                 raise _Problem("header is not a JSON object")
-            header = json.loads(text, object_pairs_hook=_no_duplicate_pairs)
+            header = _json_loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError, _Problem, RecursionError) as exc:
             raise ModelError(f"{label}: corrupt safetensors header ({_one_line(str(exc))})") from exc
         if not isinstance(header, dict):
@@ -99,7 +100,7 @@ class SafetensorsSource(StoredSource):
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            where = f"{label}: tensor {name!r}"
+            where = f"{label}: tensor {quoted(name)}"
             if not name:
                 raise ModelError(f"{label}: empty tensor name")
             try:
@@ -108,7 +109,7 @@ class SafetensorsSource(StoredSource):
                 raise ModelError(f"{where}: {exc}") from exc
             if end > data_size:
                 raise ModelError(
-                    f"{where}: data_offsets end at {end} but the file holds {data_size} data bytes "
+                    f"{where}: data_offsets end at {quoted(end)} but the file holds {data_size} data bytes "
                     f"(truncated?)"
                 )
             entries[name] = _TensorEntry(base + begin, spec)
@@ -120,7 +121,7 @@ class SafetensorsSource(StoredSource):
         for begin, end, name in sorted(spans):
             if begin != expected:
                 raise ModelError(
-                    f"{label}: tensor {name!r}: data_offsets start at {begin}, expected {expected} "
+                    f"{label}: tensor {quoted(name)}: data_offsets start at {quoted(begin)}, expected {expected} "
                     f"(overlapping tensors or a hole)"
                 )
             expected = end
@@ -134,12 +135,12 @@ class SafetensorsSource(StoredSource):
     @staticmethod
     def _parse_tensor(name: str, info: object) -> tuple[VariableSpec, int, int]:
         if not isinstance(info, dict):
-            raise _Problem(f"expected a mapping with dtype, shape and data_offsets, not {info!r}")
+            raise _Problem(f"expected a mapping with dtype, shape and data_offsets, not {quoted(info)}")
         code = info.get("dtype")
         if not isinstance(code, str):
-            raise _Problem(f"missing or invalid dtype {code!r}")
+            raise _Problem(f"missing or invalid dtype {quoted(code)}")
         if code not in _SAFETENSORS_DTYPES:
-            raise _Problem(f"dtype {code!r} is not supported; use one of {', '.join(_SAFETENSORS_DTYPES)}")
+            raise _Problem(f"dtype {quoted(code)} is not supported; use one of {', '.join(_SAFETENSORS_DTYPES)}")
         if "shape" not in info:
             raise _Problem("missing shape")
         shape = _parse_shape(info["shape"])
@@ -150,14 +151,14 @@ class SafetensorsSource(StoredSource):
             or not all(_is_int(o) and o >= 0 for o in offsets)
             or offsets[0] > offsets[1]
         ):
-            raise _Problem(f"invalid data_offsets {offsets!r}")
+            raise _Problem(f"invalid data_offsets {quoted(offsets)}")
         begin, end = offsets
         dtype = dtypemod.from_wire(_SAFETENSORS_DTYPES[code])
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
             raise _Problem(
-                f"data_offsets {offsets!r} span {end - begin} bytes but shape {list(shape)} {code} "
-                f"needs {nbytes}"
+                f"data_offsets {quoted(offsets)} span {quoted(end - begin)} bytes but shape {quoted(list(shape))} {code} "
+                f"needs {quoted(nbytes)}"
             )
         return VariableSpec(name, shape, dtypemod.wire(dtype)), begin, end
 
@@ -174,7 +175,7 @@ class SafetensorsSource(StoredSource):
                 _read_c_order(f, out)
         except (OSError, EOFError) as exc:
             message = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            raise ModelError(f"{self.label}: tensor {spec.name!r}: cannot read ({message})") from exc
+            raise ModelError(f"{self.label}: tensor {quoted(spec.name)}: cannot read ({message})") from exc
 
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -191,9 +192,10 @@ class ShardedSafetensorsSource(StoredSource):
     """A sharded Hugging Face checkpoint: the index's ``weight_map`` (tensor name -> shard file
     beside the index) in its order, each tensor read from its shard.
 
-    The index and every shard are checked when loaded: a shard outside the index's directory, a
-    missing shard file, a tensor the index lists that its shard does not hold (or one a shard
-    holds that the index does not list), a name listed twice: one ModelError naming the file.
+    The index and every shard are checked when loaded: a shard outside the index's directory (also
+    one a symbolic link leads out of it), a missing shard file or one that is no regular file, a
+    tensor the index lists that its shard does not hold (or one a shard holds that the index does
+    not list), a name listed twice: one ModelError naming the file.
     """
 
     what = "tensor"
@@ -209,7 +211,7 @@ class ShardedSafetensorsSource(StoredSource):
         except (OSError, UnicodeDecodeError) as exc:
             raise ModelError(f"{label}: cannot read the index: {getattr(exc, 'strerror', None) or exc}") from exc
         try:
-            index = json.loads(text, object_pairs_hook=_no_duplicate_pairs)
+            index = _json_loads(text)
         except (json.JSONDecodeError, _Problem, RecursionError) as exc:
             raise ModelError(f"{label}: corrupt index ({_one_line(str(exc))}); every tensor name "
                              f"must appear once in weight_map") from exc
@@ -218,23 +220,35 @@ class ShardedSafetensorsSource(StoredSource):
             raise ModelError(f"{label}: not a safetensors index: it needs a non-empty \"weight_map\" "
                              f"object (tensor name -> shard file)")
         label_dir = os.path.dirname(label)
+        # Where a shard may resolve to: the index's directory, or the directory of the file the
+        # index links to (a Hugging Face cache links both the index and its shards into blobs/).
+        roots = {os.path.realpath(self.path.parent), os.path.dirname(os.path.realpath(self.path))}
         shards: dict[str, SafetensorsSource] = {}
         wanted: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             if not isinstance(fname, str) or not fname or not fname.lower().endswith(SAFETENSORS_SUFFIX):
-                raise ModelError(f"{label}: tensor {name!r}: shard {fname!r} is not a .safetensors file name")
+                raise ModelError(f"{label}: tensor {quoted(name)}: shard {quoted(fname)} is not a .safetensors file name")
             norm = os.path.normpath(fname)
             if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep):
-                raise ModelError(f"{label}: tensor {name!r}: shard {fname!r} is outside the index's "
+                raise ModelError(f"{label}: tensor {quoted(name)}: shard {quoted(fname)} is outside the index's "
                                  f"directory; shards must lie beside the index")
             if norm not in shards:
-                shard_path = self.path.parent / norm
-                if not shard_path.is_file():
+                shard_path, shard_label = self.path.parent / norm, os.path.join(label_dir, norm)
+                if not shard_path.exists():
                     raise ModelError(
-                        f"{os.path.join(label_dir, norm)}: missing shard ({sum(1 for v in weight_map.values() if v == fname)} "
-                        f"tensor(s) of {label}, first {name!r}); download every shard beside the index"
+                        f"{shard_label}: missing shard ({sum(1 for v in weight_map.values() if v == fname)} "
+                        f"tensor(s) of {label}, first {quoted(name)}); download every shard beside the index"
                     )
-                shards[norm] = SafetensorsSource(shard_path, label=os.path.join(label_dir, norm))
+                problem = not_regular(shard_path)
+                if problem:
+                    raise ModelError(f"{shard_label}: shard of {label} {problem}")
+                real = os.path.realpath(shard_path)
+                if not any(os.path.commonpath((real, root)) == root for root in roots):
+                    raise ModelError(
+                        f"{shard_label}: shard of {label} resolves to {real}, outside the index's directory "
+                        f"(through a symbolic link); shards must lie beside the index: copy the file there"
+                    )
+                shards[norm] = SafetensorsSource(real, label=shard_label)  # opened by the checked path
                 wanted[norm] = []
             wanted[norm].append(name)
         entries: dict[str, _ShardEntry] = {}
@@ -244,7 +258,7 @@ class ShardedSafetensorsSource(StoredSource):
                 spec = held[norm].pop(name, None)
                 if spec is None:
                     raise ModelError(
-                        f"{shard.label}: does not hold tensor {name!r}, which {label} puts there; "
+                        f"{shard.label}: does not hold tensor {quoted(name)}, which {label} puts there; "
                         f"the index and its shards do not match (download them again)"
                     )
                 entries[name] = _ShardEntry(shard, spec)
@@ -253,7 +267,7 @@ class ShardedSafetensorsSource(StoredSource):
                 extra = next(iter(held[norm]))
                 raise ModelError(
                     f"{shard.label}: holds {len(held[norm])} tensor(s) {label} does not list for it "
-                    f"(first {extra!r}); the index and its shards do not match (download them again)"
+                    f"(first {quoted(extra)}); the index and its shards do not match (download them again)"
                 )
         self.shards = list(shards.values())
         return {name: entries[name] for name in weight_map}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +159,52 @@ def test_a_bad_shard_names_the_shard(tmp_path):
     shard = tmp_path / "model-00002-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:-3])
     raises(path, "model-00002-of-00002.safetensors", "truncated")
+
+
+@pytest.mark.parametrize("link", ["directory", "file"])
+def test_a_shard_a_symbolic_link_leads_out_of_the_index_directory_is_refused_naming_it(tmp_path, link):
+    """Issue 28 item 8: ``sub -> /elsewhere`` made ``sub/x.safetensors`` a shard the chief served."""
+    path, index = write_sharded(tmp_path / "ckpt", values(), 2)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shard = "model-00002-of-00002.safetensors"
+    (path.parent / shard).rename(elsewhere / shard)
+    if link == "directory":
+        (path.parent / "sub").symlink_to(elsewhere)
+        named = f"sub/{shard}"
+    else:
+        (path.parent / "linked.safetensors").symlink_to(elsewhere / shard)
+        named = "linked.safetensors"
+    index["weight_map"] = {k: named if v == shard else v for k, v in index["weight_map"].items()}
+    path.write_text(json.dumps(index))
+    raises(path, f"ckpt/{named}: shard of {path} resolves to {elsewhere / shard}, outside the index's directory")
+
+
+def test_a_shard_linked_within_the_index_directory_is_served(tmp_path):
+    arrays = values()
+    path, index = write_sharded(tmp_path / "ckpt", arrays, 2)
+    (path.parent / "sub").mkdir()
+    shard = "model-00002-of-00002.safetensors"
+    (path.parent / shard).rename(path.parent / "sub" / shard)
+    (path.parent / shard).symlink_to(Path("sub") / shard)
+    check_values(load_source(path), arrays)
+
+
+def test_a_hugging_face_cache_snapshot_is_served(tmp_path):
+    """The hub's cache links the index and every shard of ``snapshots/<rev>/`` to ``blobs/``:
+    shards resolve beside the file the index links to, not beside the link."""
+    arrays = values()
+    path, index = write_sharded(tmp_path / "blobs", arrays, 2)
+    snapshot = tmp_path / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for name in [path.name, *set(index["weight_map"].values())]:
+        (snapshot / name).symlink_to(Path("../..") / "blobs" / name)
+    check_values(load_source(snapshot), arrays)
+
+
+def test_a_shard_that_is_a_fifo_is_refused_naming_it(tmp_path):
+    path, _ = write_sharded(tmp_path, values(), 2)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)
+    raises(path, f"{shard}: shard of {path} is a FIFO (named pipe), not a regular file")

@@ -27,6 +27,7 @@ from collective.model import (
     VariableSpec,
     available_memory,
     check_fits,
+    quoted,
 )
 from collective.sources import (
     PRESETS,
@@ -1212,3 +1213,73 @@ def test_fuzz_an_npz_header_loads_valid_or_fails_with_one_model_error(tmp_path, 
         return
     for spec in specs:
         pb.VariableInfo(name=spec.name, shape=list(spec.shape), nbytes=spec.nbytes).SerializeToString()
+
+
+# ----------------------------------------------------------------------------- rejected values, quoted
+
+
+def test_quoted_formats_a_bounded_part_of_any_value():
+    """A message quotes at most a short prefix: the value of a YAML alias bomb shares its lists,
+    so it is small in memory but 9**9 values once formatted whole."""
+    bomb: object = ["x"] * 9
+    for _ in range(8):
+        bomb = [bomb] * 9
+    assert quoted(bomb) == "[" + ", ".join(["[...]"] * 8) + ", ...]"
+    assert quoted({"a": bomb, "b": 1}) == "{'a': [...], 'b': 1}"
+    assert quoted("s" * 1000) == repr("s" * 80) + "...(1000 characters)"
+    assert quoted(int("9" * 4000)) == "<an integer of 4000 digits>"
+    assert quoted(16 ** 5000) == "<an integer of 6021 digits>"  # past what str() can format
+    assert [quoted(v) for v in (True, None, -3, 2**70, 0.5, "ok", [1, 2])] == \
+        ["True", "None", "-3", "1180591620717411303424", "0.5", "'ok'", "[1, 2]"]
+
+
+def test_a_non_scalar_rejected_value_is_quoted_briefly(tmp_path):
+    """Issue 28 item 5: below the alias limit, but each value still formatted whole before."""
+    path = tmp_path / "model.yaml"
+    path.write_text("variables:\n  - name: w\n    shape: [1]\n    dtype: float32\n    initializer: zeros\n"
+                    "    trainable: {a: &a [x, x, x, x, x, x, x, x, x], b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]}\n")
+    error = raises_model_error(path, "variable 'w': trainable must be true or false, not {'a': [...], 'b': [...]}")
+    assert len(str(error)) < 200
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("seed: &s [1, *s]\nvariables: []\n", "line 1, column 7: found a recursive alias"),
+    ("x: &a [y, y, y, y, y, y, y, y, y, y]\n" + "".join(
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcde", "bcdef", strict=True)),
+     "line 5, column 4: aliases expand the document's 23 nodes to 1234573, more than 100230"),
+], ids=["recursive", "expanding"])
+def test_yaml_aliases_that_recurse_or_expand_far_are_refused(tmp_path, text, says):
+    path = tmp_path / "model.yaml"
+    path.write_text(text)
+    raises_model_error(path, "model.yaml: invalid YAML at ", says)
+
+
+def test_yaml_anchors_shared_by_many_variables_still_load(tmp_path):
+    """Merge keys and shared initializers expand a document a few times over, never 10 times."""
+    lines = ["variables:", "  - &base {name: v0, shape: [2, 2], dtype: float32, initializer: &init {type: normal, stddev: 0.1}}"]
+    lines += [f"  - {{<<: *base, name: v{i}, initializer: *init}}" for i in range(1, 20000)]
+    path = tmp_path / "model.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    assert len(load_source(path).specs()) == 20000
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("2024-13-01", "invalid date '2024-13-01': month must be in 1..12"),
+    ("0b" + "1" * 5000, "integer 0b1111111111... has 5002 characters, more than the 4300"),
+], ids=["date", "binary-integer"])
+def test_yaml_scalars_python_cannot_read_are_one_model_error(tmp_path, value, says):
+    path = tmp_path / "model.yaml"
+    path.write_text(f"variables:\n  - name: w\n    shape: [{value}]\n    dtype: float32\n    initializer: zeros\n")
+    raises_model_error(path, "model.yaml: invalid YAML at line 3, column 13: ", says)
+
+
+@pytest.mark.parametrize("fmt", ["json", "safetensors"])
+def test_a_rejected_name_of_a_megabyte_is_quoted_by_a_prefix(tmp_path, fmt):
+    name = "n" * (1 << 20)
+    if fmt == "json":
+        path = write_json(tmp_path / "model.json", {"variables": [var(name, [1], "float128")]})
+    else:
+        path = write_safetensors(tmp_path / "model.safetensors", {name: {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}},
+                                 b"\0" * 16)
+    error = raises_model_error(path, f"{'n' * 80!r}...(1048576 characters)")
+    assert len(str(error)) < 600  # the path, the name's prefix and the dtype hint; was a megabyte

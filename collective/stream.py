@@ -1,0 +1,351 @@
+"""The data stream of a plan: its frames, cut from the chief's arena by the ``Chunker`` and
+checked by the worker's ``Receiver``.
+
+Both ends derive the stream's messages from the plan alone (``frame_messages``): each chunk's
+offset, group and instance keys, and its trailer, the digest of its bytes, which the plan lists
+too (``chunk_digests``); the last message carries the stream end (total bytes + manifest digest).
+``Receiver`` enforces all of it, so a truncated, reordered or corrupted stream is never taken as
+success, and a chunk that differs is traced to the variable whose own digest differs
+(``culprit``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from collective._proto import collective_pb2 as pb
+from collective.digest import bytes_digest
+from collective.errors import IntegrityError, ProtocolError
+from collective.variables import replica_name
+
+
+@dataclass(frozen=True)
+class _ChunkFrame:
+    start: int
+    end: int
+    group_key: int
+    instance_keys: tuple[int, ...]
+    digest: str  # "" for the end message
+
+
+def _frames(plan: pb.Plan) -> list[_ChunkFrame]:
+    """Chunk boundaries and their metadata; the same for every receiver of the plan."""
+    total, size = plan.total_bytes, plan.chunk_bytes
+    group_key = plan.groups[0].group_key if plan.groups else 0
+    variables = [v for v in plan.variables if v.nbytes]  # in arena order, without overlaps (validate_plan)
+    frames, lo = [], 0
+    for i, start in enumerate(range(0, total, size)):
+        end = min(start + size, total)
+        # Variables only move forward: skip those ended before this chunk, scan those starting in it.
+        while lo < len(variables) and variables[lo].offset + variables[lo].nbytes <= start:
+            lo += 1
+        j = lo
+        while j < len(variables) and variables[j].offset < end:
+            j += 1
+        ik = tuple(v.instance_key for v in variables[lo:j])
+        # A provisional plan (digests_follow) has none yet: the sender's trailer is the chunk's digest.
+        frames.append(_ChunkFrame(start, end, group_key, ik, plan.chunk_digests[i] if plan.chunk_digests else ""))
+    frames.append(_ChunkFrame(total, total, group_key, (), ""))
+    return frames
+
+
+class Chunker:
+    """Cuts the chief's arena into the messages of one stream. Built once, used per receiver."""
+
+    def __init__(self, plan: pb.Plan, arena, known: Sequence[str] | None = None) -> None:
+        """``arena``: a flat array, or an object whose ``slice(start, end)`` returns the bytes
+        (``collective.shards.ShardView``). ``known``: the chunk digests verified so far (a relay's Receiver's, growing as the
+        stream lands), the trailers of a provisional plan (``digests_follow``); without them
+        each chunk is hashed as it is first sent, once for every stream of this Chunker."""
+        self._plan = plan
+        if hasattr(arena, "slice"):  # a shard's bytes where they lie in the model (collective.shards.ShardView)
+            self._slice = arena.slice
+        else:
+            flat = memoryview(arena.reshape(-1).view(np.uint8))
+            self._slice = lambda start, end: flat[start:end]
+        self._frames = _frames(plan)
+        self._known = known
+        self._hashed: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def chunks(self) -> Iterator[pb.Chunk]:
+        """Yield the stream's messages; the last one carries the stream end."""
+        return with_bytes(self.frames())
+
+    def frames(self, start: int = 0, landed=None) -> Iterator[tuple[pb.Chunk, memoryview]]:
+        """Each message without its bytes, and a view of those bytes in the arena; from the
+        message at offset ``start`` (a receiver resuming: ``WorkerRef.resume_from``) on.
+        ``landed(end)``: returns once the arena holds every byte below ``end`` (a relay's, as
+        its own stream arrives), called before each message is made.
+
+        For transports that send the bytes themselves without a copy (MPI's Bcast).
+        """
+        for msg, first, end in frame_messages(self._plan):
+            if first >= start:
+                if landed is not None:
+                    landed(end)
+                data = self._slice(first, end)
+                if not msg.digest and end > first:  # a provisional plan: the trailer is the chunk's own digest
+                    msg.digest = self._trailer(first, data)
+                yield msg, data
+
+    def _trailer(self, start: int, data: memoryview) -> str:
+        i = start // self._plan.chunk_bytes
+        if self._known is not None and i < len(self._known):
+            return self._known[i]
+        digest = self._hashed.get(i)
+        if digest is None:
+            digest = self._hashed[i] = bytes_digest(data)
+        return digest
+
+
+def with_bytes(frames: Iterable[tuple[pb.Chunk, memoryview]]) -> Iterator[pb.Chunk]:
+    """Whole messages from (message without bytes, view of the bytes) pairs: one copy each."""
+    for msg, data in frames:
+        msg.data = bytes(data)
+        yield msg
+
+
+def frame_messages(plan: pb.Plan) -> Iterator[tuple[pb.Chunk, int, int]]:
+    """Every message of a plan's stream without its bytes, with the arena range it covers.
+
+    Both ends can derive them from the plan alone, so a transport that moves the bytes in large
+    collective calls (MPI) need not send them: the receiver still checks every trailer.
+    """
+    frames = _frames(plan)
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        msg = pb.Chunk(offset=f.start, group_key=f.group_key, instance_keys=f.instance_keys, digest=f.digest)
+        if i == last:
+            msg.end.total_bytes = plan.total_bytes
+            msg.end.manifest_digest = plan.manifest_digest
+        yield msg, f.start, f.end
+
+
+PAGE = 4096
+
+
+def new_arena(nbytes: int) -> np.ndarray:
+    """A receive arena with every page already faulted in.
+
+    The first write to each fresh page costs a fault and a zeroing (about 0.5 ms per MiB on a
+    small VM); done here, before the stream is asked for, that cost is not paid between two
+    chunks of the stream, where it held one gRPC stream to a third of its rate. The peers'
+    buffers (``collective bench --peers``) are warm too.
+    """
+    arena = np.empty(nbytes, dtype=np.uint8)
+    arena[::PAGE] = 0
+    return arena
+
+
+def culprit(
+    plan: pb.Plan, arena: np.ndarray, start: int, end: int, *, upto: int | None = None,
+    replica: tuple[int, str] | None = None, digests: tuple[str, str] | None = None,
+) -> str:
+    """Why the bytes ``start..end`` of ``arena`` differ from the chief's, naming the variable.
+
+    Each variable overlapping the range whose bytes all lie below ``upto`` (default: the arena
+    end) is hashed and compared with its own digest in the plan; the first that differs is named
+    with both digests. A variable that continues past ``upto`` cannot be hashed yet: it is named
+    as the owner of the differing bytes. Only the padding between variables is left otherwise.
+    ``replica`` (index, device): the arena holds that replica of every variable, not bytes just
+    received. ``digests`` (got, chief's) of the whole range are quoted when no variable could be
+    hashed on its own.
+    """
+    upto = plan.total_bytes if upto is None else upto
+    flat = arena.reshape(-1).view(np.uint8)
+    partial = []
+    for v in overlapping(plan, start, end):
+        if v.offset + v.nbytes > upto:
+            partial.append(v)
+            continue
+        got = bytes_digest(memoryview(flat[v.offset : v.offset + v.nbytes]))
+        if got != v.digest and replica is not None:
+            name = replica_name(v.name, replica[0])
+            return f"variable {v.name!r}: replica {name!r} on {replica[1]} has digest {got}, the chief's is {v.digest}"
+        if got != v.digest:
+            return f"variable {v.name!r}: digest of received bytes {got} differs from the chief's {v.digest}"
+    quoted = f": chunk digest {digests[0]}, the chief's {digests[1]}" if digests else ""
+    if partial:
+        v = partial[0]
+        return (
+            f"variable {v.name!r}: its bytes {max(start, v.offset) - v.offset}..{min(end, v.offset + v.nbytes) - v.offset} "
+            f"(in the chunk at offset {start}) differ from the chief's{quoted}"
+        )
+    return f"the padding between variables in bytes {start}..{end} differs from the chief's{quoted}"
+
+
+def differing_chunk(plan: pb.Plan, got: Sequence[str], want: Sequence[str]) -> tuple[int, int] | None:
+    """The arena range of the first chunk whose digest in ``got`` is not the one in ``want`` (or
+    that one of the lists lacks); None when they are equal."""
+    if list(got) == list(want):
+        return None
+    k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    start = k * plan.chunk_bytes
+    return start, min(start + plan.chunk_bytes, plan.total_bytes)
+
+
+def overlapping(plan: pb.Plan, start: int, end: int) -> list[pb.VariableInfo]:
+    """The variables with bytes in ``start..end``, in arena order."""
+    ends = [v.offset + v.nbytes for v in plan.variables]
+    i = bisect.bisect_right(ends, start)
+    out = []
+    for v in plan.variables[i:]:
+        if v.offset >= end:
+            break
+        if v.nbytes:
+            out.append(v)
+    return out
+
+
+class Receiver:
+    """Writes a stream into a worker's arena and checks it against the plan.
+
+    ``accept`` raises ProtocolError for keys or offsets the plan does not allow, and
+    IntegrityError (naming the variable) for a chunk whose bytes differ from the chief's. Every
+    chunk is hashed once, whatever the number of variables it fuses. ``finish`` raises
+    IntegrityError unless the stream ended properly with every byte verified.
+    """
+
+    def __init__(self, plan: pb.Plan, arena: np.ndarray) -> None:
+        self._plan = self.plan = plan
+        self._arena = arena.reshape(-1).view(np.uint8)
+        self._frames = {f.start: f for f in _frames(plan)}
+        self._keys = {v.instance_key for v in plan.variables}
+        self._groups = {g.group_key for g in plan.groups}
+        self._ends = sorted(v.offset + v.nbytes for v in plan.variables)
+        self._pos = 0
+        self._ended = False
+        self.digests: list[str] = []  # of every chunk verified so far, in order
+
+    @property
+    def bytes_received(self) -> int:
+        return self._pos
+
+    @property
+    def variables_verified(self) -> int:
+        """Variables whose every byte has arrived in verified chunks."""
+        return len(self._ends) if self._ended else bisect.bisect_right(self._ends, self._pos)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """Where the next chunk's bytes go, for transports that write them in place.
+
+        Raises ProtocolError unless ``offset`` is where the stream stands and ``nbytes`` is the
+        plan's length for that chunk; then call ``accept(meta, placed=True)``.
+        """
+        frame = self._frames.get(offset)
+        if offset != self._pos or frame is None or nbytes != frame.end - frame.start:
+            raise ProtocolError(
+                f"chunk of {nbytes} bytes at offset {offset} does not fit the plan (the stream stands at {self._pos})"
+            )
+        return self._arena[frame.start : frame.end]
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        """Where several consecutive chunks' bytes go, for one large in-place write.
+
+        ``start`` must be where the stream stands and ``end`` a chunk boundary of the plan (or
+        the arena's end); then ``accept(meta, placed=True)`` each chunk of the span in order.
+        """
+        if start != self._pos or not (end == self._plan.total_bytes or end in self._frames) or end < start:
+            raise ProtocolError(f"span {start}..{end} does not fit the plan (the stream stands at {self._pos})")
+        return self._arena[start:end]
+
+    def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
+        """Check one message and write its bytes (already written with ``placed``)."""
+        if self._ended:
+            raise ProtocolError("message received after the end of the stream")
+        if chunk.group_key not in self._groups and (chunk.data or chunk.instance_keys):
+            raise ProtocolError(f"chunk at offset {chunk.offset} has group key {chunk.group_key}, not in the plan")
+        frame = self._frames.get(chunk.offset)
+        if chunk.offset != self._pos or frame is None:
+            raise ProtocolError(f"chunk at offset {chunk.offset} arrived where offset {self._pos} was expected")
+        if not placed and len(chunk.data) != frame.end - frame.start:
+            raise IntegrityError(
+                f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; the plan says {frame.end - frame.start}"
+            )
+        keys = tuple(chunk.instance_keys)
+        if keys != frame.instance_keys:
+            unknown = [k for k in keys if k not in self._keys]
+            if unknown:
+                raise ProtocolError(f"chunk at offset {chunk.offset} has instance key {unknown[0]}, not in the plan")
+            raise ProtocolError(
+                f"chunk at offset {chunk.offset} names instance keys {list(keys)[:8]}; "
+                f"the plan puts {list(frame.instance_keys)[:8]} there"
+            )
+        if chunk.data and not placed:
+            self._arena[frame.start : frame.end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        if frame.end > frame.start:
+            self._check_chunk(chunk, frame)
+        elif chunk.digest:
+            raise ProtocolError(f"message at offset {chunk.offset} has no bytes but claims digest {chunk.digest}")
+        self._pos = frame.end
+        if chunk.HasField("end"):
+            self._check_end(chunk.end)
+
+    def _check_chunk(self, chunk: pb.Chunk, frame: _ChunkFrame) -> None:
+        """The chunk's trailer: its bytes' digest against the plan's (and the sender's claim).
+
+        A provisional plan (``digests_follow``) has no chunk digests yet: the bytes are checked
+        against the trailer, and against the chief's digests once they come (``complete``)."""
+        got = bytes_digest(memoryview(self._arena[frame.start : frame.end]))
+        if not frame.digest:
+            if not chunk.digest:
+                raise ProtocolError(f"chunk at offset {chunk.offset} has no digest trailer; the plan's digests "
+                                    f"follow the stream, so every chunk must carry its own")
+            if got != chunk.digest:
+                names = ", ".join(repr(v.name) for v in overlapping(self._plan, frame.start, frame.end)[:3]) or "padding"
+                raise IntegrityError(f"chunk at offset {chunk.offset} (bytes of {names}): digest of received bytes "
+                                     f"{got} differs from its trailer {chunk.digest}")
+        elif got != frame.digest:
+            raise IntegrityError(
+                culprit(self._plan, self._arena, frame.start, frame.end, upto=frame.end, digests=(got, frame.digest))
+            )
+        elif chunk.digest != frame.digest:
+            raise IntegrityError(
+                f"chunk at offset {chunk.offset}: its trailer says digest {chunk.digest or '(none)'}, "
+                f"the plan and the received bytes say {frame.digest}"
+            )
+        self.digests.append(got)
+
+    def complete(self, plan: pb.Plan) -> None:
+        """The complete plan of a provisional one (``check_completes``): every chunk received
+        so far against the chief's digests. Raises IntegrityError naming the variable."""
+        differs = differing_chunk(plan, self.digests, plan.chunk_digests[: len(self.digests)])
+        if differs is not None:
+            k = differs[0] // plan.chunk_bytes
+            raise IntegrityError(culprit(plan, self._arena, *differs, upto=self._pos,
+                                         digests=(self.digests[k], plan.chunk_digests[k])))
+        self._plan = self.plan = plan
+        self._frames = {f.start: f for f in _frames(plan)}
+
+    def _check_end(self, end: pb.StreamEnd) -> None:
+        if end.total_bytes != self._plan.total_bytes or self._pos != self._plan.total_bytes:
+            raise IntegrityError(
+                f"stream end claims {end.total_bytes} bytes after {self._pos} received; "
+                f"the plan has {self._plan.total_bytes}"
+            )
+        # An empty one: the sender's plan or this one is provisional (``digests_follow``).
+        if end.manifest_digest and self._plan.manifest_digest and end.manifest_digest != self._plan.manifest_digest:
+            raise IntegrityError("stream end carries a manifest digest that differs from the plan's")
+        self._ended = True
+
+    def finish(self) -> None:
+        """Raise IntegrityError unless the whole stream arrived, verified, with its end message."""
+        if not self._ended:
+            if self._pos == self._plan.total_bytes:
+                raise IntegrityError(
+                    f"stream ended without its end message (total and manifest digest) after all "
+                    f"{self._pos} bytes; a stream that does not end properly is never taken as complete"
+                )
+            first = next((v.name for v in self._plan.variables if v.offset + v.nbytes > self._pos), "-")
+            missing = len(self._ends) - self.variables_verified
+            raise IntegrityError(
+                f"stream ended early: {self._pos} of {self._plan.total_bytes} bytes, "
+                f"{missing} variable(s) unverified (first: {first})"
+            )
