@@ -145,3 +145,10 @@ def test_page_examples_run(page: Path, tmp_path: Path):
                 run_block(session, block)
     finally:
         session.close()
+
+
+def test_readme_is_short_and_opens_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200, "README.md is over 200 lines: move the detail into a page of docs/"
+    first = next(b for b in blocks(ROOT / "README.md"))
+    assert [ln.split()[:2] for ln in first.text.splitlines()] == [["make", "demo"], ["make", "test"]]
