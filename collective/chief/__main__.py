@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from collective._api import run_chief
+    from collective.chief.round import load_source_reporting
     from collective.errors import UsageError
-    from collective.sources import load_source
     from collective.transport.grpc import server_credentials
 
     if args.workers is None:
@@ -37,7 +37,7 @@ def _run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     if tls.enabled:
         server_credentials(tls)  # refuse a half-configured TLS setup before loading a big model
-    source = load_source(args.model, seed=args.seed)
+    source = load_source_reporting(args.model, seed=args.seed, result_file=args.result_file, transport="grpc")
 
     def on_listening(address: str, port: int) -> None:
         if args.port_file:

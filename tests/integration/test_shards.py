@@ -41,7 +41,7 @@ def test_a_worker_given_nothing_takes_an_empty_stream_over_the_raw_data_path(clu
         assert w.wait(90) == 0, w.output()
     assert chief.wait(30) == 0, chief.output()
     by_rank = {w["rank"]: w for w in json.loads((cluster.tmp / "result.json").read_text())["workers"]}
-    assert by_rank[1]["bytes"] == 0 and by_rank[1]["replicas"] == [] and by_rank[0]["replicas"]
+    assert by_rank[1]["bytes"] == 0 and by_rank[1]["replicas"] == 0 and by_rank[0]["replicas"]
 
 
 @pytest.mark.parametrize(("value", "says"), [
