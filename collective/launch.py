@@ -108,6 +108,7 @@ class Launcher:
         self._lock_fd: int | None = None
         self._private: Path | None = None  # the chief's port and result files
         self._failure: str | None = None  # launch's own verdict (workers gone before the chief decided)
+        self._failure_culprit: str | None = None  # the one worker that died, if one did
         self._cut: list[str] = []  # what could not be written to the run directory, and why
         self._result_file: Path | None = None  # the chief's summary, written once it has decided
         self._t0 = time.monotonic()
@@ -359,6 +360,7 @@ class Launcher:
                 if decided and now - lost_at > WORKER_LOSS_GRACE + self._chief_grace():
                     return
                 if not decided and now - lost_at > WORKER_LOSS_GRACE:
+                    self._failure_culprit = lost[0].label.replace(" ", "-") if len(lost) == 1 else None
                     self._failure = "worker process(es) ended before the round did: " + "; ".join(
                         f"{c.label.replace(' ', '-')} (pid {c.proc.pid}, {c.exit_text()}"
                         + (f": {why}" if (why := _error_line(c.lines)) else "") + ")"
@@ -409,8 +411,9 @@ class Launcher:
             result = {**base, "error": _error_line(chief_lines) or "the chief ended without a summary"}
         if self._failure and (not result.get("error") or "chief shutting down (SIGTERM)" in result["error"]):
             result["error"] = self._failure  # we stopped the chief; the lost workers are the reason
-            lost = [c for c in self.children[1:] if c.proc.returncode not in (None, 0)]
-            result["culprit"] = lost[0].label.replace(" ", "-") if len(lost) == 1 else None
+            result["culprit"] = self._failure_culprit
+            # The chief's own phase when it was stopped: the plan out (a join time) means broadcast.
+            result["error_phase"] = "broadcast" if (result.get("phases") or {}).get("join") is not None else "join"
         result["failed_processes"] = {label: code for label, code in codes.items() if code != 0}
         if result["failed_processes"]:
             result["ok"] = False
