@@ -93,9 +93,10 @@ def run_round(
         raise
     held: list[tuple[VariableStore, str]] = []
     done = threading.Event()
+    writer = threading.Thread(target=_write_when_decided, args=(service, Path(result_file or "."), done),
+                              name="result-file", daemon=True)
     if result_file:
-        threading.Thread(target=_write_when_decided, args=(service, Path(result_file), done),
-                         name="result-file", daemon=True).start()
+        writer.start()
 
     def local() -> None:
         held.append(hold_chief_replicas(service, devices, replica_timeout))
@@ -110,6 +111,7 @@ def run_round(
     finally:
         done.set()
         if result_file:
+            writer.join(10.0)  # one writer at a time: both go through the same temporary file
             result = service.result()
             if failure is not None and result["error"] is None:  # the drive's own error, not the service's
                 result.update({k: v for k, v in failed_summary(failure, transport=transport, model=None).items()
