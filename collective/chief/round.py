@@ -52,10 +52,17 @@ def load_source_reporting(ref: str, *, seed: int | None, result_file: str | None
     try:
         return load_source(ref, seed=seed)
     except CollectiveError as exc:
+        _blame_chief(exc)
         if result_file:
-            write_result(Path(result_file), failed_summary(exc, transport=transport, model=ref, phase="load",
-                                                           culprit="chief"))
+            write_result(Path(result_file), failed_summary(exc, transport=transport, model=ref))
         raise
+
+
+def _blame_chief(exc: CollectiveError) -> None:
+    """An error the chief met before any round (its model, its shard request): its own, in the
+    load phase, unless it names another party already. On the error itself, so every rank that
+    hears it (collective.sync) reads the same culprit and phase as the summary."""
+    exc.culprit, exc.phase = exc.culprit or "chief", exc.phase or "load"
 
 
 def _write_when_decided(service: ChiefService, path: Path, done: threading.Event) -> None:
@@ -86,10 +93,10 @@ def run_round(
     transport = service_options.get("transport", "grpc")
     try:
         service = ChiefService(source, num_workers, local_devices=devices or None, **service_options)
-    except CollectiveError as exc:  # the model did not fit, or a bad option: no round at all
+    except CollectiveError as exc:  # the model did not fit, a bad shard request or option: no round at all
+        _blame_chief(exc)
         if result_file:
-            write_result(Path(result_file), failed_summary(exc, transport=transport, model=source.description,
-                                                           phase="load", culprit="chief"))
+            write_result(Path(result_file), failed_summary(exc, transport=transport, model=source.description))
         raise
     held: list[tuple[VariableStore, str]] = []
     done = threading.Event()
