@@ -144,7 +144,7 @@ def phases(svc) -> dict:
 
 
 # Every key of a round's summary, success or failure, wherever it is printed (launch, the
-# chief's --result-file, collective.mpi --json); launch fills the last four.
+# chief's --result-file, collective.mpi --json); launch fills the last five (the chief gives them null or empty).
 SUMMARY_KEYS = ("ok", "exit_code", "transport", "model", "error", "culprit", "error_phase", "seconds", "bytes",
                 "topology", "shards", "phases", "workers", "chief", "rejoined", "variables", "chief_replicas",
                 "wall_seconds", "run_dir", "failed_processes", "logs_cut", "warnings")
