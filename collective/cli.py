@@ -21,6 +21,7 @@ from collective.config import (
 )
 from collective.entry import run_main
 from collective.errors import UsageError
+from collective.options import parse_shards
 from collective.topology import TOPOLOGIES
 
 
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(launch, "from-file", help="the chief serves a .safetensors model straight from its file(s), mapped "
                "read-only, not a copy in memory (same-host workers map the files)", type=parse_bool, default=False,
                action=argparse.BooleanOptionalAction)
+    add_option(launch, "shards", help="each worker receives a part of the model, not a replica: dim0 (torch's Shard(0) "
+               "of every variable over the workers) or a JSON object name -> \"dim0\" / \"all\" / rank(s), \"*\" for "
+               "the rest", type=parse_shards, default=None)
     launch.add_argument("--json", action="store_true", help="print the summary as one JSON line last")
     launch.add_argument("--quiet", action="store_true", help="do not echo the processes' log lines")
 
@@ -107,6 +111,7 @@ def _launch(args: argparse.Namespace) -> int:
         shm=args.shm,
         topology=args.topology,
         from_file=args.from_file,
+        shards=args.shards,
     )
     result = launcher.run()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout)

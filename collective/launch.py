@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from collective.chief.reports import PHASES, failed_summary, shards_text
 from collective.clusterenv import CLUSTER_VARS
 from collective.config import Timeouts
 from collective.errors import DeadlineError, UsageError
@@ -77,9 +78,11 @@ class Launcher:
         shm: bool = True,
         topology: str = "auto",
         from_file: bool = False,
+        shards=None,
     ) -> None:
         self.shm = shm
         self.from_file = from_file
+        self.shards = shards  # None, "dim0" or a mapping name -> placement (collective.shards)
         self.topology = topology
         if transport not in ("grpc", "mpi"):
             raise UsageError(f"--transport {transport!r} is not one of grpc, mpi")
@@ -105,7 +108,10 @@ class Launcher:
         self._lock_fd: int | None = None
         self._private: Path | None = None  # the chief's port and result files
         self._failure: str | None = None  # launch's own verdict (workers gone before the chief decided)
+        self._failure_culprit: str | None = None  # the one worker that died, if one did
         self._cut: list[str] = []  # what could not be written to the run directory, and why
+        self._result_file: Path | None = None  # the chief's summary, written once it has decided
+        self._t0 = time.monotonic()
 
     # --- processes ----------------------------------------------------------------------
 
@@ -160,14 +166,21 @@ class Launcher:
                 except OSError as exc:
                     child.log_error = child.log_error or exc
 
+    def _chief_grace(self) -> float:
+        """How long a chief may take to end once told to (SIGTERM) or once it has decided: it
+        fails the round at once and writes its summary, then lingers so workers hear it."""
+        return self.timeouts.linger + self.timeouts.status_grace + 5.0
+
     def _stop_all(self, grace: float = 3.0) -> None:
         live = [c for c in self.children if c.proc.poll() is None]
         for c in live:
             _signal(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace
+        start = time.monotonic()
         for c in live:
+            # The chief gets the time to write its summary: SIGKILLed at 3 s, it once left none.
+            limit = self._chief_grace() if c is self.children[0] and self.transport == "grpc" else grace
             try:
-                c.proc.wait(max(0.0, deadline - time.monotonic()))
+                c.proc.wait(max(0.0, start + limit - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _signal(c.proc, signal.SIGKILL)
                 c.proc.wait(5)
@@ -182,6 +195,7 @@ class Launcher:
 
         Raises ``UsageError`` when another live launch holds the run directory."""
         self._claim_run_dir()
+        self._t0 = time.monotonic()
         try:
             self._private = Path(tempfile.mkdtemp(prefix="collective-launch-"))
             result = self._run_mpi() if self.transport == "mpi" else self._run_grpc()
@@ -246,7 +260,7 @@ class Launcher:
     def _run_grpc(self) -> dict:
         assert self._private is not None
         port_file = self._private / "chief.port"
-        result_file = self._private / "result.json"
+        result_file = self._result_file = self._private / "result.json"
         t = self.timeouts
         try:
             chief_args = [
@@ -261,6 +275,7 @@ class Launcher:
                 chief_args += ["--chunk-bytes", str(self.chunk_bytes)]
             if self.from_file:
                 chief_args.append("--from-file")
+            chief_args += self._shard_args()
             chief = self._spawn("chief", chief_args, "chief.log")
             port = self._wait_for_port(chief, port_file, t.join)
             if port is not None:
@@ -298,16 +313,18 @@ class Launcher:
         if self.chunk_bytes:
             args += ["--chunk-bytes", str(self.chunk_bytes)]
         assert self._private is not None
-        result_file = self._private / "result.json"
+        result_file = self._result_file = self._private / "result.json"
+        # Rank 0 writes it also when it aborts the job: the only way its cause and exit code get out.
+        args += ["--result-file", str(result_file), *self._shard_args()]
         try:
-            job = self._spawn("mpi", [], "mpiexec.log", argv=[mpiexec, "-n", str(self.workers + 1), sys.executable, *args])
+            self._spawn("mpi", [], "mpiexec.log", argv=[mpiexec, "-n", str(self.workers + 1), sys.executable, *args])
             self._wait_all(deadline=time.monotonic() + t.join + t.ready + t.start + 30)
         finally:
             self._stop_all()
-        line = next((ln for ln in reversed(job.stdout) if ln.startswith('{"ok"')), None)
-        if line is not None:
-            result_file.write_text(line)
         return self._result(result_file)
+
+    def _shard_args(self) -> list[str]:
+        return [] if self.shards is None else ["--shards", shards_text(self.shards)]
 
     def _wait_for_port(self, chief: Child, port_file: Path, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout
@@ -337,7 +354,13 @@ class Launcher:
             lost = [c for c, code in zip(self.children[1:], codes[1:], strict=True) if code not in (None, 0)]
             if codes[0] is None and lost:
                 lost_at = lost_at or now
-                if now - lost_at > WORKER_LOSS_GRACE:
+                # A chief that has decided (its summary is written) is telling its workers:
+                # it ends within its linger time, and stopping it early could only cut that short.
+                decided = self._result_file is not None and self._result_file.exists()
+                if decided and now - lost_at > WORKER_LOSS_GRACE + self._chief_grace():
+                    return
+                if not decided and now - lost_at > WORKER_LOSS_GRACE:
+                    self._failure_culprit = lost[0].label.replace(" ", "-") if len(lost) == 1 else None
                     self._failure = "worker process(es) ended before the round did: " + "; ".join(
                         f"{c.label.replace(' ', '-')} (pid {c.proc.pid}, {c.exit_text()}"
                         + (f": {why}" if (why := _error_line(c.lines)) else "") + ")"
@@ -377,24 +400,30 @@ class Launcher:
             self._progress = None
 
     def _result(self, result_file: Path) -> dict:
+        """The chief's summary with launch's own keys; every key of ``SUMMARY_KEYS``, whatever
+        happened (a chief that left no summary: its last error line, and what launch knows)."""
         codes = {c.label: c.proc.returncode for c in self.children}
+        base = failed_summary(None, transport=self.transport, model=self.model)
         try:
-            result = json.loads(result_file.read_text())
+            result = {**base, **json.loads(result_file.read_text())}
         except (OSError, ValueError):
             chief_lines = self.children[0].lines if self.children else []
-            result = {"ok": False, "transport": self.transport, "seconds": None, "bytes": 0, "workers": [], "variables": [],
-                      "error": _error_line(chief_lines) or "the chief ended without a summary"}
+            result = {**base, "error": _error_line(chief_lines) or "the chief ended without a summary"}
         if self._failure and (not result.get("error") or "chief shutting down (SIGTERM)" in result["error"]):
             result["error"] = self._failure  # we stopped the chief; the lost workers are the reason
-        for w in result.get("workers", []):
-            if isinstance(w.get("replicas"), list):
-                w["replicas"] = len(w["replicas"])  # a count: the names are the same for every worker
-        failed = {label: code for label, code in codes.items() if code != 0}
-        if failed:
+            result["culprit"] = self._failure_culprit
+            # The chief's own phase when it was stopped: the plan out (a join time) means broadcast.
+            result["error_phase"] = "broadcast" if (result.get("phases") or {}).get("join") is not None else "join"
+        result["failed_processes"] = {label: code for label, code in codes.items() if code != 0}
+        if result["failed_processes"]:
             result["ok"] = False
-            result.setdefault("error", None)
-            result["failed_processes"] = failed
+        result["exit_code"] = exit_code(result)
+        result["wall_seconds"] = round(time.monotonic() - self._t0, 3)
         result["run_dir"] = str(self.run_dir)
+        chief = result.get("chief") or {}
+        if self.from_file and chief and not chief.get("from_file"):
+            result["warnings"] = [*result.get("warnings", []), "--from-file was ignored: the model has no "
+                                  ".safetensors file to serve from (a preset, a spec or an .npz); it was read into memory"]
         return result
 
 
@@ -410,10 +439,11 @@ def _error_line(lines: list[str]) -> str | None:
 
 
 def exit_code(result: dict) -> int:
-    """What ``collective launch`` exits with: 0 on success, the chief's 2 for bad input, else 1."""
+    """What ``collective launch`` exits with: 0 on success, the chief's 2 for bad input (its exit
+    code, or under mpiexec the one its summary gives: the job ends in MPI_Abort), else 1."""
     if result.get("ok"):
         return 0
-    return 2 if result.get("failed_processes", {}).get("chief") == 2 else 1
+    return 2 if 2 in (result.get("failed_processes", {}).get("chief"), result.get("exit_code")) else 1
 
 
 # What one local worker process takes before its model: the interpreter, numpy, gRPC and their
@@ -452,34 +482,45 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 
 def summary_table(result: dict) -> str:
     """The human summary of a round, as ``collective launch`` prints it."""
-    workers = result.get("workers", [])
-    secs = result.get("seconds") or 0.0
+    workers = result.get("workers") or []
     ok = bool(result.get("ok"))
-    nbytes = result.get("bytes", 0)
-    rate = nbytes / secs / 2**30 if secs else 0.0
+    nbytes = result.get("bytes") or 0
     digests = {w["digest"] for w in workers}
     same_devices = len({len(w["devices"]) for w in workers}) <= 1
-    if result.get("ok"):
+    if ok:
         agree = f"agree ({len(workers)}/{len(workers)} workers match the chief"
-        agree += ", identical worker digests)" if same_devices and len(digests) == 1 else ")"
+        agree += ", identical worker digests)" if same_devices and len(digests) == 1 and not result.get("shards") else ")"
     else:
         agree = "not verified"
+    topology = f", topology {result['topology']}" if result.get("topology") else ""
     lines = [
-        f"collective: {'broadcast complete, training started' if result.get('ok') else 'FAILED'}",
-        f"  transport   {result.get('transport', '-')}",
-        f"  model       {result.get('model', '-')}",
-        f"  workers     {len(workers)}",
-        f"  variables   {len(result.get('variables', []))}",
-        f"  bytes       {nbytes:,} ({format_bytes(nbytes)})",
+        f"collective: {'broadcast complete, training started' if ok else 'FAILED'}",
+        f"  transport   {result.get('transport', '-')}{topology}",
+        f"  model       {result.get('model') or '-'}",
     ]
+    if result.get("shards"):
+        lines.append(f"  shards      {result['shards']} (each worker receives its own part, not a replica)")
+    lines += [
+        f"  workers     {len(workers)}",
+        f"  variables   {len(result.get('variables') or [])}",
+        f"  bytes       {nbytes:,} ({format_bytes(nbytes)}) in the model"
+        + (f"; workers received {', '.join(format_bytes(w.get('bytes', 0)) for w in workers)}"
+           if result.get("shards") else ""),
+        f"  time        {_phase_text(result)}",
+    ]
+    if result.get("wall_seconds") is not None:
+        lines.append(f"  wall        {result['wall_seconds']:.3f} s (launch: processes started until they ended)")
     if ok:  # a failed round has no broadcast time worth showing
-        lines += [
-            f"  seconds     {secs:.3f}  (first byte sent until every worker ready)",
-            f"  GiB/s       {rate:.3f} per worker, {rate * len(workers):.3f} aggregate",
-        ]
+        lines.append(f"  seconds     {result.get('seconds') or 0.0:.3f}  (first byte sent until every worker ready: "
+                     f"broadcast + verify)")
+        lines += _rate_lines(workers, (result.get("phases") or {}).get("broadcast"))
     lines.append(f"  digests     {agree}")
+    for warning in result.get("warnings") or []:
+        lines.append(f"  WARNING     {warning}")
     if result.get("error"):
         lines.append(f"  error       {result['error']}")
+        if result.get("culprit") or result.get("error_phase"):
+            lines.append(f"  culprit     {result.get('culprit') or '-'} (phase {result.get('error_phase') or '-'})")
     if result.get("failed_processes"):
         lines.append("  exit codes  " + ", ".join(f"{k}={v}" for k, v in result["failed_processes"].items()))
     if result.get("run_dir"):
@@ -488,13 +529,34 @@ def summary_table(result: dict) -> str:
         lines.append(f"  logs cut    {result['logs_cut']}")
     if workers:
         lines.append("")
-        lines.append(f"  {'rank':<5} {'id':<14} {'devices':<24} {'replicas':>8}  digest")
+        lines.append(f"  {'rank':<5} {'id':<14} {'devices':<16} {'replicas':>8} {'received':>11}  {'via':<6} digest")
         for w in workers:
             lines.append(
-                f"  {w['rank']:<5} {w['id']:<14} {','.join(w['devices']):<24} {_count(w['replicas']):>8}  {w['digest'] or '-'}"
+                f"  {w['rank']:<5} {w['id']:<14} {','.join(w['devices']):<16} {w['replicas']:>8} "
+                f"{format_bytes(w.get('bytes', 0)):>11}  {w.get('via', '-'):<6} {w['digest'] or '-'}"
             )
     return "\n".join(lines)
 
 
-def _count(replicas: int | list) -> int:
-    return replicas if isinstance(replicas, int) else len(replicas)
+def _phase_text(result: dict) -> str:
+    """``total`` on the chief's clock and its phases back to back (``reports.phases``); - for a
+    phase the round did not reach."""
+    phases = result.get("phases") or {}
+    secs = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    return f"{secs(phases.get('total'))} s on the chief: " + ", ".join(f"{n} {secs(phases.get(n))}" for n in PHASES)
+
+
+def _rate_lines(workers: list[dict], broadcast: float | None) -> list[str]:
+    """GiB/s over each worker's own bytes (its shard's, with shards) in the broadcast phase; a
+    worker that mapped the chief's shared memory copied nothing over a network: no rate."""
+    streamed = [w for w in workers if w.get("via") != "shm"]
+    mapped = len(workers) - len(streamed)
+    lines = []
+    if streamed and broadcast:
+        total = sum(w.get("bytes", 0) for w in streamed) / broadcast / 2**30
+        lines.append(f"  GiB/s       {total / len(streamed):.3f} per worker, {total:.3f} aggregate (the bytes each "
+                     f"worker received, over the broadcast phase; {len(streamed)} streamed)")
+    if mapped:
+        lines.append(f"  shm         {mapped} worker(s) mapped the chief's arena through shared memory "
+                     f"(no bytes copied: no rate)")
+    return lines

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 from collective import logs
 from collective.config import (
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_timeout_options(p, "join", "ready", "start")
     add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
     p.add_argument("--json", action="store_true", help="rank 0 prints the summary as one JSON line last")
+    add_option(p, "result-file", help="rank 0 writes the round's JSON summary here, also when it aborts the job",
+               default=None)
     return p
 
 
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("collective.mpi needs at least 2 ranks (rank 0 is the chief): run mpiexec -n N+1 with N >= 1 workers")
         return 2
     watchdog = PhaseWatchdog(comm)
+    if rank == 0 and args.result_file:
+        Path(args.result_file).unlink(missing_ok=True)  # a previous run's must not pass for this one's
     try:
         watchdog.phase("start-up", timeouts_from_args(args).join)
         forget_shm_names(comm)  # nothing left in /dev/shm, even if the job is aborted or killed
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     except CollectiveError as exc:
         who = "chief" if rank == 0 else "worker"
         log.error("rank %d (%s on %s) failed: %s", rank, who, socket.gethostname(), exc)
+        if rank == 0:  # the job ends in MPI_Abort: the file is how a launcher learns the cause
+            _keep_failure(args, exc)
         abort(comm, exc.exit_code)
     except BaseException:
         log.exception("rank %d failed with an unexpected error; aborting the job", rank)
@@ -109,31 +116,41 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _keep_failure(args, exc: CollectiveError) -> None:
+    """Rank 0 fails before or outside its round: its result file, if the round wrote none."""
+    from collective.chief.reports import failed_summary
+    from collective.chief.round import write_result
+
+    if args.result_file and not Path(args.result_file).exists():
+        write_result(Path(args.result_file), failed_summary(exc, transport="mpi", model=args.model, culprit="chief"))
+
+
 def _chief(comm, args, watchdog) -> int:
+    from collective.chief.round import load_source_reporting
     from collective.launch import summary_table
-    from collective.sources import load_source
 
     timeouts = timeouts_from_args(args)
     watchdog.phase("load model", timeouts.join)
-    source = load_source(args.model, seed=args.seed)
+    source = load_source_reporting(args.model, seed=args.seed, result_file=args.result_file, transport="mpi")
     devices = [f"cpu:{i}" for i in range(args.devices_per_worker)] if args.chief_trains else None
     service, _held = run_chief_rank(comm, source, watchdog, timeouts, chunk_bytes=args.chunk_bytes,
                                     split_bytes=args.split_bytes, devices=devices,
-                                    max_model_bytes=args.max_model_bytes, from_file=args.from_file, shards=args.shards)
+                                    max_model_bytes=args.max_model_bytes, from_file=args.from_file, shards=args.shards,
+                                    result_file=args.result_file)
     result = service.result()
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
         print(json.dumps(result), flush=True)
     if not result["ok"]:
         log.error("round failed: %s", result["error"])
-        return 1
+        return result["exit_code"] or 1
     log.info("training started: %d workers hold %s", comm.size - 1,
              "their shards" if args.shards is not None else "identical variables")
     return 0
 
 
 def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_bytes=None, devices=None,
-                   spmd=False, max_model_bytes=None, from_file=False, shards=None):
+                   spmd=False, max_model_bytes=None, from_file=False, shards=None, result_file=None):
     """Rank 0's round: the chief's round (``run_round``) driven by the MPI collectives; with
     ``devices``, the chief's own replicas too. ``from_file``: the model's files mapped, not
     copied (the plan waits for them to be read: the ranks derive every trailer from it).
@@ -153,7 +170,7 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
     return run_round(
         source, comm.size - 1, drive, devices=devices, timeouts=timeouts,
         chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi", heartbeats=False, spmd=spmd,
-        max_model_bytes=max_model_bytes, from_file=from_file, shards=shards,
+        max_model_bytes=max_model_bytes, from_file=from_file, shards=shards, result_file=result_file,
     )
 
 

@@ -68,7 +68,8 @@ def main() -> int:
         result = collective.sync(given, devices="cpu:0,cpu:1", timeouts=t, shards=shards if rank == 0 else None,
                                  from_file=bool(path) if rank == 0 else None)
     except collective.CollectiveError as exc:
-        report(rank, {"rank": rank, "error": type(exc).__name__, "message": str(exc)})
+        report(rank, {"rank": rank, "error": type(exc).__name__, "message": str(exc), "culprit": exc.culprit,
+                      "phase": exc.phase})
         return 1
     line = {
         "rank": result.rank, "world_size": result.world_size, "devices": result.devices,

@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from collective._api import run_chief
+    from collective.chief.round import load_source_reporting
     from collective.errors import UsageError
-    from collective.sources import load_source
     from collective.transport.grpc import server_credentials
 
     if args.workers is None:
@@ -41,7 +41,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.port_file and os.path.exists(args.port_file) and not os.path.isfile(args.port_file):
         # It is replaced by a regular file: /dev/full would be gone, a FIFO's reader never told.
         raise UsageError(f"--port-file {args.port_file}: is not a regular file; name a file the chief may replace")
-    source = load_source(args.model, seed=args.seed)
+    source = load_source_reporting(args.model, seed=args.seed, result_file=args.result_file, transport="grpc")
 
     def on_listening(address: str, port: int) -> None:
         if args.port_file:

@@ -81,6 +81,8 @@ def map_files(source: ModelSource, chunk_sizes, *, max_bytes: int | None = None)
     Raises ModelError as ``materialize`` does (invalid variables, ``max_bytes``; not the memory
     available: nothing is copied), and naming the file when one cannot be mapped."""
     if not hasattr(source, "data_files"):
+        log.warning("--from-file: %s has no .safetensors file to serve from (a preset, a spec or an .npz): "
+                    "it is read into memory instead", source.description)
         return None
     validate_model(source.specs(), label=source.description)
     files, tensors = source.data_files()

@@ -34,6 +34,7 @@ class Member:
     bytes_sent: int = 0
     worker_digest: str = ""
     prepared: bool = False
+    mapped: bool = False  # took the chief's arena through shared memory (no stream)
     told: bool = False
     joined_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)

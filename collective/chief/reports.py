@@ -5,6 +5,7 @@ of a ``ChiefService``, taken under its lock."""
 from __future__ import annotations
 
 import bisect
+import json
 import resource
 import time
 
@@ -59,35 +60,40 @@ def _worker_status(svc, m, now: float) -> pb.WorkerStatus:
 
 
 def summary(svc) -> dict:
-    """The summary of a round, as ``collective launch --json`` prints it."""
+    """The summary of a round, as ``collective launch --json`` prints it: the keys of
+    ``SUMMARY_KEYS``, on success and on failure alike (``failed_summary``)."""
     with svc._cond:
         plan = svc._plan
         members = sorted(svc._members.values(), key=lambda m: m.rank)
+        error = svc._error
+        ok = svc._phase is Phase.STARTED
         return {
-            "ok": svc._phase is Phase.STARTED,
-            "transport": svc.transport,
+            **failed_summary(error, transport=svc.transport, model=svc.source.description),
+            "ok": ok,
+            "exit_code": 0 if ok else (error.exit_code if error is not None else 1),
             "seconds": round(svc.broadcast_seconds(), 6),
             "bytes": int(svc.arena.nbytes),
-            "model": svc.source.description,
-            "error": str(svc._error) if svc._error else None,
-            # Who the chief blames and in which phase, when it blames one party (errors.CollectiveError).
-            "culprit": svc._error.culprit if svc._error else None,
-            "error_phase": svc._error.phase if svc._error else None,
+            "topology": plan.topology if plan is not None else None,
+            "shards": shards_text(svc._arena._shard_request) if svc.sharded else None,
+            "phases": phases(svc),
             "workers": [
                 {
                     "rank": m.rank,
                     "id": m.worker_id,
                     "host": m.host,
                     "devices": list(m.devices),
-                    "replicas": [n for s in _held(svc, m, plan) for n in m.replica_names(s.name)],
+                    # A count, as launch always gave: the names follow from the variables and devices.
+                    "replicas": sum(len(m.devices) for _ in _held(svc, m, plan)),
                     "digest": m.worker_digest,
                     # What the chief requires of its ready report: the plan's digests on every device.
                     "expected_digest": _expected_digest(svc.plan_of(m), len(m.devices)) if plan is not None else "",
                     "incarnation": m.incarnation,
                     "pid": m.pid,
-                    # With shards: which one it holds and its bytes (collective.shards).
-                    **({"shard": svc.plan_of(m).shard.index, "bytes": svc.bytes_total(m)}
-                       if svc.sharded and plan is not None else {}),
+                    # The bytes it received (with shards, its shard's), which index, and how: a
+                    # worker that mapped the chief's shared memory moved no bytes over a network.
+                    "bytes": svc.bytes_total(m) if plan is not None else 0,
+                    "shard": svc.plan_of(m).shard.index if svc.sharded and plan is not None else None,
+                    "via": "shm" if m.mapped else "stream",
                 }
                 for m in members
             ],
@@ -112,9 +118,62 @@ def summary(svc) -> dict:
                 }
                 for v in (plan.variables if plan is not None else [])
             ],
-            **({"chief_replicas": {"devices": list(svc._local.devices), "digest": svc._local.worker_digest}}
-               if svc._local is not None else {}),
+            "chief_replicas": ({"devices": list(svc._local.devices), "digest": svc._local.worker_digest}
+                               if svc._local is not None else None),
         }
+
+
+PHASES = ("load", "join", "prepare", "broadcast", "verify")
+
+
+def phases(svc) -> dict:
+    """The round's phases on the chief's clock, back to back, so they add up to ``total``:
+    load (the model read or mapped, before serving), join (until every worker is in and the
+    plan is out), prepare (workers check the plan and prepare their arenas, until the first
+    byte), broadcast (until the last byte reached the last worker), verify (until every worker
+    reported its replicas verified). A phase the round never reached is None; ``total`` runs
+    to the outcome (start released, or the failure)."""
+    marks = svc._marks
+    end = svc._ready_at if svc._ready_at is not None else (svc._phase_at if svc._phase is Phase.FAILED else None)
+    bounds = [svc._created_at, svc._started_at, marks.get("plan"), svc._first_byte_at, marks.get("sent"),
+              svc._ready_at]
+    out = {name: (round(b - a, 6) if a is not None and b is not None else None)
+           for name, a, b in zip(PHASES, bounds, bounds[1:], strict=False)}
+    out["total"] = round((end if end is not None else time.monotonic()) - svc._created_at, 6)
+    return out
+
+
+# Every key of a round's summary, success or failure, wherever it is printed (launch, the
+# chief's --result-file, collective.mpi --json); launch fills the last five (the chief gives them null or empty).
+SUMMARY_KEYS = ("ok", "exit_code", "transport", "model", "error", "culprit", "error_phase", "seconds", "bytes",
+                "topology", "shards", "phases", "workers", "chief", "rejoined", "variables", "chief_replicas",
+                "wall_seconds", "run_dir", "failed_processes", "logs_cut", "warnings")
+
+
+def failed_summary(error, *, transport: str, model: str | None, phase: str | None = None,
+                   culprit: str | None = None) -> dict:
+    """A summary with every key of ``summary``: of a round that failed before its chief had a
+    service (the model would not load), or the base ``summary`` fills in. ``phase`` and
+    ``culprit``: what to say when ``error`` names neither."""
+    return {
+        "ok": False,
+        "exit_code": getattr(error, "exit_code", 1) if error is not None else 1,
+        "transport": transport,
+        "model": model,
+        "error": str(error) if error is not None else None,
+        # Who the chief blames and in which phase, when it blames one party (errors.CollectiveError).
+        "culprit": (getattr(error, "culprit", None) or culprit) if error is not None else None,
+        "error_phase": (getattr(error, "phase", None) or phase) if error is not None else None,
+        "seconds": None, "bytes": 0, "topology": None, "shards": None,
+        "phases": dict.fromkeys((*PHASES, "total")),
+        "workers": [], "chief": None, "rejoined": [], "variables": [], "chief_replicas": None,
+        "wall_seconds": None, "run_dir": None, "failed_processes": {}, "logs_cut": None, "warnings": [],
+    }
+
+
+def shards_text(request) -> str:
+    """The shard request as ``--shards`` takes it: dim0, or the JSON object."""
+    return request if isinstance(request, str) else json.dumps(request, sort_keys=True)
 
 
 def _held(svc, m, plan) -> list:

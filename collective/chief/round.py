@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from collective.chief.members import Phase
+from collective.chief.reports import failed_summary
 from collective.chief.service import ChiefService
+from collective.errors import CollectiveError
 from collective.replicas import hold_chief_replicas
 from collective.variables import VariableStore
 
@@ -27,12 +32,47 @@ Drive = Callable[[ChiefService, "Callable[[], None] | None"], None]
 
 
 def write_result(path: Path, result: dict) -> None:
-    """Write the summary; a full disk loses the file, never the round's outcome or exit code."""
+    """Write the summary, whole or not at all (a reader never sees half of it: launch may read
+    it while the chief is still lingering); a full disk loses the file, never the round's
+    outcome or exit code."""
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        path.write_text(json.dumps(result))
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, path)
     except OSError as exc:
         log.warning("could not write the round's summary to %s: %s; the outcome stands (%s)",
                     path, exc.strerror or exc, "started" if result.get("ok") else "failed")
+
+
+def load_source_reporting(ref: str, *, seed: int | None, result_file: str | None, transport: str):
+    """``load_source``; a model that will not load is the round's outcome too: the summary (the
+    chief blamed, phase ``load``) goes to ``result_file`` before the error is raised."""
+    from collective.sources import load_source
+
+    try:
+        return load_source(ref, seed=seed)
+    except CollectiveError as exc:
+        _blame_chief(exc)
+        if result_file:
+            write_result(Path(result_file), failed_summary(exc, transport=transport, model=ref))
+        raise
+
+
+def _blame_chief(exc: CollectiveError) -> None:
+    """An error the chief met before any round (its model, its shard request): its own, in the
+    load phase, unless it names another party already. On the error itself, so every rank that
+    hears it (collective.sync) reads the same culprit and phase as the summary."""
+    exc.culprit, exc.phase = exc.culprit or "chief", exc.phase or "load"
+
+
+def _write_when_decided(service: ChiefService, path: Path, done: threading.Event) -> None:
+    """The summary as soon as the round has its outcome: the chief lingers after it (so workers
+    hear it), and whoever waits for the file (launch) must not have to outwait that. The final
+    summary replaces it when the chief ends."""
+    while not done.wait(0.05):
+        if service.phase in (Phase.STARTED, Phase.FAILED):
+            write_result(path, service.result())
+            return
 
 
 def run_round(
@@ -48,17 +88,40 @@ def run_round(
     """Run one round of ``source`` to ``num_workers`` workers with ``drive``. ``devices``: the
     chief trains too and holds one replica per device, made once the plan is out (waiting up to
     ``replica_timeout`` for it). ``service_options`` go to ``ChiefService``. Returns (service,
-    (store, digest) or None); the outcome is ``service.result()``; the drive's error is raised."""
-    service = ChiefService(source, num_workers, local_devices=devices or None, **service_options)
+    (store, digest) or None); the outcome is ``service.result()``; the drive's error is raised.
+    ``result_file``: the summary, written as soon as the round has its outcome and again at the end."""
+    transport = service_options.get("transport", "grpc")
+    try:
+        service = ChiefService(source, num_workers, local_devices=devices or None, **service_options)
+    except CollectiveError as exc:  # the model did not fit, a bad shard request or option: no round at all
+        _blame_chief(exc)
+        if result_file:
+            write_result(Path(result_file), failed_summary(exc, transport=transport, model=source.description))
+        raise
     held: list[tuple[VariableStore, str]] = []
+    done = threading.Event()
+    writer = threading.Thread(target=_write_when_decided, args=(service, Path(result_file or "."), done),
+                              name="result-file", daemon=True)
+    if result_file:
+        writer.start()
 
     def local() -> None:
         held.append(hold_chief_replicas(service, devices, replica_timeout))
 
+    failure: CollectiveError | None = None
     try:
         drive(service, local if devices else None)
         return service, (held[0] if held else None)
+    except CollectiveError as exc:
+        failure = exc
+        raise
     finally:
+        done.set()
         if result_file:
-            write_result(Path(result_file), service.result())
+            writer.join(10.0)  # one writer at a time: both go through the same temporary file
+            result = service.result()
+            if failure is not None and result["error"] is None:  # the drive's own error, not the service's
+                result.update({k: v for k, v in failed_summary(failure, transport=transport, model=None).items()
+                               if k in ("ok", "exit_code", "error", "culprit", "error_phase")})
+            write_result(Path(result_file), result)
         service.close()

@@ -129,6 +129,7 @@ class ChiefService:
         self._started_at = self._phase_at = time.monotonic()
         self._first_byte_at: float | None = None
         self._ready_at: float | None = None
+        self._marks: dict[str, float] = {}  # plan released, last byte sent: the summary's phases
         self._supervisor = Supervisor(self)  # deadlines, leases, whom the round waits for (chief/supervise.py)
         log.info(
             "model %s: %d variables, %d bytes, %s in %.2f s",
@@ -283,7 +284,8 @@ class ChiefService:
                 log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
                 err = PreconditionError(
                     f"worker {req.worker_id!r} declares variables that differ from the chief's model "
-                    f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
+                    f"{self.source.description} ({len(diffs)} difference(s)): {shown}",
+                    culprit=req.worker_id, phase="join",
                 )
                 if self.spmd:
                     self.fail(err)
@@ -337,6 +339,7 @@ class ChiefService:
         self._plan.topology = topology
         self._chunker = Chunker(self._plan, self.arena)
         self._phase, self._phase_at = Phase.BROADCASTING, time.monotonic()
+        self._marks["plan"] = self._phase_at
         logs.phase("broadcast")
         hosts = len({m.host for m in members})
         log.info(
@@ -428,7 +431,7 @@ class ChiefService:
                 # The worker may already have verified and reported ready: a sender resumes
                 # this generator only after its transport took the last message.
                 if m.phase == "receiving":
-                    m.phase = "verifying"
+                    m.phase, self._marks["sent"] = "verifying", time.monotonic()
 
     def sent(self, start: int, end: int) -> None:
         """Bytes ``start..end`` of the arena went out in one collective call (MPI's Bcast of a
@@ -480,7 +483,8 @@ class ChiefService:
                 return f"the round is {self._phase.value}"
             if self._first_byte_at is None:
                 self._first_byte_at = time.monotonic()
-            m.phase, m.bytes_sent, m.last_seen = "verifying", int(self.arena.nbytes), time.monotonic()
+            m.phase, m.bytes_sent, m.last_seen, m.mapped = "verifying", int(self.arena.nbytes), time.monotonic(), True
+            self._marks["sent"] = m.last_seen
             log.info("%s takes the arena through shared memory", m.name())
             return None
 
@@ -644,7 +648,7 @@ class ChiefService:
             if m.phase in ("joined", "prepared"):
                 m.phase = "receiving"
             if m.phase == "receiving" and m.bytes_reported == total:
-                m.phase = "verifying"
+                m.phase, self._marks["sent"] = "verifying", time.monotonic()
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         """A worker's call ended without an answer: the process is gone or its link is cut.

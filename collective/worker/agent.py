@@ -203,6 +203,8 @@ class WorkerAgent:
         """Join, receive, verify, report ready and wait for start. Blocks; see the module doc."""
         self._reported = False
         self._is_prepared = False
+        self._prepare_from = time.monotonic()  # when the plan came (the prepare phase's start)
+        self._prepared_at: float | None = None  # when every worker was prepared (the first byte may come)
         outcome = "the round is over"
         self._served = None
         self._aborted: CollectiveError | None = None
@@ -416,10 +418,16 @@ class WorkerAgent:
                                     timeout=min(left, t.heartbeat, PROGRESS_INTERVAL))
 
     def _prepared(self, plan: pb.Plan) -> None:
-        """Once: tell the chief this worker is ready for bytes, and wait until every worker is."""
+        """Once: tell the chief this worker is ready for bytes, and wait until every worker is.
+        Logs both times: preparing a large arena (its pages faulted in) takes seconds, and they
+        are not the transfer's."""
         if not self._is_prepared:
             self._is_prepared = True
+            t0 = time.monotonic()
             self.link.await_prepared(self.ref, timeout=self.timeouts.ready)
+            self._prepared_at = time.monotonic()
+            log.info("prepared to receive %d bytes in %.3f s (plan checked, arena allocated); every worker "
+                     "prepared %.3f s later", plan.total_bytes, t0 - self._prepare_from, self._prepared_at - t0)
 
     def _report_failure(self, exc: CollectiveError) -> None:
         """Tell the chief once; never raises. A failure it announced itself needs no echo."""
@@ -539,7 +547,7 @@ class WorkerAgent:
         if plan.HasField("shard"):
             log.info("shard %d of %d: %d of the model's %d bytes", plan.shard.index, plan.shard.world,
                      plan.total_bytes, plan.shard.model_bytes)
-        t_recv = time.monotonic()
+        self._prepare_from = time.monotonic()
         # Before the prepared barrier: our same-host peers may ask for our arena right after it.
         served = self._serve_peers(plan)
         arena, verified = self._attach_shared(plan), None
@@ -553,14 +561,17 @@ class WorkerAgent:
             if plan.digests_follow:  # hashed now, while the chief may still be reading its files
                 verified = chunk_digests(arena.reshape(-1).view(np.uint8), plan.chunk_bytes)
                 plan = self._complete(plan)
-        recv_s = time.monotonic() - t_recv
+        t_verify = time.monotonic()
         logs.phase("verify")
         store, arenas = make_replicas(plan, arena, self.devices)
         devices = verify_replicas(plan, arenas, self.devices, first=verified)
         digest = worker_digest(plan.manifest_digest, [d.chunk_digests for d in devices])
         log.info(
-            "received %d bytes through %s in %.3f s; %d replicas on %d device(s) verified; worker digest %s",
-            plan.total_bytes, via, recv_s, len(plan.variables) * len(self.devices), len(self.devices), digest,
+            "%s %d bytes through %s in %.3f s (from every worker prepared to the last byte); %d replicas on "
+            "%d device(s) made and verified in %.3f s; worker digest %s",
+            "mapped" if via == "shared memory" else "received", plan.total_bytes, via,
+            t_verify - (self._prepared_at or self._prepare_from), len(plan.variables) * len(self.devices),
+            len(self.devices), time.monotonic() - t_verify, digest,
         )
         logs.phase("ready")
         self.link.report_ready(pb.ReadyRequest(worker=self.ref, devices=devices, worker_digest=digest), timeout=t.rpc)

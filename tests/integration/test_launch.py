@@ -164,6 +164,8 @@ def test_launch_fails_within_seconds_naming_workers_that_all_died(tmp_path):
     assert "worker-0 (pid" in result["error"] and "worker-1 (pid" in result["error"]
     assert "COLLECTIVE_STALL_TIMEOUT" in result["error"]  # each worker's own reason is carried along
     assert result["failed_processes"]["worker 0"] == 2 and result["failed_processes"]["worker 1"] == 2
+    # The chief, stopped, still left its summary: the model, and no one culprit (both died) in the join phase.
+    assert (result["model"], result["culprit"], result["error_phase"]) == ("preset mlp (seed 0)", None, "join")
 
 
 @pytest.fixture

@@ -153,6 +153,9 @@ def test_a_declared_variable_mismatch_on_rank_2_fails_every_rank_naming_it(tmp_p
     # rank 1 has heard the cause (before, rank 1 found a closed port and blamed the chief).
     results = run_ranks(tmp_path, collective_env, {"SYNC_MISMATCH_RANK": "2", "SYNC_LATE_RANK": "1"})
     assert_everyone_fails_naming_rank_2(results, "rank-2@")
+    # Not only in the message: every rank's error names rank 2 as the culprit, in the join phase.
+    for r in results:
+        assert (r["culprit"] or "").startswith("rank-2@") and r["phase"] == "join", (r["culprit"], r["phase"], r["log"])
 
 
 # --- under a real mpiexec ------------------------------------------------------------------
@@ -198,7 +201,7 @@ def test_collective_mpi_with_chief_trains_verifies_rank_0s_own_replicas(tmp_path
     assert "the chief's own replicas (training rank 0" in proc.stderr
 
     plain = last_json(mpirun(3, "--json").stdout)
-    assert plain["ok"] and "chief_replicas" not in plain  # off by default for the command
+    assert plain["ok"] and plain["chief_replicas"] is None  # off by default for the command (the key is always there)
 
 
 def serve_and_join(values, worker_ids: list[str], **serve_kwargs) -> list:

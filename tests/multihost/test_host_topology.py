@@ -73,7 +73,7 @@ def test_each_host_receives_the_model_once_and_its_other_workers_map_the_receive
         here = {name: out for name, out in outputs.items() if name.startswith(h)}
         via_net = [name for name, out in here.items() if "through the network" in out]
         via_shm = [name for name, out in here.items() if "through shared memory" in out]
-        assert len(via_net) == 1 and len(via_shm) == 2, {n: re.findall(r"received \d+ bytes through [a-z ]+", o)
+        assert len(via_net) == 1 and len(via_shm) == 2, {n: re.findall(r"(?:received|mapped) \d+ bytes through [a-z ]+", o)
                                                          for n, o in here.items()}
     # The chief's link carries it once too: the hosts form a chain, not a star.
     assert moved["chief"][1] <= 1.10 * size, moved["chief"]
