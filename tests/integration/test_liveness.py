@@ -85,6 +85,14 @@ def test_a_frozen_chief_is_named_by_its_workers_within_the_lease(cluster):
         chief.signal(signal.SIGCONT)
     assert f"chief at {cluster.address} unresponsive" in worker.output()
     assert detected < 10, f"the worker took {detected:.1f} s to notice"
+    # Woken, the chief names itself, not the worker whose presence call it finds cut off (it
+    # used to free that slot and wait out its join timeout).
+    assert chief.wait(20) != 0
+    aborted = error_line(chief.output(), "round aborted:")
+    assert "the chief was stopped for" in aborted and "(frozen); the workers gave up on it" in aborted, aborted
+    assert "patient" not in aborted, aborted
+    result = json.loads((cluster.tmp / "result.json").read_text())
+    assert (result["culprit"], result["error_phase"]) == ("chief", "joining"), result
 
 
 def test_sigterm_to_the_chief_tells_every_worker_it_is_shutting_down(cluster):
@@ -386,6 +394,11 @@ def test_a_frozen_chief_mid_broadcast_is_named_by_every_worker_of_a_chain_within
         assert "round aborted by the chief" not in line, line
         # the lease, the heartbeat that finds it out (interval + its timeout), and slack
         assert took[w] < lease + 2 * 0.3 + 3.0, f"{line}: {took[w]:.1f} s after the chief froze"
+    # Woken mid-broadcast, the chief blames itself, not w0 ("its presence call was cut off").
+    assert chief.wait(20) != 0
+    aborted = error_line(chief.output(), "round aborted:")
+    assert "the chief was stopped for" in aborted and "(frozen)" in aborted and "broadcasting" in aborted, aborted
+    assert "worker w" not in aborted, aborted
 
 
 def test_a_frozen_relay_parent_is_named_by_its_children_not_the_chief(cluster):
