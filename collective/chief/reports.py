@@ -5,12 +5,37 @@ of a ``ChiefService``, taken under its lock."""
 from __future__ import annotations
 
 import bisect
+import json
+import logging
+import os
 import resource
 import time
+from pathlib import Path
 
 from collective._proto import collective_pb2 as pb
 from collective.chief.members import Phase
 from collective.digest import worker_digest
+
+log = logging.getLogger("collective.chief")
+
+
+def write_result(path: Path, result: dict) -> None:
+    """Write the summary whole (a reader never sees half of it); a full disk loses the file,
+    never the round's outcome or exit code."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not write the round's summary to %s: %s; the outcome stands (%s)",
+                    path, exc.strerror or exc, "started" if result.get("ok") else "failed")
+
+
+def write_outcome(svc) -> None:
+    """The summary, the moment the round's outcome is decided and before the chief lingers for
+    its workers and watchers: a launcher that stops the chief soon after still has it."""
+    if svc.result_file is not None:
+        write_result(svc.result_file, summary(svc))
 
 
 def peak_rss_bytes() -> int:

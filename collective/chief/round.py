@@ -11,12 +11,12 @@ calls ``local`` once the plan is out.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from collective.chief.reports import write_result
 from collective.chief.service import ChiefService
 from collective.replicas import hold_chief_replicas
 from collective.variables import VariableStore
@@ -24,15 +24,6 @@ from collective.variables import VariableStore
 log = logging.getLogger("collective.chief")
 
 Drive = Callable[[ChiefService, "Callable[[], None] | None"], None]
-
-
-def write_result(path: Path, result: dict) -> None:
-    """Write the summary; a full disk loses the file, never the round's outcome or exit code."""
-    try:
-        path.write_text(json.dumps(result))
-    except OSError as exc:
-        log.warning("could not write the round's summary to %s: %s; the outcome stands (%s)",
-                    path, exc.strerror or exc, "started" if result.get("ok") else "failed")
 
 
 def run_round(
@@ -50,6 +41,7 @@ def run_round(
     ``replica_timeout`` for it). ``service_options`` go to ``ChiefService``. Returns (service,
     (store, digest) or None); the outcome is ``service.result()``; the drive's error is raised."""
     service = ChiefService(source, num_workers, local_devices=devices or None, **service_options)
+    service.result_file = Path(result_file) if result_file else None  # written once the outcome is decided, too
     held: list[tuple[VariableStore, str]] = []
 
     def local() -> None:

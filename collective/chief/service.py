@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 class ChiefService:
     """One broadcast round for ``num_workers`` workers. Thread-safe."""
 
+    result_file = None  # a Path: the round's summary goes there once its outcome is decided (reports.write_outcome)
+
     def __init__(
         self,
         source: ModelSource,

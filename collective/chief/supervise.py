@@ -13,6 +13,7 @@ import time
 
 from collective import logs
 from collective._proto import collective_pb2 as pb
+from collective.chief import reports
 from collective.chief.members import Phase
 from collective.errors import AbortedError, DeadlineError, JoinTimeoutError
 
@@ -159,6 +160,7 @@ class Supervisor:
                 self.check_leases()
                 if not svc._wait(lambda: svc._phase is not Phase.BROADCASTING, min(left, self._poll())):
                     self._log_stragglers("broadcasting; waiting for %s", self.waiting_for())
+            reports.write_outcome(svc)  # before lingering: the outcome may be all a stopped chief leaves
             # Keep serving a little so every worker hears the outcome from us, not from a dead port.
             svc._wait(self._everyone_heard, t.linger)
             svc._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
