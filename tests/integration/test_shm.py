@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from tests.procs import ROOT, wait_until
+from tests.procs import ROOT, socket_inodes, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -124,14 +124,7 @@ def test_the_arena_is_a_memfd_gone_from_a_worker_once_it_drops_its_variables(tmp
 def _abstract_sockets(pid: int, prefix: str) -> list[str]:
     """The names of the abstract unix sockets process ``pid`` holds that start with ``prefix``:
     what any local user can read in /proc/net/unix."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
+    inodes = socket_inodes(pid)
     with open("/proc/net/unix") as fh:
         rows = [line.split() for line in fh][1:]
     return sorted({r[7][1:] for r in rows if len(r) > 7 and r[6] in inodes and r[7].startswith("@" + prefix)})
