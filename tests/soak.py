@@ -278,7 +278,13 @@ class Soak:
         return r
 
 
-def usage() -> tuple[int, int, float]:
+def usage(settle: float = 5.0) -> tuple[int, int, float]:
+    """Descriptors, threads and RSS (MiB) of this process, once the round's own threads have
+    ended (up to ``settle`` s): a sample counts what stays, not what is still on its way out
+    (gRPC's pool, the chief's cause-awaiting threads)."""
+    deadline = time.monotonic() + settle
+    while threading.active_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     fds = len(os.listdir("/proc/self/fd"))
     with open("/proc/self/statm") as fh:
         rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
