@@ -10,6 +10,17 @@ the outcome must be the expected one (success with digests equal to the model's,
 whose message names the culprit), every worker process must have exited, and nothing may grow:
 file descriptors, threads and RSS of this process are compared between the early and the late
 rounds. Prints one line per round and a summary with detection times; exits 1 on any violation.
+
+    python tests/soak.py --rounds 12                    (every fault once: test_soak_short.py)
+    python tests/soak.py --rounds 5 --faults truncated_stream
+
+RSS, measured (2 loaded cores, 400 rounds, seed 1): the mean of rounds 6-15 was 72.5 MiB, of
+141-150 90.4 MiB, of 241-250 89.0 MiB and of 391-400 91.0 MiB (78-94 MiB from round 150 on):
+it rises over the first ~150 rounds and then levels off. Not Python objects: tracemalloc saw
+4,260,505 bytes traced after round 15 and 4,261,446 after round 60. It is native memory
+(each round builds and drops a gRPC server, its channels and thread pool); with
+MALLOC_ARENA_MAX=2 the first 150 rounds still grew 14.6 MiB, so it is not glibc's per-thread
+arenas alone. The leak check allows 64 MiB.
 """
 
 from __future__ import annotations
