@@ -31,6 +31,7 @@ class Supervisor:
         self._svc = svc
         self._last_log = svc._started_at
         self._tick: tuple[float, float, int] | None = None  # run()'s last turn: clock, CPU, members
+        self._awaiting: set[str] = set()  # incarnations whose cut calls wait for a cause (await_cause)
 
     def waiting_for(self) -> str:
         """Whom the round waits for: free ranks while joining, then each member not yet ready."""
@@ -75,12 +76,16 @@ class Supervisor:
         """``svc.lost(ref, reason)`` in up to ``CAUSE_GRACE`` s, unless ``m`` says why it went
         meanwhile (its ReportFailure fails the round naming the cause) or the round ends
         otherwise. A worker that failed reports, then exits, and the cut of its presence call
-        may come first. In a thread: ``lost`` is a transport's callback."""
+        may come first. In a thread: ``lost`` is a transport's callback. Call with the lock held."""
         svc = self._svc
+        if m.incarnation in self._awaiting:  # one wait per member, however many of its calls are cut
+            return
+        self._awaiting.add(m.incarnation)
 
         def wait() -> None:
             with svc._cond:
                 svc._wait(lambda: m.told or svc._phase is not Phase.BROADCASTING, CAUSE_GRACE)
+                self._awaiting.discard(m.incarnation)
                 svc.lost(ref, reason, after_grace=True)
 
         threading.Thread(target=wait, name="await-cause", daemon=True).start()

@@ -3,6 +3,8 @@ travel on different connections. Whichever reaches the chief first, the round na
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from collective._proto import collective_pb2 as pb
@@ -51,3 +53,15 @@ def test_a_cut_with_no_report_fails_the_round_naming_the_cut_after_the_grace():
     assert service.phase is Phase.FAILED
     assert isinstance(service.error, AbortedError) and service.error.culprit == "w0"
     assert "worker w0 (rank 0" in str(service.error) and "was lost during the broadcast: " + CUT in str(service.error)
+
+
+def test_many_cut_calls_of_one_member_wait_for_its_cause_on_one_thread():
+    """Whoever can cut a member's calls (its incarnation known) cannot make the chief start a
+    thread per cut: one wait per member."""
+    service, ref = _broadcasting()
+    for _ in range(200):
+        service.lost(ref, CUT)
+    waiting = [t for t in threading.enumerate() if t.name == "await-cause"]
+    assert len(waiting) == 1, len(waiting)
+    _report(service, ref)
+    assert "without its end message" in str(service.error)
