@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _keep_failure(args, exc: CollectiveError) -> None:
     """Rank 0 fails before or outside its round: its result file, if the round wrote none."""
-    from collective.chief.reports import failed_summary
-    from collective.chief.round import write_result
+    from collective.chief.reports import failed_summary, write_result
 
     if args.result_file and not Path(args.result_file).exists():
         write_result(Path(args.result_file), failed_summary(exc, transport="mpi", model=args.model, culprit="chief"))

@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 class ChiefService:
     """One broadcast round for ``num_workers`` workers. Thread-safe."""
 
+    result_file = None  # a Path: the round's summary goes there once its outcome is decided (reports.write_outcome)
+
     def __init__(
         self,
         source: ModelSource,
@@ -650,7 +652,7 @@ class ChiefService:
             if m.phase == "receiving" and m.bytes_reported == total:
                 m.phase, self._marks["sent"] = "verifying", time.monotonic()
 
-    def lost(self, ref: pb.WorkerRef, reason: str) -> None:
+    def lost(self, ref: pb.WorkerRef, reason: str, *, after_grace: bool = False) -> None:
         """A worker's call ended without an answer: the process is gone or its link is cut.
 
         Before the broadcast its slot is freed for a restarted worker; during the broadcast it
@@ -658,8 +660,12 @@ class ChiefService:
         naming it; after start it no longer matters.
         """
         with self._cond:
+            self._supervisor.stopped()  # woken from a stop, the chief names itself, not the workers it lost
             m = self._members.get(ref.worker_id)
             if m is None or m.incarnation != ref.incarnation or m.told:
+                return
+            if self._phase is Phase.BROADCASTING and m.phase != "lost" and "cut off" in reason and not after_grace:
+                self._supervisor.await_cause(m, ref, reason)  # its own report may yet say why
                 return
             if self._phase is Phase.JOINING:
                 del self._members[m.worker_id]

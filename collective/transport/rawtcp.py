@@ -378,7 +378,10 @@ def receive(sock: socket.socket, ref: pb.WorkerRef, token: str | None, receiver,
         _send_all(sock, [_HELLO.pack(MAGIC, len(body), len(tok)), body, tok])
         head = bytearray(_HEAD.size)
         while True:
-            _recv_exact(sock, head)
+            if not sock.recv_into(head, 1):  # closed between two frames: the sender ended it early
+                raise ConnectionError(f"the sender closed it without its end message, after "
+                                      f"{receiver.bytes_received} bytes")
+            _recv_exact(sock, memoryview(head)[1:])
             kind, nmeta, ndata = _HEAD.unpack(head)
             if nmeta > MAX_META or kind not in (CHUNK, ERROR):
                 raise E.ProtocolError(f"data frame of kind {kind} with {nmeta} bytes of metadata is not a frame")

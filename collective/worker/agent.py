@@ -430,14 +430,18 @@ class WorkerAgent:
                      "prepared %.3f s later", plan.total_bytes, t0 - self._prepare_from, self._prepared_at - t0)
 
     def _report_failure(self, exc: CollectiveError) -> None:
-        """Tell the chief once; never raises. A failure it announced itself needs no echo."""
-        if self._reported or self.rank < 0 or isinstance(exc, (AbortedError, ChiefUnreachableError)):
+        """Tell the chief once, before this process goes (so the chief names this cause, not the
+        presence call it sees cut off when we exit); never raises. A failure the chief announced
+        itself needs no echo, nor one the heartbeat found (the chief gone, frozen, restarted).
+        A broken data stream while the heartbeat is content is reported too, with a short
+        deadline: the chief is likely alive, and only it can tell the stream's fault from ours."""
+        if self._reported or self.rank < 0 or isinstance(exc, AbortedError) or self._verdict is not None:
             return
         self._reported = True
         self.link.report_failure(
             pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc),
                              culprit=exc.culprit or ""),
-            timeout=min(5.0, self.timeouts.rpc),
+            timeout=min(1.0 if isinstance(exc, ChiefUnreachableError) else 5.0, self.timeouts.rpc),
         )
 
     def _presence(self) -> None:

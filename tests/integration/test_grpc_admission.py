@@ -303,16 +303,10 @@ def test_listening_beyond_loopback_without_a_token_is_a_loud_warning(caplog, bin
 def _listening(pid: int) -> set[str]:
     """Local addresses of the TCP sockets process ``pid`` listens on (from /proc)."""
     import ipaddress
-    import os
 
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    from tests.procs import socket_inodes
+
+    inodes = socket_inodes(pid)
     out = set()
     for table in ("tcp", "tcp6"):
         with open(f"/proc/{pid}/net/{table}") as fh:
