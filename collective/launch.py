@@ -125,16 +125,25 @@ class Launcher:
 
     def _spawn(self, label: str, args: list[str], log_name: str, argv: list[str] | None = None) -> Child:
         log_path = self.run_dir / log_name
-        proc = subprocess.Popen(
-            argv or [sys.executable, *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,  # apart from stdout, so the JSON line never interleaves with logs
-            env=self._env(),
-            text=True,
-            bufsize=1,
-            start_new_session=True,  # Ctrl-C reaches us; we stop the children ourselves
-        )
+        # Started with SIGINT ignored (inherited through exec; Python keeps it until the entry
+        # point takes SIGINT over): our Ctrl-C, passed on, never lands in a child's imports as a
+        # KeyboardInterrupt traceback. One still loading ends at the SIGTERM that follows.
+        ignoring = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignoring else None
+        try:
+            proc = subprocess.Popen(
+                argv or [sys.executable, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,  # apart from stdout, so the JSON line never interleaves with logs
+                env=self._env(),
+                text=True,
+                bufsize=1,
+                start_new_session=True,  # Ctrl-C reaches us; we stop the children ourselves
+            )
+        finally:
+            if ignoring:
+                signal.signal(signal.SIGINT, previous)
         child = Child(label, proc, log_path)
         try:
             log = self._dir.create(log_name)  # closed by the last pump to finish
@@ -173,10 +182,21 @@ class Launcher:
 
     def _stop_all(self, grace: float = 3.0) -> None:
         live = [c for c in self.children if c.proc.poll() is None]
-        for c in live:
+        if self.interrupted:
             # Ctrl-C is passed on as what it was, so each process names SIGINT (and mpiexec's
-            # ranks exit 130 together instead of being killed, which makes it print a banner).
-            _signal(c.proc, signal.SIGINT if self.interrupted else signal.SIGTERM)
+            # ranks exit 130 together instead of being killed, which makes it print a banner);
+            # a process that has not taken SIGINT over yet (still loading) gets SIGTERM next.
+            for c in live:
+                _signal(c.proc, signal.SIGINT)
+            soon = time.monotonic() + 2.0
+            for c in live:
+                try:
+                    c.proc.wait(max(0.0, soon - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            live = [c for c in live if c.proc.poll() is None]
+        for c in live:
+            _signal(c.proc, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for c in live:
             try:
@@ -320,7 +340,7 @@ class Launcher:
             raise UsageError("mpiexec not found: install the mpi extra (pip install 'collective[mpi]') or a system MPI")
         t = self.timeouts
         args = [
-            "-m", "collective.mpi", "--json", "--model", self.model, *(["--from-file"] if self.from_file else []),
+            "-m", "collective.mpi", "--json", "--no-table", "--model", self.model, *(["--from-file"] if self.from_file else []),
             "--devices-per-worker", str(self.devices.count(",") + 1),
             "--join-timeout", str(t.join), "--ready-timeout", str(t.ready), "--start-timeout", str(t.start),
         ]

@@ -11,6 +11,7 @@ SITECUSTOMIZE = """
 import os, sys, time
 if {module!r} in sys.orig_argv and {marker!r} in [*sys.orig_argv, "PMI_RANK=" + os.environ.get("PMI_RANK", "")]:
     deadline = time.monotonic() + {timeout}  # never held past this, whatever the test does
+    open({hold!r} + ".reached", "w").close()  # the test may act now: this process is held
     try:
         while os.path.exists({hold!r}) and time.monotonic() < deadline:
             time.sleep(0.05)
