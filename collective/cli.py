@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a Ctrl-C while the modules below load is held, not lost
-    from collective.entry import defer_sigint
-
-    defer_sigint()
-
-import argparse  # noqa: E402
+import argparse
 import functools
 import json
 import os
