@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="redraw every second until start or failure")
 
     lg = sub.add_parser("logs", help="merge a run directory's logs into one timeline")
-    lg.add_argument("run_dir", metavar="RUN_DIR")
+    lg.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default=None)
+    lg.add_argument("--run-dir", dest="run_dir_option", metavar="DIR", default=None,
+                    help="RUN_DIR given as an option, as `collective status --run-dir` takes it")
     lg.add_argument("--worker", default=None, help="only this worker: id (worker-1) or rank (1)")
     lg.add_argument("--phase", default=None,
                     help="only this phase (join, broadcast, receive, verify, ready, start, started, failed)")
@@ -166,7 +168,10 @@ def _bench(args: argparse.Namespace) -> int:
 def _logs(args: argparse.Namespace) -> int:
     from collective.logmerge import logs_command
 
-    return logs_command(args.run_dir, worker=args.worker, phase=args.phase, as_json=args.json)
+    run_dir = args.run_dir or args.run_dir_option
+    if not run_dir:
+        raise UsageError("pass the run directory: collective logs RUN_DIR (or --run-dir DIR)")
+    return logs_command(run_dir, worker=args.worker, phase=args.phase, as_json=args.json)
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -150,8 +150,8 @@ class RunDir:
                     os.unlink(name, dir_fd=self.fd)
                 except FileNotFoundError:
                     pass
-                except IsADirectoryError:
-                    raise _refuse(self.path, f"{name} is a directory; remove it") from None
+                except OSError as exc:  # a directory of that name (EISDIR/EPERM), a read-only mount
+                    raise _refuse(self.path, f"cannot remove the previous run's {name}: {exc.strerror or exc}") from None
 
     def create(self, name: str, *, binary: bool = False):
         """A new file ``name`` in the directory, 0600, opened for writing. Raises OSError (also

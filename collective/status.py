@@ -33,8 +33,11 @@ def chief_of_run(run_dir: str) -> tuple[str, str | None]:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     with open(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) and os.geteuid() != 0:
-            raise UsageError(f"{path} is not a regular file of this user: not reading a token from it")
+        # Only our own file: one another user planted (root included) could point us, and a
+        # --token we pass, at an address of their choosing.
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            raise UsageError(f"{path} is not a regular file of this user (uid {os.geteuid()}): not trusting the "
+                             f"address and token in it")
         raw = f.read(64 << 10)
     try:
         info = json.loads(raw)

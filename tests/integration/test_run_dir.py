@@ -116,3 +116,66 @@ def test_an_unsafe_run_dir_of_ones_own_is_refused_in_one_line(tmp_path, case):
     proc = _launch(run_dir, "--workers", "1", "--quiet")
     _one_line_refusal(proc, f"cannot use run directory {run_dir}: {says}")
     assert list(real.iterdir()) == []
+
+
+def test_collective_logs_reads_no_log_through_a_link(tmp_path):
+    """Root reading another user's run dir must not print a file a planted *.log points to."""
+    import sys
+
+    from tests.procs import ROOT
+
+    secret = tmp_path / "secret"
+    secret.write_text("2026-01-01T00:00:00.000Z INFO chief rank=- id=- phase=-: the secret\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "chief.log").write_text("2026-01-01T00:00:01.000Z INFO chief rank=- id=- phase=-: own line\n")
+    (run_dir / "worker-0.log").symlink_to(secret)
+    for how in ([str(run_dir)], ["--run-dir", str(run_dir)]):
+        proc = subprocess.run([sys.executable, "-m", "collective.cli", "logs", *how], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr
+        assert "own line" in proc.stdout and "secret" not in proc.stdout, proc.stdout
+
+
+def test_a_good_runs_temporary_dir_is_removed_and_a_failed_ones_kept_and_named(tmp_path):
+    """Every launch used to leave a /tmp/collective-run-* behind."""
+    import json
+    import sys
+
+    from tests.procs import ROOT
+
+    def launch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "collective.cli", "launch", "--workers", "1", "--json", *args],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})  # where mkdtemp makes it
+
+    good = launch("--quiet")
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout.splitlines()[-1])["run_dir"] is None
+    assert "logs        removed with the run's temporary directory" in good.stderr
+    assert not list(tmp_path.glob("collective-run-*"))
+    kept = launch("--keep-run-dir", "--quiet")
+    [run_dir] = tmp_path.glob("collective-run-*")
+    assert json.loads(kept.stdout.splitlines()[-1])["run_dir"] == str(run_dir) and (run_dir / "chief.log").exists()
+    shutil.rmtree(run_dir)
+    bad = launch("--model", str(tmp_path / "nope.yaml"))
+    assert bad.returncode == 2, bad.stderr
+    [run_dir] = tmp_path.glob("collective-run-*")
+    assert f"  logs        {run_dir}  (collective logs {run_dir})" in bad.stderr and (run_dir / "chief.log").exists()
+
+
+def test_status_takes_no_address_or_token_from_a_file_another_user_planted(tmp_path, other_user):
+    import sys
+
+    from tests.procs import ROOT
+
+    run_dir = Path(f"/tmp/collective-status-{secrets.token_hex(6)}")
+    try:
+        _as(other_user, "mkdir", "-m", "755", str(run_dir))
+        _as(other_user, "sh", "-c", f"echo '{{\"chief\": \"127.0.0.1:1\", \"token\": \"theirs\"}}' > {run_dir}/status.json")
+        proc = subprocess.run([sys.executable, "-m", "collective.cli", "status", "--run-dir", str(run_dir), "--token",
+                               "mine"], capture_output=True, text=True, timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+        _one_line_refusal(proc, f"collective status: error: {run_dir}/status.json is not a regular file of this user",
+                          "not trusting the address and token in it")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
