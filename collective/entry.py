@@ -45,6 +45,7 @@ def raise_fd_limit() -> None:
 
 
 _early_sigint: list[int] = []
+ENTRY_MODULES = ("collective.chief", "collective.worker", "collective.cli", "collective.mpi")
 
 
 def defer_sigint() -> None:
@@ -62,7 +63,9 @@ def hold_sigint_while_starting() -> None:
     so this is called from ``collective/__init__.py``). A library import does nothing."""
     argv = sys.orig_argv
     after_m = [a[2:] or b for a, b in zip(argv, [*argv[1:], ""], strict=True) if a.startswith("-m")]
-    if sys.argv[:1] == ["-m"] and after_m[:1] and after_m[0].startswith("collective."):
+    # Only the commands whose entry point acts on it (run_main, collective.mpi's main): any other
+    # module run with -m would never see the Ctrl-C it held.
+    if sys.argv[:1] == ["-m"] and after_m[:1] and after_m[0] in ENTRY_MODULES:
         defer_sigint()
 
 
