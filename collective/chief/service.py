@@ -95,7 +95,7 @@ class ChiefService:
         if num_workers < 1:
             raise UsageError(f"the number of workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-            raise UsageError(f"chunk size {chunk_bytes} must be between 1 and {MAX_CHUNK_BYTES} bytes")
+            raise UsageError(f"--chunk-bytes {chunk_bytes} must be between 1 and {MAX_CHUNK_BYTES} bytes")
         self.num_workers = num_workers
         self.timeouts = timeouts or Timeouts()
         self.chunk_bytes = chunk_bytes
@@ -345,9 +345,9 @@ class ChiefService:
         logs.phase("broadcast")
         hosts = len({m.host for m in members})
         log.info(
-            "all %d workers joined; plan released (%d chunks per worker, topology %s over %d network "
+            "all %d workers joined; plan released (%d chunk(s) per worker, topology %s over %d network "
             "receiver(s); workers on %d host(s); plan of %d bytes)",
-            self.num_workers, len(self._chunker), topology, lay.receivers, hosts, self._plan.ByteSize(),
+            self.num_workers, len(self._chunker) - 1, topology, lay.receivers, hosts, self._plan.ByteSize(),
         )
         if self.sharded:
             log.info("sharded over %d training rank(s): %s bytes each (of %d)", self._arena.shards.world,

@@ -245,10 +245,11 @@ class GrpcEndpoint(ChiefEndpoint):
         if not port:
             self._body.close()
             raise E.UsageError(f"cannot listen on {self.bind}: the port is in use or the address is not local")
+        self._server = server  # before start: a Ctrl-C landing in start still leaves stop() a server to stop
         server.start()
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._server, self.port = server, port
+        self.port = port
         host = self.bind.rpartition(":")[0]
         return f"{host}:{port}"
 
