@@ -10,6 +10,7 @@ what every worker is told.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import socket
@@ -36,12 +37,14 @@ from collective.errors import (
     IntegrityError,
     InvalidVariableError,
     ModelError,
+    PermissionDeniedError,
     PreconditionError,
     ProtocolError,
     ResourceExhaustedError,
     UsageError,
 )
 from collective.keys import parse_devices
+from collective.limits import check_join, check_ref
 from collective.model import ModelSource
 from collective.plan import (
     MAX_CHUNK_BYTES,
@@ -54,6 +57,16 @@ from collective.plan import (
 from collective.topology import Layout, arrange, choose, chunk_bytes_for
 
 log = logging.getLogger(__name__)
+
+# A chunk digest in a ready report: 32 hex characters and its field's tag and length (40: slack).
+READY_BYTES_PER_DIGEST = 40
+
+
+def _not_its_secret(worker_id: str) -> PermissionDeniedError:
+    """Someone who read the plan (every incarnation is in it) is not the member: refused, and
+    nothing changes. The secret is never quoted."""
+    return PermissionDeniedError(f"worker {worker_id!r} refused: the call does not carry the secret that worker "
+                                 f"got at join; only the process that joined may act as it")
 
 
 class ChiefService:
@@ -191,10 +204,19 @@ class ChiefService:
     def error(self) -> CollectiveError | None:
         return self._error
 
+    def _holds(self, ref: pb.WorkerRef | pb.HeartbeatRequest) -> Member | None:
+        """The member ``ref`` names when ``ref`` carries its incarnation and its secret (compared
+        in constant time), else None: only the process that joined may act as that member."""
+        m = self._members.get(ref.worker_id)
+        if m is None or m.incarnation != ref.incarnation or not hmac.compare_digest(m.secret, ref.secret):
+            return None
+        return m
+
     def _member(self, ref: pb.WorkerRef) -> Member:
+        check_ref(ref)
         if self._phase is Phase.FAILED and self._error is not None:
-            m = self._members.get(ref.worker_id)
-            if m is not None and m.incarnation == ref.incarnation:
+            m = self._holds(ref)
+            if m is not None:
                 m.told = True
                 self._cond.notify_all()  # supervise() lingers until every worker has heard
             raise self._error.same_round()
@@ -206,9 +228,10 @@ class ChiefService:
             )
         if m.incarnation != ref.incarnation:
             raise PreconditionError(
-                f"worker {ref.worker_id!r} joined as incarnation {m.incarnation}, "
-                f"not {ref.incarnation}; a restarted worker must join again"
+                f"worker {ref.worker_id!r} joined as another incarnation; a restarted worker must join again"
             )
+        if not hmac.compare_digest(m.secret, ref.secret):
+            raise _not_its_secret(ref.worker_id)
         if m.phase == "lost":
             raise AbortedError(f"{m.name()} was declared lost ({m.lost_reason}); a restarted process may rejoin",
                                culprit=m.worker_id)
@@ -232,9 +255,19 @@ class ChiefService:
     # --- ChiefHandler --------------------------------------------------------------------
 
     def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
+        # Every field bounded, the devices parsed and the declaration compared before the lock,
+        # in time linear in the request: an oversize join never holds up the chief (limits.py).
+        try:
+            checked: tuple | CollectiveError = self._check_join(req, peer)
+        except CollectiveError as exc:
+            checked = exc
         with self._cond:
             try:
-                return self._admit(req, peer)
+                if isinstance(checked, CollectiveError):
+                    if self._phase is Phase.FAILED:
+                        raise self._error.same_round()
+                    raise checked
+                return self._admit(req, peer, *checked)
             except CollectiveError:
                 # A refusal once the round has failed (joined late, or this join failed it) tells
                 # a process that never became a member: supervise() lingers until every rank heard.
@@ -243,26 +276,57 @@ class ChiefService:
                     self._cond.notify_all()
                 raise
 
-    def _admit(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
-        """The body of ``join`` (the lock held): admit the worker or raise why not."""
-        if self._phase is Phase.FAILED:
-            raise self._error.same_round()
+    def _check_join(self, req: pb.JoinRequest, peer: str) -> tuple[list[str], CollectiveError | None]:
+        """What ``join`` checks without the lock: every field within its limit, the devices, and
+        the declared variables against the model (``self.specs`` never changes). Returns the
+        devices and the declaration's problem (raised by ``_admit`` where the order of checks
+        puts it: after the membership checks); raises for a request that is malformed."""
+        check_join(req, len(self.specs))
         if not req.worker_id:
             raise ProtocolError(f"join from {peer} has no worker id")
         try:
             devices = parse_devices(list(req.devices))
         except UsageError as exc:
             raise ProtocolError(f"worker {req.worker_id!r}: {exc}") from exc
+        if not req.declared:
+            return devices, None
+        try:
+            check_declared(req.declared)
+        except InvalidVariableError as exc:
+            log.warning("refused worker %r: it declares an invalid variable list: %s", req.worker_id, exc)
+            return devices, ProtocolError(f"worker {req.worker_id!r} declares an invalid variable list: {exc}")
+        diffs = declaration_differences(self.specs, req.declared)
+        if not diffs:
+            return devices, None
+        shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
+        log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
+        return devices, PreconditionError(
+            f"worker {req.worker_id!r} declares variables that differ from the chief's model "
+            f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
+        )
+
+    def _admit(self, req: pb.JoinRequest, peer: str, devices: list[str],
+               declared: CollectiveError | None) -> pb.JoinReply:
+        """The body of ``join`` (the lock held): admit the worker or raise why not."""
+        if self._phase is Phase.FAILED:
+            raise self._error.same_round()
         existing = self._members.get(req.worker_id)
         if existing is not None:
             if existing.incarnation == req.incarnation:
+                if not hmac.compare_digest(existing.join_key, req.join_key):
+                    # The incarnation is public (the plan lists it): only the join key proves
+                    # the retry comes from the process that joined.
+                    raise AlreadyExistsError(
+                        f"worker id {req.worker_id!r} is held by a process on host {existing.host} (pid "
+                        f"{existing.pid}); a join from {req.host or peer} (pid {req.pid}) under its incarnation "
+                        f"without its join key is refused"
+                    )
                 existing.last_seen = time.monotonic()
-                return self._join_reply(existing)  # a retried join: same rank
+                return self._join_reply(existing)  # a retried join: same rank, same secret
             if self._phase is Phase.JOINING:
                 raise AlreadyExistsError(
-                    f"worker id {req.worker_id!r} is held by incarnation {existing.incarnation} "
-                    f"(host {existing.host}, pid {existing.pid}); incarnation {req.incarnation} "
-                    f"from {req.host or peer} (pid {req.pid}) is refused"
+                    f"worker id {req.worker_id!r} is held by another process (host {existing.host}, pid "
+                    f"{existing.pid}); the one from {req.host or peer} (pid {req.pid}) is refused"
                 )
         elif self._phase is not Phase.JOINING:
             err = PreconditionError(
@@ -271,23 +335,10 @@ class ChiefService:
             )
             log.warning("refused a join: %s", err)  # the operator sees extra workers too
             raise err
-        if req.declared:
-            try:
-                check_declared(req.declared)
-            except InvalidVariableError as exc:
-                log.warning("refused worker %r: it declares an invalid variable list: %s", req.worker_id, exc)
-                raise ProtocolError(f"worker {req.worker_id!r} declares an invalid variable list: {exc}") from None
-            diffs = declaration_differences(self.specs, req.declared)
-            if diffs:
-                shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
-                log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
-                err = PreconditionError(
-                    f"worker {req.worker_id!r} declares variables that differ from the chief's model "
-                    f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
-                )
-                if self.spmd:
-                    self.fail(err)
-                raise err
+        if declared is not None:
+            if self.spmd and isinstance(declared, PreconditionError):
+                self.fail(declared)
+            raise declared
         if existing is not None:  # a restart after the plan is out: rejoin, or the round fails
             return self._join_reply(self._rejoins.readmit(existing, req, peer, devices))
         if len(self._members) >= self.num_workers:
@@ -307,8 +358,7 @@ class ChiefService:
             self.fail(err)
             raise err
         rank = req.preferred_rank if req.preferred_rank in free else free[0]
-        m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
-                   relay_port=req.relay_port, relay_cert=req.relay_cert)
+        m = Member.joining(req, rank, devices, peer)
         self._members[m.worker_id] = m
         log.info(
             "%s joined with devices %s (%d/%d)",
@@ -319,7 +369,8 @@ class ChiefService:
         return self._join_reply(m)
 
     def _join_reply(self, m: Member) -> pb.JoinReply:
-        return pb.JoinReply(rank=m.rank, num_workers=self.num_workers, chief_incarnation=self.incarnation)
+        return pb.JoinReply(rank=m.rank, num_workers=self.num_workers, chief_incarnation=self.incarnation,
+                            secret=m.secret)
 
     def _release_plan(self) -> None:
         members = sorted(self._members.values(), key=lambda m: m.rank)
@@ -488,6 +539,20 @@ class ChiefService:
         """Release the shared arena's socket and descriptor (workers keep their mappings)."""
         self._arena.close()
 
+    def ready_bytes(self, ref: pb.WorkerRef) -> int:
+        """The most bytes ``ref``'s ReadyRequest can serialize to: one device's chunk digests per
+        device it joined with, and a little for the rest. A transport that receives the report in
+        pieces refuses a call past it, and one not from a member (``_member``), at its first piece,
+        before it holds any more of it."""
+        with self._cond:
+            m = self._member(ref)
+            if self._plan is None:
+                raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
+                                        f"ReportReady comes after GetPlan and the data stream")
+            plan = self.plan_of(m)
+            chunks = max(len(plan.chunk_digests), -(-plan.total_bytes // max(plan.chunk_bytes, 1)))
+            return len(m.devices) * (chunks * READY_BYTES_PER_DIGEST + 256) + 8192
+
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
         with self._cond:
             m = self._member(req.worker)
@@ -615,16 +680,19 @@ class ChiefService:
             return pb.FailureReply()
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        check_ref(req)
         with self._cond:
             m = self._members.get(req.worker_id)
             if m is not None and (m.phase == "lost" or m.incarnation != req.incarnation) and \
                     self._phase is Phase.BROADCASTING:
                 self._member(req)  # raises: that process was declared lost, or replaced
+            if m is not None and m.incarnation == req.incarnation and self._holds(req) is None:
+                raise _not_its_secret(req.worker_id)
             if m is None or m.incarnation != req.incarnation:
                 if self._phase is not Phase.FAILED:
                     raise PreconditionError(
                         f"chief {self.incarnation} does not know worker {req.worker_id!r} "
-                        f"(incarnation {req.incarnation}); was the chief restarted?"
+                        f"(in that incarnation); was the chief restarted?"
                     )
             else:
                 m.last_seen = time.monotonic()
@@ -654,8 +722,8 @@ class ChiefService:
         naming it; after start it no longer matters.
         """
         with self._cond:
-            m = self._members.get(ref.worker_id)
-            if m is None or m.incarnation != ref.incarnation or m.told:
+            m = self._holds(ref)  # a call cut under another's name is no news of that member
+            if m is None or m.told:
                 return
             if self._phase is Phase.JOINING:
                 del self._members[m.worker_id]

@@ -205,7 +205,7 @@ def test_report_ready_before_the_plan_is_answered_without_aborting_the_round():
     with grpc_link(chief_service(workers=2, timeouts=ROUND)) as link:
         reply = link.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), timeout=5)
         assert reply.rank == 0
-        ref = pb.WorkerRef(worker_id="w0", incarnation="i0")
+        ref = pb.WorkerRef(worker_id="w0", incarnation="i0", secret=reply.secret)
         with pytest.raises(E.PreconditionError, match="w0.* reported ready before the plan was released"):
             link.report_ready(pb.ReadyRequest(worker=ref), timeout=5)
         assert link.status(timeout=5).phase == "joining"
@@ -342,8 +342,8 @@ def test_a_worker_id_host_and_failure_message_with_newlines_and_escapes_are_logg
     caplog.set_level(logging.INFO)
     evil = "w0\nFORGED ERROR line\x1b[2J"
     with grpc_link(chief_service(workers=2, timeouts=ROUND)) as link:
-        link.join(pb.JoinRequest(worker_id=evil, incarnation="i0", devices=["cpu:0"], host="h\x1b[31m\r"), 5)
-        link.report_failure(pb.FailureReport(worker=pb.WorkerRef(worker_id=evil, incarnation="i0"),
+        secret = link.join(pb.JoinRequest(worker_id=evil, incarnation="i0", devices=["cpu:0"], host="h\x1b[31m\r"), 5).secret
+        link.report_failure(pb.FailureReport(worker=pb.WorkerRef(worker_id=evil, incarnation="i0", secret=secret),
                                              message="disk\nfull\x1b[0m"), 5)
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("collective.chief")]
     assert any("joined" in m for m in messages) and any("disk\\x0afull" in m for m in messages), messages
