@@ -321,8 +321,9 @@ class WorkerAgent:
         # A plan without a topology (an older chief) streams from the chief.
         while parent is not None:
             # From the first byte we lack: the whole stream, or the rest after a lost parent.
-            ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation, secret=self.ref.secret,
-                               resume_from=receiver.bytes_received)
+            # The secret goes to the chief only: a relay is another member, which must not learn it.
+            ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation,
+                               secret=self.ref.secret if parent.rank < 0 else "", resume_from=receiver.bytes_received)
             if ref.resume_from:
                 log.info("resuming the stream at byte %d from %s", ref.resume_from,
                          f"worker {parent.worker_id} (rank {parent.rank})" if parent.rank >= 0 else "the chief")

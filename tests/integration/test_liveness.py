@@ -193,15 +193,20 @@ def test_with_a_rejoin_window_a_killed_worker_restarted_mid_broadcast_takes_its_
     assert other.output().count("joined chief at") == 1  # the other worker was not restarted
 
 
-def test_with_a_rejoin_window_a_frozen_worker_replaced_by_a_restart_is_refused_after_sigcont(cluster):
+def test_with_a_rejoin_window_a_restart_waits_for_the_frozen_holder_to_be_lost_which_is_refused_after_sigcont(cluster):
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
                           "--topology", "star", "--rejoin-timeout", "60",
-                          "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
-    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30", code=SLOW_RECEIVER)
+                          "--heartbeat-interval", "0.3", "--heartbeat-timeout", "8")
+    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "8", code=SLOW_RECEIVER)
     other = cluster.worker("other", *HB)
     wait_for(old, "phase=receive")
-    old.signal(signal.SIGSTOP)  # frozen, its connection still open: the restart replaces it
+    old.signal(signal.SIGSTOP)  # frozen, its connection still open: it holds its slot until its lease runs out
     try:
+        # A join under its id proves no identity: while the holder looks alive it keeps its slot.
+        early = cluster.worker("phoenix", *HB)
+        assert early.wait(60) != 0, early.output()
+        assert "ALREADY_EXISTS" in early.output() or "held by a live process" in early.output(), early.output()[-2000:]
+        wait_for(chief, "was lost during the broadcast", timeout=60)
         reborn = cluster.worker("phoenix", *HB)
         assert reborn.wait(60) == 0, reborn.output()
         assert other.wait(60) == 0, other.output()
@@ -211,7 +216,7 @@ def test_with_a_rejoin_window_a_frozen_worker_replaced_by_a_restart_is_refused_a
     assert "training started" not in old.output()
     assert "phoenix" in error_line(old.output()), old.output()[-2000:]
     assert chief.wait(30) == 0, chief.output()
-    assert "restarted as incarnation" in chief.output()
+    assert "rejoined as incarnation" in chief.output()
 
 
 def test_sigterm_mid_broadcast_tells_everyone_and_releases_the_port(cluster):
