@@ -91,7 +91,11 @@ def test_calls_with_the_token_but_no_body_are_cut_after_the_body_timeout_and_the
         error, results = grpc_round(n, before=attack, body_timeout=1.0)
         assert error is None, error
         assert all(not isinstance(r, BaseException) for r in results), results
-        assert set(idle[0].codes(timeout=10)) == {grpc.StatusCode.CANCELLED}
+        # Cut after the body timeout, or sooner once half the pool waited for bodies; the few
+        # still waiting when the round (no longer starved of threads) ended got the shutdown.
+        codes = idle[0].codes(timeout=10)
+        assert set(codes) <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, codes
+        assert codes.count(grpc.StatusCode.CANCELLED) >= len(codes) // 2, codes
     finally:
         for calls in idle:
             calls.close()

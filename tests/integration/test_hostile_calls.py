@@ -63,6 +63,16 @@ def code_of(future, timeout: float):
     return future.code() if done.wait(timeout) else None
 
 
+def flood(worker_id: str, pieces: int = 40):
+    """A ReportReady of ``pieces`` x 16 MiB whose first piece names ``worker_id`` (no secret)."""
+    blob = b"\0" * (16 * MiB)
+    for i in range(pieces):
+        piece = pb.Piece(data=blob, total_bytes=pieces * len(blob))
+        if i == 0:
+            piece.worker.CopyFrom(pb.WorkerRef(worker_id=worker_id, incarnation="x"))
+        yield piece
+
+
 def round_completes(cluster, chief, names, *, code=None) -> dict:
     workers = [cluster.worker(name, *ROUND, env=ENV, code=code) for name in names]
     for w in workers:
@@ -107,16 +117,7 @@ def test_status_answers_within_2_s_and_a_round_completes_while_oversize_and_bodi
 
         # 3b. A non-member's ReportReady of 40 x 16 MiB pieces: before, joined in memory (640 MiB)
         # before anyone asked who sent it.
-        blob = b"\0" * (16 * MiB)
-
-        def flood():
-            for i in range(40):
-                piece = pb.Piece(data=blob, total_bytes=40 * len(blob))
-                if i == 0:
-                    piece.worker.CopyFrom(pb.WorkerRef(worker_id="nobody", incarnation="x"))
-                yield piece
-
-        flooded = stub.ReportReady.future(flood(), metadata=MD, timeout=120)
+        flooded = stub.ReportReady.future(flood("nobody"), metadata=MD, timeout=120)
         time.sleep(1.0)  # all of them in flight
         times = status_answers_within(stub, 2.0, for_seconds=6.0)
         assert max(times) < 2.0, times
@@ -158,17 +159,8 @@ def test_a_relay_refuses_report_ready_at_its_first_piece_and_the_chain_completes
     relay = next(w.relay_address for w in plan.workers if any(c.parent == w.rank for c in plan.workers))
     assert relay, plan.workers
     channel, stub = stub_for(relay)
-    blob = b"\0" * (16 * MiB)
-
-    def flood():
-        for i in range(40):
-            piece = pb.Piece(data=blob, total_bytes=40 * len(blob))
-            if i == 0:
-                piece.worker.CopyFrom(pb.WorkerRef(worker_id="w0", incarnation="x"))
-            yield piece
-
     try:
-        calls = [stub.ReportReady.future(flood(), metadata=MD, timeout=120) for _ in range(10)]
+        calls = [stub.ReportReady.future(flood("w0"), metadata=MD, timeout=120) for _ in range(10)]
         assert [code_of(c, 60) for c in calls] == [grpc.StatusCode.UNIMPLEMENTED] * 10, [c.details() for c in calls]
     finally:
         channel.close()
