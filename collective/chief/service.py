@@ -10,7 +10,6 @@ what every worker is told.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import socket
@@ -24,6 +23,7 @@ import numpy as np
 from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
+from collective.chief.admission import Admission, not_its_secret
 from collective.chief.arena import ChiefArena
 from collective.chief.members import Member, Phase, _ChiefReplicas, report_problem
 from collective.chief.rejoin import Rejoins
@@ -31,45 +31,27 @@ from collective.chief.supervise import Supervisor
 from collective.config import Timeouts
 from collective.errors import (
     AbortedError,
-    AlreadyExistsError,
     CollectiveError,
     DeadlineError,
     IntegrityError,
-    InvalidVariableError,
     ModelError,
-    PermissionDeniedError,
     PreconditionError,
-    ProtocolError,
-    ResourceExhaustedError,
     UsageError,
 )
 from collective.keys import parse_devices
-from collective.limits import check_join, check_ref
+from collective.limits import check_ref
 from collective.model import ModelSource
 from collective.plan import (
     MAX_CHUNK_BYTES,
     Chunker,
-    check_declared,
     complete_plan,
-    declaration_differences,
     with_bytes,
 )
 from collective.topology import Layout, arrange, choose, chunk_bytes_for
 
 log = logging.getLogger(__name__)
 
-# A chunk digest in a ready report: 32 hex characters and its field's tag and length (40: slack).
-READY_BYTES_PER_DIGEST = 40
-
-
-def _not_its_secret(worker_id: str) -> PermissionDeniedError:
-    """Someone who read the plan (every incarnation is in it) is not the member: refused, and
-    nothing changes. The secret is never quoted."""
-    return PermissionDeniedError(f"worker {worker_id!r} refused: the call does not carry the secret that worker "
-                                 f"got at join; only the process that joined may act as it")
-
-
-class ChiefService:
+class ChiefService(Admission):
     """One broadcast round for ``num_workers`` workers. Thread-safe."""
 
     def __init__(
@@ -131,6 +113,9 @@ class ChiefService:
         self._cond = threading.Condition(threading.RLock())  # reentrant: fail() may run under it
         self._arena.serve(self._shm_admit)
         self._members: dict[str, Member] = {}
+        # Comparing a declaration takes time and memory in proportion to it (100,000 variables:
+        # about 2 s and 100 MB): two at once at most, so concurrent big joins queue, not pile up.
+        self._declaring = threading.BoundedSemaphore(2)
         self._rejoins = Rejoins(self)  # a worker lost mid-broadcast may come back (chief/rejoin.py)
         # Processes told the failure that never became members (refused, or joining after the end):
         # an SPMD chief lingers until every rank has heard, so a slow rank hears the cause, not a dead port.
@@ -204,40 +189,6 @@ class ChiefService:
     def error(self) -> CollectiveError | None:
         return self._error
 
-    def _holds(self, ref: pb.WorkerRef | pb.HeartbeatRequest) -> Member | None:
-        """The member ``ref`` names when ``ref`` carries its incarnation and its secret (compared
-        in constant time), else None: only the process that joined may act as that member."""
-        m = self._members.get(ref.worker_id)
-        if m is None or m.incarnation != ref.incarnation or not hmac.compare_digest(m.secret, ref.secret):
-            return None
-        return m
-
-    def _member(self, ref: pb.WorkerRef) -> Member:
-        check_ref(ref)
-        if self._phase is Phase.FAILED and self._error is not None:
-            m = self._holds(ref)
-            if m is not None:
-                m.told = True
-                self._cond.notify_all()  # supervise() lingers until every worker has heard
-            raise self._error.same_round()
-        m = self._members.get(ref.worker_id)
-        if m is None:
-            raise PreconditionError(
-                f"chief {self.incarnation} does not know worker {ref.worker_id!r}: it never joined this "
-                f"chief (was the chief restarted?)"
-            )
-        if m.incarnation != ref.incarnation:
-            raise PreconditionError(
-                f"worker {ref.worker_id!r} joined as another incarnation; a restarted worker must join again"
-            )
-        if not hmac.compare_digest(m.secret, ref.secret):
-            raise _not_its_secret(ref.worker_id)
-        if m.phase == "lost":
-            raise AbortedError(f"{m.name()} was declared lost ({m.lost_reason}); a restarted process may rejoin",
-                               culprit=m.worker_id)
-        m.last_seen = time.monotonic()
-        return m
-
     def fail(self, error: CollectiveError) -> None:
         """End the round with ``error`` unless it already ended. Wakes every waiter."""
         with self._cond:
@@ -253,124 +204,6 @@ class ChiefService:
         return self._cond.wait_for(predicate, timeout=max(0.0, timeout))
 
     # --- ChiefHandler --------------------------------------------------------------------
-
-    def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
-        # Every field bounded, the devices parsed and the declaration compared before the lock,
-        # in time linear in the request: an oversize join never holds up the chief (limits.py).
-        try:
-            checked: tuple | CollectiveError = self._check_join(req, peer)
-        except CollectiveError as exc:
-            checked = exc
-        with self._cond:
-            try:
-                if isinstance(checked, CollectiveError):
-                    if self._phase is Phase.FAILED:
-                        raise self._error.same_round()
-                    raise checked
-                return self._admit(req, peer, *checked)
-            except CollectiveError:
-                # A refusal once the round has failed (joined late, or this join failed it) tells
-                # a process that never became a member: supervise() lingers until every rank heard.
-                if self._phase is Phase.FAILED and req.worker_id and req.worker_id not in self._members:
-                    self._told_outside.add(req.worker_id)
-                    self._cond.notify_all()
-                raise
-
-    def _check_join(self, req: pb.JoinRequest, peer: str) -> tuple[list[str], CollectiveError | None]:
-        """What ``join`` checks without the lock: every field within its limit, the devices, and
-        the declared variables against the model (``self.specs`` never changes). Returns the
-        devices and the declaration's problem (raised by ``_admit`` where the order of checks
-        puts it: after the membership checks); raises for a request that is malformed."""
-        check_join(req, len(self.specs))
-        if not req.worker_id:
-            raise ProtocolError(f"join from {peer} has no worker id")
-        try:
-            devices = parse_devices(list(req.devices))
-        except UsageError as exc:
-            raise ProtocolError(f"worker {req.worker_id!r}: {exc}") from exc
-        if not req.declared:
-            return devices, None
-        try:
-            check_declared(req.declared)
-        except InvalidVariableError as exc:
-            log.warning("refused worker %r: it declares an invalid variable list: %s", req.worker_id, exc)
-            return devices, ProtocolError(f"worker {req.worker_id!r} declares an invalid variable list: {exc}")
-        diffs = declaration_differences(self.specs, req.declared)
-        if not diffs:
-            return devices, None
-        shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
-        log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
-        return devices, PreconditionError(
-            f"worker {req.worker_id!r} declares variables that differ from the chief's model "
-            f"{self.source.description} ({len(diffs)} difference(s)): {shown}"
-        )
-
-    def _admit(self, req: pb.JoinRequest, peer: str, devices: list[str],
-               declared: CollectiveError | None) -> pb.JoinReply:
-        """The body of ``join`` (the lock held): admit the worker or raise why not."""
-        if self._phase is Phase.FAILED:
-            raise self._error.same_round()
-        existing = self._members.get(req.worker_id)
-        if existing is not None:
-            if existing.incarnation == req.incarnation:
-                if not hmac.compare_digest(existing.join_key, req.join_key):
-                    # The incarnation is public (the plan lists it): only the join key proves
-                    # the retry comes from the process that joined.
-                    raise AlreadyExistsError(
-                        f"worker id {req.worker_id!r} is held by a process on host {existing.host} (pid "
-                        f"{existing.pid}); a join from {req.host or peer} (pid {req.pid}) under its incarnation "
-                        f"without its join key is refused"
-                    )
-                existing.last_seen = time.monotonic()
-                return self._join_reply(existing)  # a retried join: same rank, same secret
-            if self._phase is Phase.JOINING:
-                raise AlreadyExistsError(
-                    f"worker id {req.worker_id!r} is held by another process (host {existing.host}, pid "
-                    f"{existing.pid}); the one from {req.host or peer} (pid {req.pid}) is refused"
-                )
-        elif self._phase is not Phase.JOINING:
-            err = PreconditionError(
-                f"worker {req.worker_id!r} from {req.host or peer} cannot join: the cluster is "
-                f"{self._phase.value} with all {self.num_workers} worker(s); joins are closed"
-            )
-            log.warning("refused a join: %s", err)  # the operator sees extra workers too
-            raise err
-        if declared is not None:
-            if self.spmd and isinstance(declared, PreconditionError):
-                self.fail(declared)
-            raise declared
-        if existing is not None:  # a restart after the plan is out: rejoin, or the round fails
-            return self._join_reply(self._rejoins.readmit(existing, req, peer, devices))
-        if len(self._members) >= self.num_workers:
-            raise ResourceExhaustedError(
-                f"worker {req.worker_id!r} cannot join: all {self.num_workers} worker slots are taken"
-            )
-        taken = {m.rank for m in self._members.values()}
-        free = [r for r in range(self.num_workers) if r not in taken]
-        if self.spmd and req.preferred_rank not in free:
-            holder = next((m for m in self._members.values() if m.rank == req.preferred_rank), None)
-            why = (f"is held by {holder.name()}" if holder is not None
-                   else f"is out of range: {self.num_workers} workers have ranks 0..{self.num_workers - 1}")
-            err = PreconditionError(
-                f"worker {req.worker_id!r} (host {req.host or peer}) claims worker rank {req.preferred_rank}, "
-                f"which {why}; every process needs its own rank"
-            )
-            self.fail(err)
-            raise err
-        rank = req.preferred_rank if req.preferred_rank in free else free[0]
-        m = Member.joining(req, rank, devices, peer)
-        self._members[m.worker_id] = m
-        log.info(
-            "%s joined with devices %s (%d/%d)",
-            m.name(), ",".join(devices), len(self._members), self.num_workers,
-        )
-        if len(self._members) == self.num_workers and (self.digests is not None or self._follow):
-            self._release_plan()  # else once the files are hashed
-        return self._join_reply(m)
-
-    def _join_reply(self, m: Member) -> pb.JoinReply:
-        return pb.JoinReply(rank=m.rank, num_workers=self.num_workers, chief_incarnation=self.incarnation,
-                            secret=m.secret)
 
     def _release_plan(self) -> None:
         members = sorted(self._members.values(), key=lambda m: m.rank)
@@ -539,20 +372,6 @@ class ChiefService:
         """Release the shared arena's socket and descriptor (workers keep their mappings)."""
         self._arena.close()
 
-    def ready_bytes(self, ref: pb.WorkerRef) -> int:
-        """The most bytes ``ref``'s ReadyRequest can serialize to: one device's chunk digests per
-        device it joined with, and a little for the rest. A transport that receives the report in
-        pieces refuses a call past it, and one not from a member (``_member``), at its first piece,
-        before it holds any more of it."""
-        with self._cond:
-            m = self._member(ref)
-            if self._plan is None:
-                raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
-                                        f"ReportReady comes after GetPlan and the data stream")
-            plan = self.plan_of(m)
-            chunks = max(len(plan.chunk_digests), -(-plan.total_bytes // max(plan.chunk_bytes, 1)))
-            return len(m.devices) * (chunks * READY_BYTES_PER_DIGEST + 256) + 8192
-
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
         with self._cond:
             m = self._member(req.worker)
@@ -687,7 +506,7 @@ class ChiefService:
                     self._phase is Phase.BROADCASTING:
                 self._member(req)  # raises: that process was declared lost, or replaced
             if m is not None and m.incarnation == req.incarnation and self._holds(req) is None:
-                raise _not_its_secret(req.worker_id)
+                raise not_its_secret(req.worker_id)
             if m is None or m.incarnation != req.incarnation:
                 if self._phase is not Phase.FAILED:
                     raise PreconditionError(

@@ -161,7 +161,10 @@ def test_a_relay_refuses_report_ready_at_its_first_piece_and_the_chain_completes
     channel, stub = stub_for(relay)
     try:
         calls = [stub.ReportReady.future(flood("w0"), metadata=MD, timeout=120) for _ in range(10)]
-        assert [code_of(c, 60) for c in calls] == [grpc.StatusCode.UNIMPLEMENTED] * 10, [c.details() for c in calls]
+        # Refused at the first piece, or cut while more than half the relay's threads waited for one.
+        codes = [code_of(c, 60) for c in calls]
+        assert set(codes) <= {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED}, [c.details() for c in calls]
+        assert grpc.StatusCode.UNIMPLEMENTED in codes, codes
     finally:
         channel.close()
     for w in workers:

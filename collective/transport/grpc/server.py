@@ -20,7 +20,7 @@ from collective._proto import collective_pb2_grpc as pb_grpc
 from collective.config import TlsFiles
 from collective.limits import MAX_ERROR_CHARS
 from collective.logs import printable
-from collective.plan import from_pieces, to_pieces
+from collective.plan import MAX_PIECED_BYTES, from_pieces, to_pieces
 from collective.transport.api import ChiefEndpoint, ChiefHandler
 from collective.transport.grpc.admission import BODY_TIMEOUT, RefusalLog, _Admission, _BodyWatch
 from collective.transport.grpc.tls import peer_identities, server_credentials
@@ -151,7 +151,8 @@ class _Servicer(pb_grpc.CollectiveServicer):
         return self._call(context, "ReportReady", self._h.report_ready, request)
 
     def _ready_request(self, first: pb.Piece, pieces, peer: str) -> pb.ReadyRequest:
-        limit = self._h.ready_bytes(first.worker)  # raises for a non-member or a wrong secret
+        # Raises for a non-member or a wrong secret; never past MAX_PIECED_BYTES, whatever a member joined with.
+        limit = min(self._h.ready_bytes(first.worker), MAX_PIECED_BYTES)
         sender = f"worker {printable(first.worker.worker_id)} at {printable(peer)}"
         request = from_pieces(pb.ReadyRequest, itertools.chain([first], pieces), sender, max_bytes=limit)
         if request.worker != first.worker:
