@@ -21,6 +21,7 @@ MAX_INCARNATION_CHARS = 128
 MAX_HOST_CHARS = 256
 MAX_SECRET_CHARS = 128  # a join key or member secret
 MAX_DECLARED_VARIABLES = 100_000  # 5x the largest plan tested (20,000); or the model's own count, when larger
+DECLARED_EXTRA = 1000  # a declaration longer than the model by more is refused by its count, not compared
 MAX_NAME_CHARS = 4096  # a declared variable's name
 MAX_DIMS = 64  # a declared variable's shape
 MAX_MODE_CHARS = 64  # a declared dtype, synchronization or aggregation
@@ -32,6 +33,12 @@ MAX_CULPRIT_CHARS = 300  # the culprit named beside it
 def declared_limit(model_variables: int) -> int:
     """How many variables a worker may declare: the cap, or the chief's model's own count."""
     return max(MAX_DECLARED_VARIABLES, model_variables)
+
+
+def join_fields_limit(model_variables: int) -> int:
+    """The most top-level fields a serialized JoinRequest may have (its devices, its declared
+    variables, and its ten others): counted on the wire before it is decoded."""
+    return MAX_DEVICES + declared_limit(model_variables) + 16
 
 
 def _at_most(field: str, size: int, limit: int, unit: str = "characters") -> None:

@@ -28,7 +28,7 @@ from collective.errors import (
     UsageError,
 )
 from collective.keys import parse_devices
-from collective.limits import check_join, check_ref
+from collective.limits import DECLARED_EXTRA, check_join, check_ref
 from collective.plan import check_declared, declaration_differences
 
 log = logging.getLogger("collective.chief.service")  # the chief's one log, as before the split
@@ -145,6 +145,15 @@ class Admission:
             raise ProtocolError(f"worker {req.worker_id!r}: {exc}") from exc
         if not req.declared:
             return devices, None
+        if len(req.declared) > len(self.specs) + DECLARED_EXTRA:
+            # Far more than the model has: it cannot match, and comparing it name by name would
+            # cost the chief time and memory in proportion to whatever a peer chose to send.
+            log.warning("refused worker %r: it declares %d variables; the model has %d", req.worker_id,
+                        len(req.declared), len(self.specs))
+            return devices, PreconditionError(
+                f"worker {req.worker_id!r} declares {len(req.declared)} variables; the chief's model "
+                f"{self.source.description} has {len(self.specs)} (more than {DECLARED_EXTRA} extra: not "
+                f"compared one by one); does the worker build the same model?")
         try:
             check_declared(req.declared)
         except InvalidVariableError as exc:

@@ -107,8 +107,8 @@ def test_status_answers_within_2_s_and_a_round_completes_while_oversize_and_bodi
         # held it about 75 s per call.
         big = pb.JoinRequest(worker_id="x", incarnation="x", devices=[f"cpu:{i}" for i in range(100_001)])
         joins = [stub.Join.future(big, metadata=MD, timeout=120) for _ in range(3)]
-        # ... and declared variable lists: past the limit (refused by their count), and 50,000 (compared
-        # with the model outside the lock; before, 300,000 took 3.9 s under it).
+        # ... and declared variable lists: past the limit (INVALID_ARGUMENT), and 50,000 for a model
+        # of 7 (refused by their count, outside the lock; before, 300,000 took 3.9 s under it).
         declared = [pb.VariableInfo(name=f"layer{i}/kernel", shape=[4], dtype="<f4", synchronization="AUTO",
                                     aggregation="NONE") for i in range(MAX_DECLARED_VARIABLES + 1)]
         over = pb.JoinRequest(worker_id="y", incarnation="y", devices=["cpu:0"], declared=declared)
@@ -130,7 +130,7 @@ def test_status_answers_within_2_s_and_a_round_completes_while_oversize_and_bodi
         assert [code_of(j, 60) for j in declaring] == [grpc.StatusCode.INVALID_ARGUMENT,
                                                        grpc.StatusCode.FAILED_PRECONDITION], [j.details() for j in declaring]
         assert f"declared has {MAX_DECLARED_VARIABLES + 1} variables; the limit is" in declaring[0].details()
-        assert "declares variables that differ from the chief's model" in declaring[1].details()
+        assert "declares 50000 variables; the chief's model" in declaring[1].details()  # by its count
         assert code_of(flooded, 60) in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED)
         assert "nobody" in flooded.details()
         # Each bodiless call is cut within the body deadline of its headers (or sooner, once more
@@ -262,7 +262,8 @@ def test_a_member_who_read_w0s_incarnation_in_the_plan_cannot_evict_or_impersona
 # --- items 6 and 8: one line, the reason, never a traceback ----------------------------------------
 
 
-def test_a_huge_device_index_an_undecodable_ready_report_and_a_10_mb_id_are_refused_with_their_reason(cluster):
+def test_a_huge_device_index_an_undecodable_ready_report_a_10_mb_id_and_16_mib_of_entries_are_refused_with_their_reason(
+        cluster):
     chief = cluster.chief("--workers", "1", *ROUND, env=ENV)
     channel, stub = stub_for(cluster.address)
     try:
@@ -284,6 +285,13 @@ def test_a_huge_device_index_an_undecodable_ready_report_and_a_10_mb_id_are_refu
                 call(request, metadata=MD, timeout=30)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
             assert "worker_id has 10485760 characters; the limit is 256" in info.value.details()
+        # 16 MiB of empty declared entries: decoded, 1.2 GB; counted on the wire first, refused.
+        before = vm_bytes(chief.pid, "VmRSS")
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/collective.v1.Collective/Join")(b"\x3a\x00" * (8 * MiB), metadata=MD, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "top-level fields" in info.value.details()
+        assert vm_bytes(chief.pid, "VmHWM") - before < 200 * MiB
         stub.Status(pb.StatusRequest(), metadata=MD, timeout=10)
     finally:
         channel.close()

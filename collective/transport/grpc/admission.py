@@ -155,6 +155,42 @@ class _BodyWatch:
         self._thread.join(2.0)
 
 
+LARGE_REQUEST = 1 << 20  # a request past this is decoded alone, its fields counted first
+
+
+def _varint(raw: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(raw):
+            raise DecodeError("truncated varint")
+        b = raw[i]
+        value |= (b & 0x7F) << shift
+        i += 1
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def top_level_fields(raw: bytes, limit: int) -> int:
+    """How many top-level fields (each entry of a repeated one counts) the serialized message
+    ``raw`` has, counting no further than ``limit + 1``: time in proportion to that, not to ``raw``."""
+    i, count = 0, 0
+    while i < len(raw) and count <= limit:
+        tag, i = _varint(raw, i)
+        kind = tag & 7
+        if kind == 0:
+            _, i = _varint(raw, i)
+        elif kind == 2:
+            length, i = _varint(raw, i)
+            i += length
+        elif kind in (1, 5):
+            i += 8 if kind == 1 else 4
+        else:
+            raise DecodeError(f"wire type {kind}")
+        count += 1
+    return count
+
+
 class _Admission(grpc.ServerInterceptor):
     """Admits every Collective RPC from its headers (see BODY_TIMEOUT above).
 
@@ -164,8 +200,11 @@ class _Admission(grpc.ServerInterceptor):
     an undecodable one gets INVALID_ARGUMENT and a log line, not a traceback.
     """
 
-    def __init__(self, token: str | None, refusals: RefusalLog, body: _BodyWatch) -> None:
+    def __init__(self, token: str | None, refusals: RefusalLog, body: _BodyWatch,
+                 fields: dict[str, int] | None = None) -> None:
         self._token = token.encode() if token else None
+        self._fields = fields or {}  # method -> the most top-level fields its request may have
+        self._large = threading.Lock()
         self._refusals = refusals
         self._body = body
 
@@ -190,6 +229,21 @@ class _Admission(grpc.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(refuse, None, handler.response_serializer)
         return grpc.stream_unary_rpc_method_handler(refuse, None, handler.response_serializer)
 
+    def _decode(self, decode, raw: bytes, method: str):
+        """``raw`` decoded. A decoded message takes far more memory than its bytes (16 MiB of
+        empty entries of a repeated field: 1.2 GB), so a large request is decoded one at a time,
+        after its top-level fields are counted against ``fields[method]`` (stopping past it)."""
+        if decode is None:
+            return raw
+        if len(raw) <= LARGE_REQUEST:
+            return decode(raw)
+        with self._large:
+            limit = self._fields.get(method)
+            if limit is not None and top_level_fields(raw, limit) > limit:
+                raise ProtocolError(f"{method} refused: the request has more than {limit} top-level fields "
+                                    f"(entries of its repeated fields count one each); the limit is {limit}")
+            return decode(raw)
+
     def _admit(self, handler, method: str):
         behavior = handler.unary_stream or handler.unary_unary
         decode = handler.request_deserializer
@@ -199,10 +253,13 @@ class _Admission(grpc.ServerInterceptor):
             if raw is None:
                 context.abort(grpc.StatusCode.CANCELLED, f"{method}: the call ended before its request arrived")
             try:
-                request = decode(raw) if decode is not None else raw
+                request = self._decode(decode, raw, method)
             except DecodeError:
                 self._refusals.refused(context.peer(), method, "an undecodable request")
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
+            except ProtocolError as exc:
+                self._refusals.refused(context.peer(), method, str(exc))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return behavior(request, context)
 
         if handler.request_streaming:

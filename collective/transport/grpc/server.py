@@ -18,7 +18,7 @@ from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
 from collective.config import TlsFiles
-from collective.limits import MAX_ERROR_CHARS
+from collective.limits import MAX_ERROR_CHARS, join_fields_limit
 from collective.logs import printable
 from collective.plan import MAX_PIECED_BYTES, from_pieces, to_pieces
 from collective.transport.api import ChiefEndpoint, ChiefHandler
@@ -243,7 +243,8 @@ class GrpcEndpoint(ChiefEndpoint):
         self._pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"{self.name}-rpc")
         server = grpc.server(
             self._pool,
-            interceptors=[_Admission(self.token, self._refusals, self._body)],
+            interceptors=[_Admission(self.token, self._refusals, self._body,
+                                     fields={"Join": join_fields_limit(len(getattr(handler, "specs", None) or ()))})],
             options=SERVER_OPTIONS,
         )
         bind_identity = bool(self.tls and self.tls.has("ca"))
