@@ -69,7 +69,7 @@ class Supervisor:
         for m in list(svc._members.values()):
             silent = now - m.last_seen
             if silent > svc.timeouts.lease and not m.told and m.phase != "lost":
-                ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation)
+                ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation, secret=m.secret)
                 svc.lost(ref, f"no heartbeat for {silent:.1f} s (lease {svc.timeouts.lease:g} s)")
 
     def await_cause(self, m, ref: pb.WorkerRef, reason: str) -> None:

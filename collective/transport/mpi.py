@@ -319,8 +319,10 @@ class MpiChiefDriver:
 
         def join(rank: int, data: bytes):
             req = pb.JoinRequest.FromString(data)
-            self.refs.append(pb.WorkerRef(worker_id=req.worker_id, incarnation=req.incarnation))
-            return self.h.join(req, f"mpi rank {rank}")
+            self.refs.append(ref := pb.WorkerRef(worker_id=req.worker_id, incarnation=req.incarnation))
+            reply = self.h.join(req, f"mpi rank {rank}")
+            ref.secret = reply.secret  # the chief's calls on this rank's behalf are the member's
+            return reply
 
         if not self._answer_each(joins, join):
             return

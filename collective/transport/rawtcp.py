@@ -58,6 +58,8 @@ from google.protobuf.message import DecodeError
 
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.limits import MAX_ERROR_CHARS
+from collective.logs import printable
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +291,7 @@ class DataServer:
     @staticmethod
     def _send_error(conn: socket.socket, code: str, message: str, raised: dict | None = None) -> None:
         head = f"{code} {json.dumps(raised)}" if raised else code
-        body = f"{head}\n{message}".encode()
+        body = f"{head}\n{printable(message, limit=MAX_ERROR_CHARS)}".encode()  # a peer's long name, cut
         try:
             _send_all(conn, [_HEAD.pack(ERROR, len(body), 0), body])
         except (OSError, ssl.SSLError):

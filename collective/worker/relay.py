@@ -112,7 +112,7 @@ class RelayHandler:
         raise UnimplementedError("this is a worker's relay: it serves only the data stream (Fetch, FetchRaw); "
                                  "send every other call to the chief")
 
-    join = get_plan = await_prepared = report_ready = await_start = report_failure = _not_served
+    join = get_plan = await_prepared = report_ready = ready_bytes = await_start = report_failure = _not_served
     heartbeat = await_outcome = status = _not_served
 
 
