@@ -22,7 +22,14 @@ The Python API (every call reads the same environment as the command line: ``COL
 ``import collective`` is cheap: the transports (gRPC, MPI) load on first use.
 """
 
+# ruff: noqa: E402 - the SIGINT hold must come before the other imports
 from __future__ import annotations
+
+# First, before the imports below (numpy among them): `python -m collective.<command>` holds a
+# Ctrl-C from here until its entry point acts on it (entry.hold_sigint_while_starting).
+from collective.entry import hold_sigint_while_starting
+
+hold_sigint_while_starting()
 
 from typing import TYPE_CHECKING, Any
 

@@ -186,6 +186,8 @@ def _grpc_drive(bind: str, token: str | None, tls, on_listening):
                     # server down.
                     what = "interrupted" if signum == signal.SIGINT else "shutting down"
                     reason = AbortedError(f"chief {what} ({signal.Signals(signum).name})")
+                    if signum == signal.SIGINT:
+                        reason.exit_code = 130  # as every command exits on Ctrl-C
                     threading.Thread(target=service.fail, args=(reason,), daemon=True).start()
 
                 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -348,13 +350,16 @@ def join(
     # The chief tells children the address it saw us at: the interface that reaches the chief.
     if relay_host == "auto":
         relay_host = host_towards(chief)
-    relay = Relay(f"{relay_host}:0", token=token, tls=tls, stall_timeout=t.stall) if relay_host else None
+    relay = None
 
     def connect(parent, name: str) -> GrpcChiefLink:
         # A parent relay is verified as the plan says (its worker id, or its own certificate).
         return GrpcChiefLink(parent.relay_address, token=token, tls=relay_client_tls(tls, parent), name=name)
 
     try:
+        # Inside the try: a Ctrl-C right after the relay server started still stops it here,
+        # not in grpc's finaliser racing its serving thread (a ValueError traceback at exit).
+        relay = Relay(f"{relay_host}:0", token=token, tls=tls, stall_timeout=t.stall) if relay_host else None
         agent = WorkerAgent(
             link, worker_id=worker_id or args.worker_id, devices=devices if devices is not None else args.devices,
             preferred_rank=rank if rank is not None else args.rank, timeouts=t, expected=expected,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -20,14 +21,16 @@ from collective.config import (
     timeouts_from_args,
 )
 from collective.entry import run_main
-from collective.errors import UsageError
+from collective.errors import CollectiveError, UsageError
 from collective.options import parse_shards
 from collective.topology import TOPOLOGIES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="collective", description=__doc__)
+    # allow_abbrev=False everywhere: `--devices 2` must not silently mean `--devices-per-worker 2`.
+    p = argparse.ArgumentParser(prog="collective", description=__doc__, allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser = functools.partial(sub.add_parser, allow_abbrev=False)  # type: ignore[method-assign]
 
     launch = sub.add_parser("launch", help="run a chief and N workers on this machine, on loopback")
     add_option(launch, "workers", help="number of workers", type=positive_int, default=2)
@@ -38,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                "a *.safetensors.index.json or a checkpoint directory", default="mlp")
     add_option(launch, "seed", help="seed for initializer specs", type=int, default=None)
     add_option(launch, "token", help="cluster token (default: a random one per run)", default=None)
-    add_option(launch, "run-dir", help="where each process's log and the summary go (default: a new temp dir)", default=None)
+    add_option(launch, "run-dir", help="where each process's log, the summary and, while the run lasts, the status "
+               "file go (default: a new temp dir, removed after a successful run); it must be this user's and not "
+               "writable by others", default=None)
+    launch.add_argument("--keep-run-dir", action="store_true",
+                        help="keep the temporary run dir of a successful run too (a failed run's is always kept)")
     add_option(launch, "chunk-bytes", help="bytes per data message, e.g. 1MiB; default 4 MiB, 512 KiB for a chain",
                type=byte_size("--chunk-bytes"), default=None)
     add_timeout_options(launch, "join", "ready", "start", "heartbeat")
@@ -58,11 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="ask a running chief who has joined and who is being waited for")
     add_option(status, "chief", help="the chief's HOST:PORT", default=None)
     add_option(status, "token", help="the cluster token", default=None)
+    status.add_argument("--run-dir", default=None, help="the run dir of a running `collective launch`: its chief's "
+                        "address and token are read from its status.json")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument("--watch", action="store_true", help="redraw every second until start or failure")
 
     lg = sub.add_parser("logs", help="merge a run directory's logs into one timeline")
-    lg.add_argument("run_dir", metavar="RUN_DIR")
+    lg.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default=None)
+    lg.add_argument("--run-dir", dest="run_dir_option", metavar="DIR", default=None,
+                    help="RUN_DIR given as an option, as `collective status --run-dir` takes it")
     lg.add_argument("--worker", default=None, help="only this worker: id (worker-1) or rank (1)")
     lg.add_argument("--phase", default=None,
                     help="only this phase (join, broadcast, receive, verify, ready, start, started, failed)")
@@ -88,8 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         args = build_parser().parse_args(argv)
-        logs.configure("launch")
-        return {"launch": _launch, "status": _status, "logs": _logs, "doctor": _doctor, "bench": _bench}[args.command](args)
+        command = {"launch": _launch, "status": _status, "logs": _logs, "doctor": _doctor, "bench": _bench}[args.command]
+        if args.command in ("launch", "bench"):  # these show log lines of their own and of processes they run
+            logs.configure("launch")
+            return command(args)
+        try:
+            return command(args)
+        except CollectiveError as exc:  # the command's own one-line error, not a log line of another role
+            if args.command == "status" and args.json:
+                print(json.dumps({"ok": False, "error": str(exc), "error_type": type(exc).__name__}))
+            print(f"collective {args.command}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
 
     return run_main(go)
 
@@ -112,8 +132,15 @@ def _launch(args: argparse.Namespace) -> int:
         topology=args.topology,
         from_file=args.from_file,
         shards=args.shards,
+        keep_run_dir=args.keep_run_dir,
     )
-    result = launcher.run()
+    try:
+        result = launcher.run()
+    except KeyboardInterrupt:
+        where = launcher.run_dir
+        print(f"interrupted: every process of the run was stopped; its logs are in {where} "
+              f"(collective logs {where})", file=sys.stderr)
+        return 130
     print(summary_table(result), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
@@ -146,7 +173,10 @@ def _bench(args: argparse.Namespace) -> int:
 def _logs(args: argparse.Namespace) -> int:
     from collective.logmerge import logs_command
 
-    return logs_command(args.run_dir, worker=args.worker, phase=args.phase, as_json=args.json)
+    run_dir = args.run_dir or args.run_dir_option
+    if not run_dir:
+        raise UsageError("pass the run directory: collective logs RUN_DIR (or --run-dir DIR)")
+    return logs_command(run_dir, worker=args.worker, phase=args.phase, as_json=args.json)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -159,17 +189,23 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from collective.config import parse_address
-    from collective.errors import UsageError
     from collective.status import status_dict, status_text, watch
     from collective.transport.grpc import GrpcChiefLink
 
+    if args.run_dir:
+        from collective.status import chief_of_run
+
+        if args.chief:
+            raise UsageError("pass either --run-dir or --chief, not both")
+        args.chief, token = chief_of_run(args.run_dir)
+        args.token = args.token or token
     if not args.chief:
         from collective.clusterenv import from_environment
 
         env = from_environment(os.environ)
         args.chief = env.chief_address if env else None
     if not args.chief:
-        raise UsageError("pass --chief HOST:PORT or set COLLECTIVE_CHIEF")
+        raise UsageError("pass --chief HOST:PORT (or set COLLECTIVE_CHIEF), or --run-dir DIR of a running launch")
     parse_address(args.chief, what="--chief")
     link = GrpcChiefLink(args.chief, token=args.token)
     try:

@@ -44,11 +44,43 @@ def raise_fd_limit() -> None:
         pass  # kept as it is: the servers cope with a short limit, only less well
 
 
+_early_sigint: list[int] = []
+ENTRY_MODULES = ("collective.chief", "collective.worker", "collective.cli", "collective.mpi")
+
+
+def defer_sigint() -> None:
+    """Called first thing by a ``python -m`` entry module, before its imports (a second or more
+    on a loaded machine): a Ctrl-C in that time is held, not lost (a background job starts with
+    SIGINT ignored) and not raised in the middle of an import as a traceback; ``run_main``
+    acts on it as soon as it starts."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda signum, frame: _early_sigint.append(signum))
+
+
+def hold_sigint_while_starting() -> None:
+    """``defer_sigint`` when this process is ``python -m collective.<command>`` still being
+    located (runpy sets ``sys.argv[0]`` to the module's path only after importing its packages,
+    so this is called from ``collective/__init__.py``). A library import does nothing."""
+    argv = sys.orig_argv
+    after_m = [a[2:] or b for a, b in zip(argv, [*argv[1:], ""], strict=True) if a.startswith("-m")]
+    # Only the commands whose entry point acts on it (run_main, collective.mpi's main): any other
+    # module run with -m would never see the Ctrl-C it held.
+    if sys.argv[:1] == ["-m"] and after_m[:1] and after_m[0] in ENTRY_MODULES:
+        defer_sigint()
+
+
+def early_sigint() -> bool:
+    """Whether a Ctrl-C came while the entry point loaded (``defer_sigint``)."""
+    return bool(_early_sigint)
+
+
 def run_main(main: Callable[[], int]) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
     raise_fd_limit()
     try:
+        if _early_sigint:
+            raise KeyboardInterrupt
         code = main()
         sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
         return code

@@ -12,6 +12,8 @@ import re
 from collections.abc import Sequence
 
 from collective.errors import UsageError
+from collective.limits import MAX_DEVICE_INDEX_DIGITS
+from collective.logs import printable
 
 GROUP_KEY_START = 1
 INSTANCE_KEY_START = 1
@@ -20,10 +22,14 @@ _DEVICE = re.compile(r"^(?:/?device:)?(?P<kind>[A-Za-z]+):(?P<index>[0-9]+)$", r
 
 
 def parse_device(device: str) -> tuple[str, int]:
-    """``"cpu:0"`` -> ``("CPU", 0)``. Raises UsageError for anything else."""
+    """``"cpu:0"`` -> ``("CPU", 0)``. Raises UsageError for anything else, and for an index of
+    more than ``MAX_DEVICE_INDEX_DIGITS`` digits (``int`` refuses past 4,300 of them)."""
     m = _DEVICE.match(device.strip())
     if not m:
-        raise UsageError(f"invalid device {device!r}; write devices as cpu:0,cpu:1 (kind:index)")
+        raise UsageError(f"invalid device {printable(device, limit=80)!r}; write devices as cpu:0,cpu:1 (kind:index)")
+    if len(m.group("index")) > MAX_DEVICE_INDEX_DIGITS:
+        raise UsageError(f"invalid device {printable(device, limit=80)!r}: its index has more than "
+                         f"{MAX_DEVICE_INDEX_DIGITS} digits")
     return m.group("kind").upper(), int(m.group("index"))
 
 
@@ -32,14 +38,14 @@ def parse_devices(text: str | Sequence[str]) -> list[str]:
     items = [d for d in (text.split(",") if isinstance(text, str) else text) if d.strip()]
     if not items:
         raise UsageError("no devices given; pass --devices cpu:0[,cpu:1,...]")
-    out = []
+    out: dict[str, None] = {}  # a dict, not a list: the duplicate check stays linear in the devices
     for d in items:
         kind, index = parse_device(d)
         name = f"{kind.lower()}:{index}"
         if name in out:
-            raise UsageError(f"device {name} is listed twice in {','.join(items)!r}")
-        out.append(name)
-    return out
+            raise UsageError(f"device {name} is listed twice in {printable(','.join(items), limit=200)!r}")
+        out[name] = None
+    return list(out)
 
 
 def qualified_device(rank: int, device: str) -> str:

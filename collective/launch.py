@@ -6,7 +6,11 @@ Guarantees: exit 0 only when start was released with every digest agreeing; no c
 is left behind, on failure, timeout or Ctrl-C (children are killed by process id). One launch
 owns a run directory at a time (an flock, released when the launch ends or dies); each launch
 clears the previous run's logs and summary first. The chief's port and summary files live in a
-private directory, so a full run directory only cuts the logs short, never the round.
+private directory, so a full run directory only cuts the logs short, never the round. The run
+directory is checked and written as ``collective.rundir`` says (no link followed, 0600 files);
+while the chief runs, ``status.json`` there (0600) holds its address and token for
+``collective status --run-dir``. A temporary run directory (no ``--run-dir``) is removed after a
+successful run unless ``--keep-run-dir``; a failed or interrupted run's is kept and named.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collective.clusterenv import CLUSTER_VARS
 from collective.config import Timeouts
 from collective.errors import DeadlineError, UsageError
 from collective.model import available_memory
+from collective.rundir import STATUS_FILE, RunDir
 from collective.sizes import format_bytes
 
 
@@ -56,7 +61,6 @@ class Child:
 # How long a worker's death may precede the chief's own verdict before launch stops waiting:
 # a chief that aborts the round exits right after telling its workers.
 WORKER_LOSS_GRACE = 2.0
-LOCK_NAME = ".launch.lock"
 _LOG_LINE = re.compile(r"^\S+ (?:ERROR|CRITICAL) \S+ rank=\S* id=\S* phase=\S*: (.*)$")
 
 
@@ -79,6 +83,7 @@ class Launcher:
         topology: str = "auto",
         from_file: bool = False,
         shards=None,
+        keep_run_dir: bool = False,
     ) -> None:
         self.shm = shm
         self.from_file = from_file
@@ -99,13 +104,15 @@ class Launcher:
         self.token = token or secrets.token_hex(16)
         self.timeouts = timeouts or Timeouts()
         self.chunk_bytes = chunk_bytes
-        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="collective-run-"))
+        self._dir = RunDir(run_dir or None)
+        self.run_dir = self._dir.path
+        self.keep_run_dir = keep_run_dir or not self._dir.temporary
+        self.interrupted = False  # Ctrl-C: the children were asked to stop with SIGINT
         self.out = out or sys.stdout
         self.quiet = quiet
         self.children: list[Child] = []
         self._print_lock = threading.Lock()
         self._progress = None  # rich bars on a terminal, fed by the chief's Status RPC
-        self._lock_fd: int | None = None
         self._private: Path | None = None  # the chief's port and result files
         self._failure: str | None = None  # launch's own verdict (workers gone before the chief decided)
         self._failure_culprit: str | None = None  # the one worker that died, if one did
@@ -124,18 +131,30 @@ class Launcher:
 
     def _spawn(self, label: str, args: list[str], log_name: str, argv: list[str] | None = None) -> Child:
         log_path = self.run_dir / log_name
-        proc = subprocess.Popen(
-            argv or [sys.executable, *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,  # apart from stdout, so the JSON line never interleaves with logs
-            env=self._env(),
-            text=True,
-            bufsize=1,
-            start_new_session=True,  # Ctrl-C reaches us; we stop the children ourselves
-        )
+        # Started with SIGINT ignored (inherited through exec; Python keeps it until the entry
+        # point takes SIGINT over): our Ctrl-C, passed on, never lands in a child's imports as a
+        # KeyboardInterrupt traceback. One still loading ends at the SIGTERM that follows.
+        ignoring = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignoring else None
+        try:
+            proc = subprocess.Popen(
+                argv or [sys.executable, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,  # apart from stdout, so the JSON line never interleaves with logs
+                env=self._env(),
+                text=True,
+                bufsize=1,
+                start_new_session=True,  # Ctrl-C reaches us; we stop the children ourselves
+            )
+        finally:
+            if ignoring:
+                signal.signal(signal.SIGINT, previous)
         child = Child(label, proc, log_path)
-        log = _private_file(log_path)  # closed by the last pump to finish
+        try:
+            log = self._dir.create(log_name)  # closed by the last pump to finish
+        except OSError as exc:  # the stream is still drained and echoed
+            log, child.log_error = None, exc
         lock = threading.Lock()
         for stream, is_stdout in ((proc.stdout, True), (proc.stderr, False)):
             t = threading.Thread(target=self._pump, args=(child, stream, is_stdout, log, lock), daemon=True)
@@ -156,11 +175,12 @@ class Launcher:
                 child.lines.append(line)
                 if is_stdout:
                     child.stdout.append(line)
-            if not self.quiet and not line.startswith('{"ok"'):
+            # After Ctrl-C, what the processes say while stopping (mpiexec's banner) goes to the log only.
+            if not self.quiet and not self.interrupted and not line.startswith('{"ok"'):
                 self._echo(f"{child.label:<9}| {line.rstrip()}")
         with lock:
             child.open_streams -= 1
-            if child.open_streams == 0:
+            if child.open_streams == 0 and log is not None:
                 try:
                     log.close()
                 except OSError as exc:
@@ -173,6 +193,19 @@ class Launcher:
 
     def _stop_all(self, grace: float = 3.0) -> None:
         live = [c for c in self.children if c.proc.poll() is None]
+        if self.interrupted:
+            # Ctrl-C is passed on as what it was, so each process names SIGINT (and mpiexec's
+            # ranks exit 130 together instead of being killed, which makes it print a banner);
+            # a process that has not taken SIGINT over yet (still loading) gets SIGTERM next.
+            for c in live:
+                _signal(c.proc, signal.SIGINT)
+            soon = time.monotonic() + 2.0
+            for c in live:
+                try:
+                    c.proc.wait(max(0.0, soon - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            live = [c for c in live if c.proc.poll() is None]
         for c in live:
             _signal(c.proc, signal.SIGTERM)
         start = time.monotonic()
@@ -193,55 +226,72 @@ class Launcher:
     def run(self) -> dict:
         """Run one round. Returns the chief's summary (``ok`` says whether it succeeded).
 
-        Raises ``UsageError`` when another live launch holds the run directory."""
-        self._claim_run_dir()
+        Raises ``UsageError`` when the run directory is unsafe or another live launch holds it,
+        ``KeyboardInterrupt`` on Ctrl-C once every child has been stopped (``interrupted``)."""
+        try:
+            self._claim_run_dir()
+        except BaseException:
+            self._release_run_dir()
+            if self._dir.temporary:
+                self._dir.remove()
+            raise
         self._t0 = time.monotonic()
+        ok = False
+        previous = self._catch_interrupt()
         try:
             self._private = Path(tempfile.mkdtemp(prefix="collective-launch-"))
             result = self._run_mpi() if self.transport == "mpi" else self._run_grpc()
             self._keep_result(result)
+            ok = bool(result.get("ok"))
+            if ok and not self.keep_run_dir:
+                result["run_dir"] = None  # removed below: nothing of a good run is worth keeping
             return result
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
             if self._private is not None:
                 shutil.rmtree(self._private, ignore_errors=True)
+            self._dir.unlink(STATUS_FILE)  # the chief is gone: nothing to reach any more
             self._release_run_dir()
+            if ok and not self.keep_run_dir:
+                self._dir.remove()
+
+    def _catch_interrupt(self):
+        """On the main thread: the first Ctrl-C raises KeyboardInterrupt (the run unwinds and
+        stops its children with SIGINT), a second one while they stop is not allowed to cut
+        that short and leave processes behind. Returns the previous handler (None elsewhere)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigint(signum, frame) -> None:
+            if not self.interrupted:
+                self.interrupted = True
+                raise KeyboardInterrupt
+            self._note("still stopping the processes of this run; they get SIGKILL after a few seconds")
+
+        return signal.signal(signal.SIGINT, on_sigint)
 
     def _claim_run_dir(self) -> None:
         """Take the run directory for this launch and clear the previous run's files from it."""
-        lock = self.run_dir / LOCK_NAME
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # as the default (mkdtemp) one
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            if isinstance(exc, FileExistsError):
-                exc.strerror = "it exists and is not a directory"
-            raise UsageError(f"cannot use run directory {self.run_dir}: {exc.strerror or exc}"
-                             f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(self.run_dir) else ''}; "
-                             f"pass another --run-dir") from None
+        self._dir.open()  # made 0700 as the default (mkdtemp) one, or checked: ours, no link
+        fd = self._dir.open_lock()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
             raise UsageError(
                 f"run directory {self.run_dir} is in use by another launch (pid {holder}); "
                 f"wait for it to end or pass another --run-dir"
             ) from None
-        self._lock_fd = fd
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError:
             pass  # the pid is only for the message above; the flock is what protects the directory
-        stale = [self.run_dir / n for n in ("chief.port", "chief.port.tmp", "result.json", "chief.log", "mpiexec.log")]
-        stale += self.run_dir.glob("worker-*.log")
-        for path in stale:
-            path.unlink(missing_ok=True)
+        self._dir.clear()
 
     def _release_run_dir(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # drops the flock; the file stays, so no one locks a stale inode
-            self._lock_fd = None
+        self._dir.close()  # drops the flock; the lock file stays, so no one locks a stale inode
 
     def _keep_result(self, result: dict) -> None:
         """Copy the summary into the run directory; a full disk is noted, not fatal."""
@@ -249,7 +299,7 @@ class Launcher:
             if c.log_error is not None:
                 self._cut.append(f"{c.log_path.name}: {c.log_error.strerror or c.log_error}")
         try:
-            with _private_file(self.run_dir / "result.json") as f:
+            with self._dir.create("result.json") as f:
                 f.write(json.dumps(result))
         except OSError as exc:
             self._cut.append(f"result.json: {exc.strerror or exc}")
@@ -279,6 +329,7 @@ class Launcher:
             chief = self._spawn("chief", chief_args, "chief.log")
             port = self._wait_for_port(chief, port_file, t.join)
             if port is not None:
+                self._write_status(port)
                 self._start_progress(port)
                 for i in range(self.workers):
                     self._spawn(
@@ -304,7 +355,7 @@ class Launcher:
             raise UsageError("mpiexec not found: install the mpi extra (pip install 'collective[mpi]') or a system MPI")
         t = self.timeouts
         args = [
-            "-m", "collective.mpi", "--json", "--model", self.model, *(["--from-file"] if self.from_file else []),
+            "-m", "collective.mpi", "--json", "--no-table", "--model", self.model, *(["--from-file"] if self.from_file else []),
             "--devices-per-worker", str(self.devices.count(",") + 1),
             "--join-timeout", str(t.join), "--ready-timeout", str(t.ready), "--start-timeout", str(t.start),
         ]
@@ -325,6 +376,17 @@ class Launcher:
 
     def _shard_args(self) -> list[str]:
         return [] if self.shards is None else ["--shards", shards_text(self.shards)]
+
+    def _write_status(self, port: int) -> None:
+        """Where ``collective status --run-dir`` finds this run's chief: its address and token,
+        in a new 0600 file of the (private) run directory. Removed when the run ends."""
+        try:
+            with self._dir.create(STATUS_FILE) as f:
+                f.write(json.dumps({"chief": f"127.0.0.1:{port}", "token": self.token, "launch_pid": os.getpid()}))
+        except OSError as exc:
+            self._cut.append(f"{STATUS_FILE}: {exc.strerror or exc}")
+            return
+        self._note(f"status: collective status --run-dir {self.run_dir}; logs: {self.run_dir}")
 
     def _wait_for_port(self, chief: Child, port_file: Path, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout
@@ -466,13 +528,6 @@ def _check_room(workers: int) -> None:
         )
 
 
-def _private_file(path: Path):
-    """``path`` opened for writing text, readable by this user only (0600, whatever the umask):
-    logs name the model's variables, the hosts and their addresses, which other local users
-    have no business reading. (The token is never in them.)"""
-    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")  # noqa: SIM115
-
-
 def _signal(proc: subprocess.Popen, sig: int) -> None:
     try:
         proc.send_signal(sig)
@@ -524,7 +579,9 @@ def summary_table(result: dict) -> str:
     if result.get("failed_processes"):
         lines.append("  exit codes  " + ", ".join(f"{k}={v}" for k, v in result["failed_processes"].items()))
     if result.get("run_dir"):
-        lines.append(f"  logs        {result['run_dir']}")
+        lines.append(f"  logs        {result['run_dir']}  (collective logs {result['run_dir']})")
+    elif "run_dir" in result:
+        lines.append("  logs        removed with the run's temporary directory (--keep-run-dir or --run-dir keeps them)")
     if result.get("logs_cut"):
         lines.append(f"  logs cut    {result['logs_cut']}")
     if workers:

@@ -218,7 +218,10 @@ def merge_run(run_dir: str, *, worker: str | None = None, phase: str | None = No
         raise UsageError(f"run directory {run_dir} does not exist")
     if not root.is_dir():
         raise UsageError(f"{run_dir} is not a directory; pass the run directory that holds chief.log and worker-<i>.log")
-    files = sorted((p for p in root.glob("*.log") if p.is_file()), key=_file_order)
+    # Not through a link: a *.log planted as a symlink (or, where the kernel allows it, a hard
+    # link) to another file must not show its contents. Every log launch writes has one link.
+    files = sorted((p for p in root.glob("*.log") if p.is_file() and not p.is_symlink() and p.stat().st_nlink == 1),
+                   key=_file_order)
     if not files:
         raise UsageError(f"run directory {run_dir} has no *.log files (expected chief.log and worker-<i>.log)")
     keyed: list[tuple[datetime, int, int, LogRecord]] = []

@@ -38,8 +38,9 @@ log = logging.getLogger("collective.mpi")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mpiexec -n N+1 python -m collective.mpi", description=__doc__)
-    add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors", default="mlp")
+    p = _RankZeroParser(prog="mpiexec -n N+1 python -m collective.mpi", description=__doc__, allow_abbrev=False)
+    add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors file, "
+               "a *.safetensors.index.json or a checkpoint directory", default="mlp")
     add_option(p, "seed", help="seed for initializer specs", type=int, default=None)
     add_max_model_bytes_option(p)
     add_option(p, "shards", help="each worker rank receives a part of the model, not a replica: dim0 (torch's "
@@ -59,7 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="rank 0 prints the summary as one JSON line last")
     add_option(p, "result-file", help="rank 0 writes the round's JSON summary here, also when it aborts the job",
                default=None)
+    p.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)  # collective launch prints its own
     return p
+
+
+class _RankZeroParser(argparse.ArgumentParser):
+    """Every rank parses the same command line: only rank 0 prints a usage error (not N+1 copies)."""
+
+    def print_usage(self, file=None) -> None:
+        from collective.clusterenv import mpi_rank
+
+        if mpi_rank(os.environ) in (None, 0):
+            super().print_usage(file)
+
+    def exit(self, status=0, message=None):
+        from collective.clusterenv import mpi_rank
+
+        if mpi_rank(os.environ) not in (None, 0):
+            message = None
+        super().exit(status, message)
 
 
 def _on_interrupt(signum, frame) -> None:
@@ -80,7 +99,11 @@ def _on_interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from collective.entry import early_sigint
+
     signal.signal(signal.SIGINT, _on_interrupt)
+    if early_sigint():  # a Ctrl-C while the modules loaded (collective/__init__.py held it)
+        _on_interrupt(signal.SIGINT, None)
     try:
         args = build_parser().parse_args(argv)
     except UsageError as exc:
@@ -118,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _keep_failure(args, exc: CollectiveError) -> None:
     """Rank 0 fails before or outside its round: its result file, if the round wrote none."""
-    from collective.chief.reports import failed_summary
-    from collective.chief.round import write_result
+    from collective.chief.reports import failed_summary, write_result
 
     if args.result_file and not Path(args.result_file).exists():
         write_result(Path(args.result_file), failed_summary(exc, transport="mpi", model=args.model, culprit="chief"))
@@ -138,7 +160,8 @@ def _chief(comm, args, watchdog) -> int:
                                     max_model_bytes=args.max_model_bytes, from_file=args.from_file, shards=args.shards,
                                     result_file=args.result_file)
     result = service.result()
-    print(summary_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
+    if not args.no_table:
+        print(summary_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
         print(json.dumps(result), flush=True)
     if not result["ok"]:

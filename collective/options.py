@@ -117,14 +117,14 @@ WorkerSettings = _settings_class("WorkerSettings", WORKER_FLAGS, "What ``python 
 
 def chief_parser() -> argparse.ArgumentParser:
     """The flags of ``python -m collective.chief``, made from CHIEF_FLAGS."""
-    p = argparse.ArgumentParser(prog="python -m collective.chief", description=CHIEF_DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m collective.chief", description=CHIEF_DESCRIPTION, allow_abbrev=False)
     add_flags(p, CHIEF_FLAGS)
     return p
 
 
 def worker_parser() -> argparse.ArgumentParser:
     """The flags of ``python -m collective.worker``, made from WORKER_FLAGS."""
-    p = argparse.ArgumentParser(prog="python -m collective.worker", description=WORKER_DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m collective.worker", description=WORKER_DESCRIPTION, allow_abbrev=False)
     add_flags(p, WORKER_FLAGS)
     return p
 

@@ -7,11 +7,43 @@ All of it reads the chief's Status RPC, so it works from any host that can reach
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 import sys
 import threading
 import time
+from pathlib import Path
 
 from collective._proto import collective_pb2 as pb
+from collective.errors import UsageError
+from collective.rundir import STATUS_FILE
+
+
+def chief_of_run(run_dir: str) -> tuple[str, str | None]:
+    """The (address, token) of the chief of the launch running in ``run_dir``, from its 0600
+    ``status.json``; a missing, linked or foreign file is refused in one line."""
+    path = Path(run_dir) / STATUS_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise UsageError(f"no running launch in {run_dir}: it has no {STATUS_FILE} (the launch has ended, or its chief "
+                         f"has not started yet); its logs: collective logs {run_dir}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+    with open(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        # Only our own file: one another user planted (root included) could point us, and a
+        # --token we pass, at an address of their choosing.
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            raise UsageError(f"{path} is not a regular file of this user (uid {os.geteuid()}): not trusting the "
+                             f"address and token in it")
+        raw = f.read(64 << 10)
+    try:
+        info = json.loads(raw)
+        return str(info["chief"]), info.get("token")
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{path} is not a launch's status file (JSON with chief and token)") from None
 
 
 def _mib(n: int) -> str:

@@ -75,6 +75,19 @@ class Proc:
         self._fh.close()
 
 
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets process ``pid`` holds, as /proc/net/* tables name them."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
 def wait_for_file(path: Path, proc: Proc, timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -10,6 +10,17 @@ the outcome must be the expected one (success with digests equal to the model's,
 whose message names the culprit), every worker process must have exited, and nothing may grow:
 file descriptors, threads and RSS of this process are compared between the early and the late
 rounds. Prints one line per round and a summary with detection times; exits 1 on any violation.
+
+    python tests/soak.py --rounds 12                    (every fault once: test_soak_short.py)
+    python tests/soak.py --rounds 5 --faults truncated_stream
+
+RSS, measured (2 loaded cores, 400 rounds, seed 1): the mean of rounds 6-15 was 72.5 MiB, of
+141-150 90.4 MiB, of 241-250 89.0 MiB and of 391-400 91.0 MiB (78-94 MiB from round 150 on):
+it rises over the first ~150 rounds and then levels off. Not Python objects: tracemalloc saw
+4,260,505 bytes traced after round 15 and 4,261,446 after round 60. It is native memory
+(each round builds and drops a gRPC server, its channels and thread pool); with
+MALLOC_ARENA_MAX=2 the first 150 rounds still grew 14.6 MiB, so it is not glibc's per-thread
+arenas alone. The leak check allows 64 MiB.
 """
 
 from __future__ import annotations
@@ -278,7 +289,13 @@ class Soak:
         return r
 
 
-def usage() -> tuple[int, int, float]:
+def usage(settle: float = 5.0) -> tuple[int, int, float]:
+    """Descriptors, threads and RSS (MiB) of this process, once the round's own threads have
+    ended (up to ``settle`` s): a sample counts what stays, not what is still on its way out
+    (gRPC's pool, the chief's cause-awaiting threads)."""
+    deadline = time.monotonic() + settle
+    while threading.active_count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     fds = len(os.listdir("/proc/self/fd"))
     with open("/proc/self/statm") as fh:
         rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -290,12 +307,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=120)
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--faults", default="", help="comma-separated faults to draw from (default: every one); "
+                    "the first rounds take each in turn, so --rounds N >= their count covers each once")
     args = ap.parse_args()
     import logging
 
     logging.getLogger().setLevel(logging.CRITICAL)  # the round lines below say what happened
     rng = random.Random(args.seed)
-    faults = list(FAULTS)
+    faults = [f for f in args.faults.split(",") if f] or list(FAULTS)
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        ap.error(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
     with tempfile.TemporaryDirectory(prefix="collective-soak-") as tmp:
         soak = Soak(args.workers, rng, Path(tmp))
         rounds, samples = [], []
@@ -310,7 +332,8 @@ def main() -> int:
             print(f"{flag} round {n:3d} {fault:<34} {r.outcome:<4} {r.seconds:5.2f} s{detect}; fds {fds} threads {threads} "
                   f"rss {rss:.0f} MiB" + (f" | {'; '.join(r.problems)}" if r.problems else ""), flush=True)
     bad = [r for r in rounds if r.problems]
-    early, late = samples[5:15], samples[-10:]
+    skip = min(5, len(samples) // 4)  # the first rounds warm up (imports, pools); short soaks compare less
+    early, late = samples[skip:skip + 10], samples[-10:]
     growth = [statistics.mean(x[i] for x in late) - statistics.mean(x[i] for x in early) for i in range(3)]
     print(f"\n{len(rounds)} rounds, {len(bad)} with problems; faults: "
           + ", ".join(f"{f} {sum(r.fault == f for r in rounds)}" for f in faults))

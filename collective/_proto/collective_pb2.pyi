@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "devices", "host", "preferred_rank", "pid", "declared", "relay_port", "relay_cert")
+    __slots__ = ("worker_id", "incarnation", "devices", "host", "preferred_rank", "pid", "declared", "relay_port", "relay_cert", "join_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class JoinRequest(_message.Message):
     DECLARED_FIELD_NUMBER: _ClassVar[int]
     RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     RELAY_CERT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     devices: _containers.RepeatedScalarFieldContainer[str]
@@ -26,17 +27,20 @@ class JoinRequest(_message.Message):
     declared: _containers.RepeatedCompositeFieldContainer[VariableInfo]
     relay_port: int
     relay_cert: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., preferred_rank: _Optional[int] = ..., pid: _Optional[int] = ..., declared: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., relay_port: _Optional[int] = ..., relay_cert: _Optional[bytes] = ...) -> None: ...
+    join_key: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., preferred_rank: _Optional[int] = ..., pid: _Optional[int] = ..., declared: _Optional[_Iterable[_Union[VariableInfo, _Mapping]]] = ..., relay_port: _Optional[int] = ..., relay_cert: _Optional[bytes] = ..., join_key: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("rank", "num_workers", "chief_incarnation")
+    __slots__ = ("rank", "num_workers", "chief_incarnation", "secret")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     CHIEF_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     rank: int
     num_workers: int
     chief_incarnation: str
-    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., chief_incarnation: _Optional[str] = ...) -> None: ...
+    secret: str
+    def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., chief_incarnation: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("rank", "worker_id", "host", "devices", "incarnation", "parent", "relay_address", "relay_cert")
@@ -153,24 +157,28 @@ class ShardPiece(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., row_start: _Optional[int] = ..., row_stop: _Optional[int] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class Piece(_message.Message):
-    __slots__ = ("data", "total_bytes")
+    __slots__ = ("data", "total_bytes", "worker")
     DATA_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     total_bytes: int
-    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    worker: WorkerRef
+    def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., worker: _Optional[_Union[WorkerRef, _Mapping]] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "resume_from", "want_digests")
+    __slots__ = ("worker_id", "incarnation", "resume_from", "want_digests", "secret")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     WANT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     resume_from: int
     want_digests: bool
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ..., want_digests: _Optional[bool] = ...) -> None: ...
+    secret: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ..., want_digests: _Optional[bool] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("total_bytes", "manifest_digest")
@@ -237,14 +245,16 @@ class StartReply(_message.Message):
     def __init__(self, start: _Optional[bool] = ..., broadcast_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "bytes_received")
+    __slots__ = ("worker_id", "incarnation", "bytes_received", "secret")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     bytes_received: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    secret: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., bytes_received: _Optional[int] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("chief_incarnation", "phase", "error")

@@ -4,6 +4,7 @@ report must show. (The model's arena is ``chief/arena.py``'s.)"""
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -43,6 +44,17 @@ class Member:
     bytes_reported: int = 0  # what its heartbeats say it holds, from whichever sender
     lost_at: float = 0.0  # phase "lost": when, and why (collective.chief.rejoin)
     lost_reason: str = ""
+    # Proof of identity (never printed, logged, or put in the plan or a status): the secret the
+    # chief made for this member and sent it alone (JoinReply.secret), required on its every
+    # later call; and the key its process joined with, which a retried join must repeat.
+    secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    join_key: str = field(default="", repr=False)
+
+    @classmethod
+    def joining(cls, req: pb.JoinRequest, rank: int, devices: list[str], peer: str) -> Member:
+        """The member a JoinRequest makes, in ``rank``, with a fresh secret."""
+        return cls(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
+                   relay_port=req.relay_port, relay_cert=req.relay_cert, join_key=req.join_key)
 
     def received(self) -> int:
         """Bytes of the arena this worker holds: what the chief sent it, or what its heartbeats

@@ -20,7 +20,9 @@ new incarnation. Meanwhile:
   that process comes back (SIGCONT, a healed link) its calls are refused, and it exits.
 
 A new incarnation joining while the chief still holds the old one as live (a frozen process, a
-cut link not yet past its lease) means the old process was replaced: it is taken as lost now.
+cut link not yet past its lease) is refused (ALREADY_EXISTS): without its secret, a join under
+a member's id proves nothing, and a live member keeps its slot. Once the chief declares the old
+one lost (its calls cut off, or its lease run out), the restart may join.
 
 Only with heartbeats (gRPC, in-memory): under MPI (``heartbeats=False``) a lost rank fails the
 round as before, since mpirun restarts the whole job, never one rank.
@@ -33,7 +35,7 @@ import time
 
 from collective._proto import collective_pb2 as pb
 from collective.chief.members import Member, Phase
-from collective.errors import AbortedError, PreconditionError
+from collective.errors import AbortedError, AlreadyExistsError, PreconditionError
 
 log = logging.getLogger(__name__)
 
@@ -82,21 +84,25 @@ class Rejoins:
         return True
 
     def readmit(self, old: Member, req: pb.JoinRequest, peer: str, devices: list[str]) -> Member:
-        """A new incarnation of ``old`` joins after the plan is out: admit it in ``old``'s rank,
-        or fail the round (no rejoins here), or refuse it (other devices)."""
+        """A new incarnation of ``old`` joins after the plan is out: admit it in ``old``'s rank
+        once ``old`` is lost, or fail the round (no rejoins here), or refuse it (``old`` still
+        live, other devices)."""
+        if old.phase != "lost":
+            # Anyone holding the token can send a join under a worker's id; only the process
+            # holding the slot has its secret. A live member keeps its slot, and the round goes on.
+            raise AlreadyExistsError(
+                f"worker id {old.worker_id!r} is held by a live process ({old.name()}, pid {old.pid}); a restart "
+                f"may rejoin once the chief has declared that one lost (its calls cut off, or no heartbeat "
+                f"within the lease)")
         if not self.waits():
-            err = AbortedError(f"{old.name()} restarted (incarnation {req.incarnation}, was {old.incarnation}) after "
+            err = AbortedError(f"{old.name()} restarted (a new incarnation) after "
                                f"the broadcast began; the round cannot go on", culprit=old.worker_id, phase="broadcast")
             self._svc.fail(err)
             raise err
         if list(devices) != list(old.devices):
             raise PreconditionError(f"{old.name()} restarted with devices {','.join(devices)}, not "
                                     f"{','.join(old.devices)}; a worker rejoining the round keeps its devices")
-        if old.phase != "lost":
-            old.phase, old.told = "lost", True
-            self.lost_member(old, f"restarted as incarnation {req.incarnation}")
-        m = Member(old.rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
-                   relay_port=req.relay_port, relay_cert=req.relay_cert)
+        m = Member.joining(req, old.rank, devices, peer)
         self._svc._members[m.worker_id] = m
         self.rejoined.append(m.worker_id)
         self._revise()

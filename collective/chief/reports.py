@@ -5,13 +5,49 @@ of a ``ChiefService``, taken under its lock."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
+import logging
+import os
 import resource
+import secrets
 import time
+from pathlib import Path
 
 from collective._proto import collective_pb2 as pb
 from collective.chief.members import Phase
 from collective.digest import worker_digest
+
+log = logging.getLogger("collective.chief")
+
+
+def write_result(path: Path, result: dict) -> None:
+    """Write the summary whole (a reader never sees half of it; a new file of a random name,
+    O_EXCL, renamed over ``path``: no name another user could plant a link at); a full disk
+    loses the file, never the round's outcome or exit code."""
+    tmp: Path | None = None
+    try:
+        name = path.parent / f".{path.name}.{secrets.token_hex(6)}"
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)  # the umask applies, as before
+        tmp = name  # ours to remove if what follows fails
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(result))
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        log.warning("could not write the round's summary to %s: %s; the outcome stands (%s)",
+                    path, exc.strerror or exc, "started" if result.get("ok") else "failed")
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def write_outcome(svc) -> None:
+    """The summary, the moment the round's outcome is decided and before the chief lingers for
+    its workers and watchers: a launcher that stops the chief soon after still has it."""
+    if svc.result_file is not None:
+        write_result(svc.result_file, summary(svc))
 
 
 def peak_rss_bytes() -> int:

@@ -11,16 +11,12 @@ calls ``local`` once the plan is out.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from collective.chief.members import Phase
-from collective.chief.reports import failed_summary
+from collective.chief.reports import failed_summary, write_result
 from collective.chief.service import ChiefService
 from collective.errors import CollectiveError
 from collective.replicas import hold_chief_replicas
@@ -29,19 +25,6 @@ from collective.variables import VariableStore
 log = logging.getLogger("collective.chief")
 
 Drive = Callable[[ChiefService, "Callable[[], None] | None"], None]
-
-
-def write_result(path: Path, result: dict) -> None:
-    """Write the summary, whole or not at all (a reader never sees half of it: launch may read
-    it while the chief is still lingering); a full disk loses the file, never the round's
-    outcome or exit code."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(result))
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("could not write the round's summary to %s: %s; the outcome stands (%s)",
-                    path, exc.strerror or exc, "started" if result.get("ok") else "failed")
 
 
 def load_source_reporting(ref: str, *, seed: int | None, result_file: str | None, transport: str):
@@ -63,16 +46,6 @@ def _blame_chief(exc: CollectiveError) -> None:
     load phase, unless it names another party already. On the error itself, so every rank that
     hears it (collective.sync) reads the same culprit and phase as the summary."""
     exc.culprit, exc.phase = exc.culprit or "chief", exc.phase or "load"
-
-
-def _write_when_decided(service: ChiefService, path: Path, done: threading.Event) -> None:
-    """The summary as soon as the round has its outcome: the chief lingers after it (so workers
-    hear it), and whoever waits for the file (launch) must not have to outwait that. The final
-    summary replaces it when the chief ends."""
-    while not done.wait(0.05):
-        if service.phase in (Phase.STARTED, Phase.FAILED):
-            write_result(path, service.result())
-            return
 
 
 def run_round(
@@ -98,12 +71,8 @@ def run_round(
         if result_file:
             write_result(Path(result_file), failed_summary(exc, transport=transport, model=source.description))
         raise
+    service.result_file = Path(result_file) if result_file else None  # written once the outcome is decided, too
     held: list[tuple[VariableStore, str]] = []
-    done = threading.Event()
-    writer = threading.Thread(target=_write_when_decided, args=(service, Path(result_file or "."), done),
-                              name="result-file", daemon=True)
-    if result_file:
-        writer.start()
 
     def local() -> None:
         held.append(hold_chief_replicas(service, devices, replica_timeout))
@@ -116,9 +85,7 @@ def run_round(
         failure = exc
         raise
     finally:
-        done.set()
         if result_file:
-            writer.join(10.0)  # one writer at a time: both go through the same temporary file
             result = service.result()
             if failure is not None and result["error"] is None:  # the drive's own error, not the service's
                 result.update({k: v for k, v in failed_summary(failure, transport=transport, model=None).items()

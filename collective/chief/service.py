@@ -23,6 +23,7 @@ import numpy as np
 from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
+from collective.chief.admission import Admission, not_its_secret
 from collective.chief.arena import ChiefArena
 from collective.chief.members import Member, Phase, _ChiefReplicas, report_problem
 from collective.chief.rejoin import Rejoins
@@ -30,34 +31,30 @@ from collective.chief.supervise import Supervisor
 from collective.config import Timeouts
 from collective.errors import (
     AbortedError,
-    AlreadyExistsError,
     CollectiveError,
     DeadlineError,
     IntegrityError,
-    InvalidVariableError,
     ModelError,
     PreconditionError,
-    ProtocolError,
-    ResourceExhaustedError,
     UsageError,
 )
 from collective.keys import parse_devices
+from collective.limits import check_ref
 from collective.model import ModelSource
 from collective.plan import (
     MAX_CHUNK_BYTES,
     Chunker,
-    check_declared,
     complete_plan,
-    declaration_differences,
     with_bytes,
 )
 from collective.topology import Layout, arrange, choose, chunk_bytes_for
 
 log = logging.getLogger(__name__)
 
-
-class ChiefService:
+class ChiefService(Admission):
     """One broadcast round for ``num_workers`` workers. Thread-safe."""
+
+    result_file = None  # a Path: the round's summary goes there once its outcome is decided (reports.write_outcome)
 
     def __init__(
         self,
@@ -93,7 +90,7 @@ class ChiefService:
         if num_workers < 1:
             raise UsageError(f"the number of workers must be at least 1, got {num_workers}")
         if chunk_bytes is not None and not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-            raise UsageError(f"chunk size {chunk_bytes} must be between 1 and {MAX_CHUNK_BYTES} bytes")
+            raise UsageError(f"--chunk-bytes {chunk_bytes} must be between 1 and {MAX_CHUNK_BYTES} bytes")
         self.num_workers = num_workers
         self.timeouts = timeouts or Timeouts()
         self.chunk_bytes = chunk_bytes
@@ -118,6 +115,9 @@ class ChiefService:
         self._cond = threading.Condition(threading.RLock())  # reentrant: fail() may run under it
         self._arena.serve(self._shm_admit)
         self._members: dict[str, Member] = {}
+        # Comparing a declaration takes time and memory in proportion to it (100,000 variables:
+        # about 2 s and 100 MB): two at once at most, so concurrent big joins queue, not pile up.
+        self._declaring = threading.BoundedSemaphore(2)
         self._rejoins = Rejoins(self)  # a worker lost mid-broadcast may come back (chief/rejoin.py)
         # Processes told the failure that never became members (refused, or joining after the end):
         # an SPMD chief lingers until every rank has heard, so a slow rank hears the cause, not a dead port.
@@ -192,30 +192,6 @@ class ChiefService:
     def error(self) -> CollectiveError | None:
         return self._error
 
-    def _member(self, ref: pb.WorkerRef) -> Member:
-        if self._phase is Phase.FAILED and self._error is not None:
-            m = self._members.get(ref.worker_id)
-            if m is not None and m.incarnation == ref.incarnation:
-                m.told = True
-                self._cond.notify_all()  # supervise() lingers until every worker has heard
-            raise self._error.same_round()
-        m = self._members.get(ref.worker_id)
-        if m is None:
-            raise PreconditionError(
-                f"chief {self.incarnation} does not know worker {ref.worker_id!r}: it never joined this "
-                f"chief (was the chief restarted?)"
-            )
-        if m.incarnation != ref.incarnation:
-            raise PreconditionError(
-                f"worker {ref.worker_id!r} joined as incarnation {m.incarnation}, "
-                f"not {ref.incarnation}; a restarted worker must join again"
-            )
-        if m.phase == "lost":
-            raise AbortedError(f"{m.name()} was declared lost ({m.lost_reason}); a restarted process may rejoin",
-                               culprit=m.worker_id)
-        m.last_seen = time.monotonic()
-        return m
-
     def fail(self, error: CollectiveError) -> None:
         """End the round with ``error`` unless it already ended. Wakes every waiter."""
         with self._cond:
@@ -231,97 +207,6 @@ class ChiefService:
         return self._cond.wait_for(predicate, timeout=max(0.0, timeout))
 
     # --- ChiefHandler --------------------------------------------------------------------
-
-    def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
-        with self._cond:
-            try:
-                return self._admit(req, peer)
-            except CollectiveError:
-                # A refusal once the round has failed (joined late, or this join failed it) tells
-                # a process that never became a member: supervise() lingers until every rank heard.
-                if self._phase is Phase.FAILED and req.worker_id and req.worker_id not in self._members:
-                    self._told_outside.add(req.worker_id)
-                    self._cond.notify_all()
-                raise
-
-    def _admit(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
-        """The body of ``join`` (the lock held): admit the worker or raise why not."""
-        if self._phase is Phase.FAILED:
-            raise self._error.same_round()
-        if not req.worker_id:
-            raise ProtocolError(f"join from {peer} has no worker id")
-        try:
-            devices = parse_devices(list(req.devices))
-        except UsageError as exc:
-            raise ProtocolError(f"worker {req.worker_id!r}: {exc}") from exc
-        existing = self._members.get(req.worker_id)
-        if existing is not None:
-            if existing.incarnation == req.incarnation:
-                existing.last_seen = time.monotonic()
-                return self._join_reply(existing)  # a retried join: same rank
-            if self._phase is Phase.JOINING:
-                raise AlreadyExistsError(
-                    f"worker id {req.worker_id!r} is held by incarnation {existing.incarnation} "
-                    f"(host {existing.host}, pid {existing.pid}); incarnation {req.incarnation} "
-                    f"from {req.host or peer} (pid {req.pid}) is refused"
-                )
-        elif self._phase is not Phase.JOINING:
-            err = PreconditionError(
-                f"worker {req.worker_id!r} from {req.host or peer} cannot join: the cluster is "
-                f"{self._phase.value} with all {self.num_workers} worker(s); joins are closed"
-            )
-            log.warning("refused a join: %s", err)  # the operator sees extra workers too
-            raise err
-        if req.declared:
-            try:
-                check_declared(req.declared)
-            except InvalidVariableError as exc:
-                log.warning("refused worker %r: it declares an invalid variable list: %s", req.worker_id, exc)
-                raise ProtocolError(f"worker {req.worker_id!r} declares an invalid variable list: {exc}") from None
-            diffs = declaration_differences(self.specs, req.declared)
-            if diffs:
-                shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
-                log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
-                err = PreconditionError(
-                    f"worker {req.worker_id!r} declares variables that differ from the chief's model "
-                    f"{self.source.description} ({len(diffs)} difference(s)): {shown}",
-                    culprit=req.worker_id, phase="join",
-                )
-                if self.spmd:
-                    self.fail(err)
-                raise err
-        if existing is not None:  # a restart after the plan is out: rejoin, or the round fails
-            return self._join_reply(self._rejoins.readmit(existing, req, peer, devices))
-        if len(self._members) >= self.num_workers:
-            raise ResourceExhaustedError(
-                f"worker {req.worker_id!r} cannot join: all {self.num_workers} worker slots are taken"
-            )
-        taken = {m.rank for m in self._members.values()}
-        free = [r for r in range(self.num_workers) if r not in taken]
-        if self.spmd and req.preferred_rank not in free:
-            holder = next((m for m in self._members.values() if m.rank == req.preferred_rank), None)
-            why = (f"is held by {holder.name()}" if holder is not None
-                   else f"is out of range: {self.num_workers} workers have ranks 0..{self.num_workers - 1}")
-            err = PreconditionError(
-                f"worker {req.worker_id!r} (host {req.host or peer}) claims worker rank {req.preferred_rank}, "
-                f"which {why}; every process needs its own rank"
-            )
-            self.fail(err)
-            raise err
-        rank = req.preferred_rank if req.preferred_rank in free else free[0]
-        m = Member(rank, req.worker_id, req.incarnation, req.host or peer, devices, peer, req.pid,
-                   relay_port=req.relay_port, relay_cert=req.relay_cert)
-        self._members[m.worker_id] = m
-        log.info(
-            "%s joined with devices %s (%d/%d)",
-            m.name(), ",".join(devices), len(self._members), self.num_workers,
-        )
-        if len(self._members) == self.num_workers and (self.digests is not None or self._follow):
-            self._release_plan()  # else once the files are hashed
-        return self._join_reply(m)
-
-    def _join_reply(self, m: Member) -> pb.JoinReply:
-        return pb.JoinReply(rank=m.rank, num_workers=self.num_workers, chief_incarnation=self.incarnation)
 
     def _release_plan(self) -> None:
         members = sorted(self._members.values(), key=lambda m: m.rank)
@@ -343,9 +228,9 @@ class ChiefService:
         logs.phase("broadcast")
         hosts = len({m.host for m in members})
         log.info(
-            "all %d workers joined; plan released (%d chunks per worker, topology %s over %d network "
+            "all %d workers joined; plan released (%d chunk(s) per worker, topology %s over %d network "
             "receiver(s); workers on %d host(s); plan of %d bytes)",
-            self.num_workers, len(self._chunker), topology, lay.receivers, hosts, self._plan.ByteSize(),
+            self.num_workers, len(self._chunker) - 1, topology, lay.receivers, hosts, self._plan.ByteSize(),
         )
         if self.sharded:
             log.info("sharded over %d training rank(s): %s bytes each (of %d)", self._arena.shards.world,
@@ -619,16 +504,19 @@ class ChiefService:
             return pb.FailureReply()
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        check_ref(req)
         with self._cond:
             m = self._members.get(req.worker_id)
             if m is not None and (m.phase == "lost" or m.incarnation != req.incarnation) and \
                     self._phase is Phase.BROADCASTING:
                 self._member(req)  # raises: that process was declared lost, or replaced
+            if m is not None and m.incarnation == req.incarnation and self._holds(req) is None:
+                raise not_its_secret(req.worker_id)
             if m is None or m.incarnation != req.incarnation:
                 if self._phase is not Phase.FAILED:
                     raise PreconditionError(
                         f"chief {self.incarnation} does not know worker {req.worker_id!r} "
-                        f"(incarnation {req.incarnation}); was the chief restarted?"
+                        f"(in that incarnation); was the chief restarted?"
                     )
             else:
                 m.last_seen = time.monotonic()
@@ -650,7 +538,7 @@ class ChiefService:
             if m.phase == "receiving" and m.bytes_reported == total:
                 m.phase, self._marks["sent"] = "verifying", time.monotonic()
 
-    def lost(self, ref: pb.WorkerRef, reason: str) -> None:
+    def lost(self, ref: pb.WorkerRef, reason: str, *, after_grace: bool = False) -> None:
         """A worker's call ended without an answer: the process is gone or its link is cut.
 
         Before the broadcast its slot is freed for a restarted worker; during the broadcast it
@@ -658,8 +546,12 @@ class ChiefService:
         naming it; after start it no longer matters.
         """
         with self._cond:
-            m = self._members.get(ref.worker_id)
-            if m is None or m.incarnation != ref.incarnation or m.told:
+            self._supervisor.stopped()  # woken from a stop, the chief names itself, not the workers it lost
+            m = self._holds(ref)  # a call cut under another's name is no news of that member
+            if m is None or m.told:
+                return
+            if self._phase is Phase.BROADCASTING and m.phase != "lost" and "cut off" in reason and not after_grace:
+                self._supervisor.await_cause(m, ref, reason)  # its own report may yet say why
                 return
             if self._phase is Phase.JOINING:
                 del self._members[m.worker_id]

@@ -8,14 +8,20 @@ whom the round waits for, and the linger that lets every worker hear the outcome
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from collective import logs
 from collective._proto import collective_pb2 as pb
+from collective.chief import reports
 from collective.chief.members import Phase
 from collective.errors import AbortedError, DeadlineError, JoinTimeoutError
 
 log = logging.getLogger(__name__)
+
+# How long a worker's call cut off mid-broadcast waits for that worker's own report of why it
+# went (seconds): the report and the cut travel on different connections, in either order.
+CAUSE_GRACE = 0.75
 
 
 class Supervisor:
@@ -24,6 +30,8 @@ class Supervisor:
     def __init__(self, svc) -> None:
         self._svc = svc
         self._last_log = svc._started_at
+        self._tick: tuple[float, float, int] | None = None  # run()'s last turn: clock, CPU, members
+        self._awaiting: set[str] = set()  # incarnations whose cut calls wait for a cause (await_cause)
 
     def waiting_for(self) -> str:
         """Whom the round waits for: free ranks while joining, then each member not yet ready."""
@@ -61,8 +69,51 @@ class Supervisor:
         for m in list(svc._members.values()):
             silent = now - m.last_seen
             if silent > svc.timeouts.lease and not m.told and m.phase != "lost":
-                ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation)
+                ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation, secret=m.secret)
                 svc.lost(ref, f"no heartbeat for {silent:.1f} s (lease {svc.timeouts.lease:g} s)")
+
+    def await_cause(self, m, ref: pb.WorkerRef, reason: str) -> None:
+        """``svc.lost(ref, reason)`` in up to ``CAUSE_GRACE`` s, unless ``m`` says why it went
+        meanwhile (its ReportFailure fails the round naming the cause) or the round ends
+        otherwise. A worker that failed reports, then exits, and the cut of its presence call
+        may come first. In a thread: ``lost`` is a transport's callback. Call with the lock held."""
+        svc = self._svc
+        if m.incarnation in self._awaiting:  # one wait per member, however many of its calls are cut
+            return
+        self._awaiting.add(m.incarnation)
+
+        def wait() -> None:
+            with svc._cond:
+                svc._wait(lambda: m.told or svc._phase is not Phase.BROADCASTING, CAUSE_GRACE)
+                self._awaiting.discard(m.incarnation)
+                svc.lost(ref, reason, after_grace=True)
+
+        threading.Thread(target=wait, name="await-cause", daemon=True).start()
+
+    def stopped(self) -> bool:
+        """Fail the round naming the chief if this loop did not run for about a lease while
+        workers were members (SIGSTOP and SIGCONT, a paused VM, a process starved of CPU): the
+        workers gave up on a silent chief by then, and the calls they left cut off must not be
+        blamed on them. True if so. Also asked by ``lost``, which may run first after a wake."""
+        svc = self._svc
+        if self._tick is None:  # not supervised (yet): nothing to measure
+            return False
+        now, cpu = time.monotonic(), time.process_time()
+        (then, cpu_then, members), self._tick = self._tick, (now, cpu, len(svc._members))
+        members = max(members, len(svc._members))  # one may have joined just before the stop
+        gap = now - then
+        # A turn takes at most lease/4. A worker whose last answer came a heartbeat before the
+        # stop gives up after lease - heartbeat of it.
+        t = svc.timeouts
+        if not svc.heartbeats or not members or gap <= max(t.lease - t.heartbeat, t.lease / 2):
+            return False
+        # Stopped, the process uses no CPU; busy (a long call holding the lock), it does.
+        how = "stopped" if cpu - cpu_then < gap / 2 else "too busy to answer"
+        svc.fail(AbortedError(
+            f"the chief was {how} for {gap:.1f} s ({'frozen' if how == 'stopped' else 'unresponsive'}); the "
+            f"workers gave up on it (their lease is {svc.timeouts.lease:g} s) during {svc._phase.value}",
+            culprit="chief", phase=svc._phase.value))
+        return True
 
     def _poll(self) -> float:
         t = self._svc.timeouts
@@ -84,8 +135,9 @@ class Supervisor:
         svc = self._svc
         t = svc.timeouts
         with svc._cond:
+            self._tick = (time.monotonic(), time.process_time(), len(svc._members))
             deadline = svc._started_at + t.join
-            while svc._phase is Phase.JOINING:
+            while svc._phase is Phase.JOINING and not self.stopped():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     taken = {m.rank for m in svc._members.values()}
@@ -102,7 +154,7 @@ class Supervisor:
                 if not svc._wait(lambda: svc._phase is not Phase.JOINING, min(left, self._poll())):
                     self._log_stragglers("waiting for %s; %s", self.waiting_for(), self.joined_summary())
             deadline = time.monotonic() + t.ready
-            while svc._phase is Phase.BROADCASTING:
+            while svc._phase is Phase.BROADCASTING and not self.stopped():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     late = [m.worker_id for m in svc._members.values() if m.phase not in ("ready", "started")]
@@ -113,6 +165,7 @@ class Supervisor:
                 self.check_leases()
                 if not svc._wait(lambda: svc._phase is not Phase.BROADCASTING, min(left, self._poll())):
                     self._log_stragglers("broadcasting; waiting for %s", self.waiting_for())
+            reports.write_outcome(svc)  # before lingering: the outcome may be all a stopped chief leaves
             # Keep serving a little so every worker hears the outcome from us, not from a dead port.
             svc._wait(self._everyone_heard, t.linger)
             svc._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome

@@ -51,6 +51,10 @@ class ChiefHandler(Protocol):
 
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply: ...
 
+    def ready_bytes(self, ref: pb.WorkerRef) -> int:
+        """The most bytes ``ref``'s ready report can be; raises unless ``ref`` is a member (with
+        its secret). For transports that receive the report in pieces (gRPC)."""
+
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply: ...
 
     def report_failure(self, req: pb.FailureReport) -> pb.FailureReply: ...

@@ -16,7 +16,7 @@ barrier (every worker's arena is ready before the first byte leaves), and ranks 
 sleep instead of spinning in a blocking collective on cores that other ranks need.
 
 MPI collectives have no deadlines of their own: ``PhaseWatchdog`` aborts the whole job, naming
-the rank and phase, when a phase overruns its timeout. A rank that fails on its own (corrupt
+the phase and, on rank 0, the ranks not yet at its step, when a phase overruns its timeout. A rank that fails on its own (corrupt
 data, a bad model file) cannot rejoin the sequence of collectives, so it aborts the job too, after
 logging one line that names it and the cause.
 """
@@ -153,13 +153,24 @@ def gather_bytes(comm: MPI.Comm, data: bytes, root: int = 0) -> list[bytes] | No
 # --- watchdog -------------------------------------------------------------------------------
 
 
+# The steps of a round in the order every rank reaches them, and the tag of a rank's note to
+# rank 0 that it reached one (``PhaseWatchdog.reached``).
+STEPS = ("join", "plan", "broadcast", "ready", "start", "done")
+_REACHED = 0x7A7
+
+
 class PhaseWatchdog:
-    """Aborts the MPI job when a phase overruns its deadline, naming the rank and the phase."""
+    """Aborts the MPI job when a phase overruns its deadline, naming the phase and, on rank 0,
+    the ranks that had not reached this rank's step (each rank tells rank 0 of every step it
+    reaches; rank 0 reads those notes as it goes, and once more before it aborts)."""
 
     def __init__(self, comm: MPI.Comm) -> None:
         self._comm = comm
         self._lock = threading.Lock()
         self._phase: tuple[str, float, float] | None = None
+        self._step = ""  # the last step this rank reached
+        self._seen: dict[int, str] = {}  # rank 0: the last step each rank said it reached
+        self._notes: list = []  # other ranks: (request, buffer) of notes in flight
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mpi-watchdog", daemon=True)
         self._thread.start()
@@ -168,18 +179,67 @@ class PhaseWatchdog:
         with self._lock:
             self._phase = (name, timeout, time.monotonic() + timeout)
 
+    def step(self, name: str, timeout: float) -> None:
+        """A phase that begins at one of the round's collective steps (STEPS), reached now."""
+        self.phase(name, timeout)
+        self.reached(name)
+
+    def reached(self, step: str) -> None:
+        """This rank reached ``step`` (one of STEPS): rank 0 can name the ranks that did not."""
+        with self._lock:
+            self._step = step
+            if self._comm.rank == 0:
+                self._read_notes()
+                return
+            if step == STEPS[-1]:
+                return  # nothing follows it that rank 0 could wait for
+            self._notes = [(r, b) for r, b in self._notes if not r.Test()]
+            buf = np.frombuffer(step.encode(), dtype=np.uint8)
+            self._notes.append((self._comm.Isend([buf, MPI.BYTE], dest=0, tag=_REACHED), buf))
+
+    def _read_notes(self) -> None:
+        """Rank 0, the lock held: every note that arrived (MPI_THREAD_MULTIPLE: the watchdog's
+        thread may read them while the main thread waits in a collective)."""
+        status = MPI.Status()
+        while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REACHED, status=status):
+            buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            self._comm.Recv([buf, MPI.BYTE], source=status.Get_source(), tag=_REACHED)
+            self._seen[status.Get_source()] = buf.tobytes().decode(errors="replace")
+
+    def laggards(self, phase: str) -> str:
+        """Rank 0: which ranks had not reached its step, and where each was last heard of."""
+        if self._step not in STEPS:
+            return f"rank 0 itself did not get past {phase}"
+        with self._lock:
+            self._read_notes()
+            at = STEPS.index(self._step)
+            late = [(r, self._seen.get(r, "")) for r in range(1, self._comm.size)
+                    if (STEPS.index(self._seen[r]) if self._seen.get(r) in STEPS else -1) < at]
+        if not late:
+            return f"every rank reached {self._step}: one hung or died inside it"
+        where = ", ".join(f"rank {r} ({'last at ' + s if s else 'never heard from'})" for r, s in late)
+        return f"not yet at {self._step}: {where}"
+
     def stop(self) -> None:
         self._stop.set()
+        with self._lock:
+            for request, _ in self._notes:
+                request.Wait()  # a few bytes: sent eagerly, complete already or at once
+            self._notes = []
 
     def _watch(self) -> None:
+        # Rank 0 names who it waits for: the other ranks give it a moment to say so first.
+        slack = 0.0 if self._comm.rank == 0 else 2 * ABORT_GRACE
         while not self._stop.wait(0.1):
             with self._lock:
                 current = self._phase
-            if current is not None and time.monotonic() > current[2]:
+            if current is not None and time.monotonic() > current[2] + slack:
                 name, timeout, _ = current
+                who = (self.laggards(name) if self._comm.rank == 0
+                       else f"this rank is at {self._step or name}; rank 0 names the ranks it waits for")
                 log.error(
-                    "rank %d on %s: %s did not finish within %g s (another rank died, hung or "
-                    "never started); aborting the job", self._comm.rank, socket.gethostname(), name, timeout,
+                    "rank %d on %s: %s did not finish within %g s (%s); aborting the job",
+                    self._comm.rank, socket.gethostname(), name, timeout, who,
                 )
                 abort(self._comm, 1)
 
@@ -254,17 +314,19 @@ class MpiChiefDriver:
         Every worker gets the same failing step, so no rank is left waiting in a collective.
         """
         t = self.t
-        self.watchdog.phase("join", t.join)
+        self.watchdog.step("join", t.join)
         joins = gather_bytes(self.comm, b"")
 
         def join(rank: int, data: bytes):
             req = pb.JoinRequest.FromString(data)
-            self.refs.append(pb.WorkerRef(worker_id=req.worker_id, incarnation=req.incarnation))
-            return self.h.join(req, f"mpi rank {rank}")
+            self.refs.append(ref := pb.WorkerRef(worker_id=req.worker_id, incarnation=req.incarnation))
+            reply = self.h.join(req, f"mpi rank {rank}")
+            ref.secret = reply.secret  # the chief's calls on this rank's behalf are the member's
+            return reply
 
         if not self._answer_each(joins, join):
             return
-        self.watchdog.phase("plan", t.join)
+        self.watchdog.step("plan", t.join)
         # At once, unless the chief still reads the model's files (--from-file): the workers wait
         # asleep in bcast_bytes' settle meanwhile.
         # With shards each rank has a plan of its own: all of them go out, each rank takes its own.
@@ -274,7 +336,7 @@ class MpiChiefDriver:
         if any(p[0] != _OK for p in plans):
             return
         self.plan = pb.Plan.FromString(plans[0][1:])
-        self.watchdog.phase("broadcast", t.ready)
+        self.watchdog.step("broadcast", t.ready)
         if not (self._stream_each() if self.sharded else self._stream()):
             return
         if self.local is not None:
@@ -282,12 +344,13 @@ class MpiChiefDriver:
                 self.local()
             except E.CollectiveError:
                 pass  # the round failed with it: the ready answers below carry it to every rank
+        self.watchdog.reached("ready")
         readies = gather_bytes(self.comm, b"")
         if not self._answer_each(readies, self._ready):
             return
-        self.watchdog.phase("start", t.start)
+        self.watchdog.step("start", t.start)
         self._answer_each([b""] * (len(self.refs) + 1), lambda r, d: self.h.await_start(self.refs[r - 1], 0.0))
-        self.watchdog.phase("done", t.start)
+        self.watchdog.step("done", t.start)
 
     def _ready(self, rank: int, data: bytes):
         if data[:1] == _FAILED:  # the rank found its data bad: it names the variable and the digest
@@ -409,13 +472,13 @@ class MpiChiefLink(ChiefLink):
         return self._decode(unpack(batch)[self.comm.rank - 1], cls)
 
     def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
-        self.watchdog.phase("join", self.t.join)
+        self.watchdog.step("join", self.t.join)
         gather_bytes(self.comm, req.SerializeToString())
         return self._mine(bcast_bytes(self.comm, None), pb.JoinReply)
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
         """The round's plan, or with shards this rank's own (one plan per rank in the batch)."""
-        self.watchdog.phase("plan", self.t.join)
+        self.watchdog.step("plan", self.t.join)
         plans = unpack(bcast_bytes(self.comm, None))
         return self._decode(plans[0] if len(plans) == 1 else plans[self.comm.rank - 1], pb.Plan)
 
@@ -425,7 +488,7 @@ class MpiChiefLink(ChiefLink):
         rank's own stream (``_receive_own``). A bad chunk this rank has reported keeps it in
         the stream's collectives to the end (the ranks must stay in step); it goes to the chief
         at the ready step."""
-        self.watchdog.phase("broadcast", self.t.ready)
+        self.watchdog.step("broadcast", self.t.ready)
         self._stream_failed = None
         settle(self.comm)
         self._streaming = True
@@ -488,6 +551,7 @@ class MpiChiefLink(ChiefLink):
 
     def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply:
         self._ready_next = False
+        self.watchdog.reached("ready")
         gather_bytes(self.comm, _READY + req.SerializeToString())
         return self._mine(bcast_bytes(self.comm, None), pb.ReadyReply)
 
@@ -495,6 +559,7 @@ class MpiChiefLink(ChiefLink):
         """At the ready step, in place of the ready report: the chief fails the round naming this
         rank, and every rank hears it in the same answer."""
         self._ready_next = False
+        self.watchdog.reached("ready")
         gather_bytes(self.comm, _FAILED + req.SerializeToString())
         try:
             self._mine(bcast_bytes(self.comm, None), pb.ReadyReply)
@@ -503,9 +568,9 @@ class MpiChiefLink(ChiefLink):
         self.failure_heard = True
 
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
-        self.watchdog.phase("start", self.t.start)
+        self.watchdog.step("start", self.t.start)
         reply = self._mine(bcast_bytes(self.comm, None), pb.StartReply)
-        self.watchdog.phase("done", self.t.start)
+        self.watchdog.step("done", self.t.start)
         return reply
 
     def report_failure(self, req: pb.FailureReport, timeout: float) -> None:

@@ -58,6 +58,8 @@ from google.protobuf.message import DecodeError
 
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.limits import MAX_ERROR_CHARS
+from collective.logs import printable
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +291,7 @@ class DataServer:
     @staticmethod
     def _send_error(conn: socket.socket, code: str, message: str, raised: dict | None = None) -> None:
         head = f"{code} {json.dumps(raised)}" if raised else code
-        body = f"{head}\n{message}".encode()
+        body = f"{head}\n{printable(message, limit=MAX_ERROR_CHARS)}".encode()  # a peer's long name, cut
         try:
             _send_all(conn, [_HEAD.pack(ERROR, len(body), 0), body])
         except (OSError, ssl.SSLError):
@@ -378,7 +380,10 @@ def receive(sock: socket.socket, ref: pb.WorkerRef, token: str | None, receiver,
         _send_all(sock, [_HELLO.pack(MAGIC, len(body), len(tok)), body, tok])
         head = bytearray(_HEAD.size)
         while True:
-            _recv_exact(sock, head)
+            if not sock.recv_into(head, 1):  # closed between two frames: the sender ended it early
+                raise ConnectionError(f"the sender closed it without its end message, after "
+                                      f"{receiver.bytes_received} bytes")
+            _recv_exact(sock, memoryview(head)[1:])
             kind, nmeta, ndata = _HEAD.unpack(head)
             if nmeta > MAX_META or kind not in (CHUNK, ERROR):
                 raise E.ProtocolError(f"data frame of kind {kind} with {nmeta} bytes of metadata is not a frame")

@@ -151,6 +151,10 @@ class ShmServer:
         self._sock.listen(64)
         self._closed = threading.Event()
         self._slots = threading.BoundedSemaphore(16)
+        self._unanswered = 0  # requests that failed or were refused (_warn), and those not yet logged
+        self._unlogged = 0
+        self._logged_at = 0.0
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="shm-server", daemon=True)
         self._thread.start()
 
@@ -174,9 +178,29 @@ class ShmServer:
             with conn:
                 self._answer(conn)
         except Exception as exc:  # noqa: BLE001 - a peer's hello must never end the server
-            log.warning("shared-memory request failed: %s", printable(exc))
+            self._warn("shared-memory request failed", printable(exc))
         finally:
             self._slots.release()
+
+    # A local process that holds the slots (connects, says nothing, again) fails a request per
+    # slot every 5 s: one WARNING, then a count at most this often and when the server closes.
+    COUNT_EVERY = 60.0
+
+    def _warn(self, what: str, detail: str) -> None:
+        with self._count_lock:
+            self._unanswered += 1
+            self._unlogged += 1
+            now = time.monotonic()
+            first, due = self._unanswered == 1, now - self._logged_at >= self.COUNT_EVERY
+            if first or due:
+                unlogged, self._unlogged, self._logged_at = self._unlogged, 0, now
+        if first:
+            log.warning("%s: %s (more such are counted, not logged one by one)", what, detail)
+        elif due:
+            log.warning("%d more shared-memory request(s) failed or were refused (%d in all; the last: %s: %s)",
+                        unlogged, self._unanswered, what, detail)
+        else:
+            log.debug("%s: %s", what, detail)
 
     @staticmethod
     def _reply(conn: socket.socket, msg: bytes) -> None:
@@ -189,7 +213,7 @@ class ShmServer:
         conn.settimeout(5.0)
         req = parse_hello(conn.recv(4096))
         if isinstance(req, str):
-            log.warning("refused a shared-memory request: %s", req)
+            self._warn("refused a shared-memory request", req)
             self._reply(conn, f"no: {req}".encode())
             return
         if not hmac.compare_digest(req["secret"].encode(), self.secret.encode()):
@@ -221,6 +245,11 @@ class ShmServer:
             pass
         self._sock.close()
         self._thread.join(2)
+        with self._count_lock:
+            unlogged, self._unlogged = self._unlogged, 0
+        if unlogged:
+            log.warning("%d more shared-memory request(s) failed or were refused (%d in all)", unlogged,
+                        self._unanswered)
 
 
 class ServedArena:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -184,7 +185,9 @@ class WorkerAgent:
         self.timeouts = timeouts or Timeouts()
         self.host = host or socket.gethostname()
         self.incarnation = uuid.uuid4().hex[:12]
-        self.ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation)
+        # Never sent but in Join: proves a retried join comes from this process (JoinRequest.join_key).
+        self._join_key = secrets.token_hex(16)
+        self.ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation)  # + its secret, at join
         self.rank = -1
         self.bytes_received = 0
         self._last_data = 0.0
@@ -320,8 +323,9 @@ class WorkerAgent:
         # A plan without a topology (an older chief) streams from the chief.
         while parent is not None:
             # From the first byte we lack: the whole stream, or the rest after a lost parent.
+            # The secret goes to the chief only: a relay is another member, which must not learn it.
             ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation,
-                               resume_from=receiver.bytes_received)
+                               secret=self.ref.secret if parent.rank < 0 else "", resume_from=receiver.bytes_received)
             if ref.resume_from:
                 log.info("resuming the stream at byte %d from %s", ref.resume_from,
                          f"worker {parent.worker_id} (rank {parent.rank})" if parent.rank >= 0 else "the chief")
@@ -362,7 +366,8 @@ class WorkerAgent:
         this worker holds every byte, answered once the chief has read the model's files."""
         t0 = time.monotonic()
         log.info("holds every byte, checked against the trailers; asking the chief for its digests")
-        ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation, want_digests=True)
+        ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation, secret=self.ref.secret,
+                           want_digests=True)
         complete = self.link.get_plan(ref, timeout=self.timeouts.ready)
         validate_plan(complete)
         check_completes(plan, complete)
@@ -430,14 +435,18 @@ class WorkerAgent:
                      "prepared %.3f s later", plan.total_bytes, t0 - self._prepare_from, self._prepared_at - t0)
 
     def _report_failure(self, exc: CollectiveError) -> None:
-        """Tell the chief once; never raises. A failure it announced itself needs no echo."""
-        if self._reported or self.rank < 0 or isinstance(exc, (AbortedError, ChiefUnreachableError)):
+        """Tell the chief once, before this process goes (so the chief names this cause, not the
+        presence call it sees cut off when we exit); never raises. A failure the chief announced
+        itself needs no echo, nor one the heartbeat found (the chief gone, frozen, restarted).
+        A broken data stream while the heartbeat is content is reported too, with a short
+        deadline: the chief is likely alive, and only it can tell the stream's fault from ours."""
+        if self._reported or self.rank < 0 or isinstance(exc, AbortedError) or self._verdict is not None:
             return
         self._reported = True
         self.link.report_failure(
             pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc),
                              culprit=exc.culprit or ""),
-            timeout=min(5.0, self.timeouts.rpc),
+            timeout=min(1.0 if isinstance(exc, ChiefUnreachableError) else 5.0, self.timeouts.rpc),
         )
 
     def _presence(self) -> None:
@@ -470,7 +479,8 @@ class WorkerAgent:
                     return
                 self._beat_now = False
             beat = pb.HeartbeatRequest(
-                worker_id=self.worker_id, incarnation=self.incarnation, bytes_received=self.bytes_received
+                worker_id=self.worker_id, incarnation=self.incarnation, bytes_received=self.bytes_received,
+                secret=self.ref.secret,
             )
             try:
                 reply = self.link.heartbeat(beat, timeout=min(t.heartbeat, t.lease / 2))
@@ -523,10 +533,12 @@ class WorkerAgent:
                 declared=declared(self.expected),
                 relay_port=self.relay.port if self.relay is not None else 0,
                 relay_cert=self.relay.cert_pem if self.relay is not None else b"",
+                join_key=self._join_key,
             ),
             timeout=t.join,
         )
         self.rank = reply.rank
+        self.ref.secret = reply.secret  # every later call names this worker with it
         logs.set_context(rank=self.rank)
         threading.Thread(
             target=self._heartbeat_loop, args=(reply.chief_incarnation,), name="heartbeat", daemon=True

@@ -112,7 +112,7 @@ class RelayHandler:
         raise UnimplementedError("this is a worker's relay: it serves only the data stream (Fetch, FetchRaw); "
                                  "send every other call to the chief")
 
-    join = get_plan = await_prepared = report_ready = await_start = report_failure = _not_served
+    join = get_plan = await_prepared = report_ready = ready_bytes = await_start = report_failure = _not_served
     heartbeat = await_outcome = status = _not_served
 
 
@@ -127,7 +127,11 @@ class Relay:
         # The certificate to hand the chief, which puts it in the plan for this relay's children.
         self.cert_pem = (served.cert_pem or b"") if served is not None else b""
         self._endpoint = GrpcEndpoint(bind, token=token, tls=served, name="relay")
-        self._endpoint.start(self.handler)
+        try:
+            self._endpoint.start(self.handler)
+        except BaseException:  # Ctrl-C mid-start: no half-started server left to grpc's finaliser
+            self._endpoint.stop(grace=0)
+            raise
         self.port = self._endpoint.port
         self._started = time.monotonic()
 

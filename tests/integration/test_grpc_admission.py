@@ -91,7 +91,11 @@ def test_calls_with_the_token_but_no_body_are_cut_after_the_body_timeout_and_the
         error, results = grpc_round(n, before=attack, body_timeout=1.0)
         assert error is None, error
         assert all(not isinstance(r, BaseException) for r in results), results
-        assert set(idle[0].codes(timeout=10)) == {grpc.StatusCode.CANCELLED}
+        # Cut after the body timeout, or sooner once half the pool waited for bodies; the few
+        # still waiting when the round (no longer starved of threads) ended got the shutdown.
+        codes = idle[0].codes(timeout=10)
+        assert set(codes) <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, codes
+        assert codes.count(grpc.StatusCode.CANCELLED) >= len(codes) // 2, codes
     finally:
         for calls in idle:
             calls.close()
@@ -205,7 +209,7 @@ def test_report_ready_before_the_plan_is_answered_without_aborting_the_round():
     with grpc_link(chief_service(workers=2, timeouts=ROUND)) as link:
         reply = link.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), timeout=5)
         assert reply.rank == 0
-        ref = pb.WorkerRef(worker_id="w0", incarnation="i0")
+        ref = pb.WorkerRef(worker_id="w0", incarnation="i0", secret=reply.secret)
         with pytest.raises(E.PreconditionError, match="w0.* reported ready before the plan was released"):
             link.report_ready(pb.ReadyRequest(worker=ref), timeout=5)
         assert link.status(timeout=5).phase == "joining"
@@ -303,16 +307,10 @@ def test_listening_beyond_loopback_without_a_token_is_a_loud_warning(caplog, bin
 def _listening(pid: int) -> set[str]:
     """Local addresses of the TCP sockets process ``pid`` listens on (from /proc)."""
     import ipaddress
-    import os
 
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    from tests.procs import socket_inodes
+
+    inodes = socket_inodes(pid)
     out = set()
     for table in ("tcp", "tcp6"):
         with open(f"/proc/{pid}/net/{table}") as fh:
@@ -342,8 +340,8 @@ def test_a_worker_id_host_and_failure_message_with_newlines_and_escapes_are_logg
     caplog.set_level(logging.INFO)
     evil = "w0\nFORGED ERROR line\x1b[2J"
     with grpc_link(chief_service(workers=2, timeouts=ROUND)) as link:
-        link.join(pb.JoinRequest(worker_id=evil, incarnation="i0", devices=["cpu:0"], host="h\x1b[31m\r"), 5)
-        link.report_failure(pb.FailureReport(worker=pb.WorkerRef(worker_id=evil, incarnation="i0"),
+        secret = link.join(pb.JoinRequest(worker_id=evil, incarnation="i0", devices=["cpu:0"], host="h\x1b[31m\r"), 5).secret
+        link.report_failure(pb.FailureReport(worker=pb.WorkerRef(worker_id=evil, incarnation="i0", secret=secret),
                                              message="disk\nfull\x1b[0m"), 5)
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("collective.chief")]
     assert any("joined" in m for m in messages) and any("disk\\x0afull" in m for m in messages), messages

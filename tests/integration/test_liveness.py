@@ -5,6 +5,7 @@ Heartbeats are shrunk (every 0.3 s, dead after 1.5 s) so every case ends in seco
 
 from __future__ import annotations
 
+import datetime
 import json
 import signal
 import time
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from tests.clusters import SLOW_RECEIVER, tampering_relay
-from tests.procs import error_line, wait_for
+from tests.procs import error_line, wait_for, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -59,6 +60,31 @@ def test_a_frozen_worker_is_caught_by_the_lease_and_learns_of_the_abort_after_si
     assert "training started" not in frozen.output()
 
 
+def test_a_failed_chief_writes_its_result_before_it_lingers_for_a_worker_that_never_hears(cluster):
+    """A launcher may stop a chief soon after the outcome: the result must not wait for the
+    linger (here the whole 5 s, since the frozen worker never hears)."""
+    chief = cluster.chief("--workers", "2", *HB)
+    frozen = cluster.worker("frozen", *HB)
+    wait_for(frozen, "waiting for the plan")
+    frozen.signal(signal.SIGSTOP)
+    try:
+        cluster.worker("other", *HB)
+        wait_for(chief, "round aborted:")
+        result_file = cluster.tmp / "result.json"
+        wait_until(lambda: result_file.exists() or chief.proc.poll() is not None, "the result file or the chief's exit")
+        assert chief.proc.poll() is None, "the chief wrote its result only as it exited"
+        # Written at the outcome, not at the end of the 5 s linger (the clocks: the log's and the file's).
+        stamp = error_line(chief.output(), "round aborted:").split()[0].rstrip("Z")
+        aborted_at = datetime.datetime.fromisoformat(stamp).replace(tzinfo=datetime.UTC).timestamp()
+        assert result_file.stat().st_mtime - aborted_at < 2.5, "the result was written only after the linger"
+        result = json.loads(result_file.read_text())
+        assert (result["ok"], result["culprit"]) == (False, "frozen"), result
+        assert "no heartbeat" in result["error"], result
+    finally:
+        frozen.signal(signal.SIGCONT)
+    assert chief.wait(30) != 0
+
+
 def test_a_worker_killed_before_the_broadcast_frees_its_slot_for_its_restart(cluster):
     chief = cluster.chief("--workers", "2", *HB)
     first = cluster.worker("w0", *HB)
@@ -85,6 +111,14 @@ def test_a_frozen_chief_is_named_by_its_workers_within_the_lease(cluster):
         chief.signal(signal.SIGCONT)
     assert f"chief at {cluster.address} unresponsive" in worker.output()
     assert detected < 10, f"the worker took {detected:.1f} s to notice"
+    # Woken, the chief names itself, not the worker whose presence call it finds cut off (it
+    # used to free that slot and wait out its join timeout).
+    assert chief.wait(20) != 0
+    aborted = error_line(chief.output(), "round aborted:")
+    assert "the chief was stopped for" in aborted and "(frozen); the workers gave up on it" in aborted, aborted
+    assert "patient" not in aborted, aborted
+    result = json.loads((cluster.tmp / "result.json").read_text())
+    assert (result["culprit"], result["error_phase"]) == ("chief", "joining"), result
 
 
 def test_sigterm_to_the_chief_tells_every_worker_it_is_shutting_down(cluster):
@@ -143,28 +177,32 @@ def test_two_live_processes_claiming_one_id_the_second_is_refused_and_the_first_
     wait_for(first, "as rank 1 of 2")
     second = cluster.worker("twin", *HB)
     assert second.wait(30) != 0
-    assert "worker id 'twin' is held by incarnation" in second.output()
+    assert "worker id 'twin' is held by another process" in second.output()
     other = cluster.worker("other", *HB)
     assert first.wait(60) == 0 and other.wait(60) == 0
     assert chief.wait(30) == 0
     assert "as rank 1 of 2" in first.output()
 
 
-def test_a_worker_restarted_after_the_broadcast_began_aborts_the_round_naming_it(cluster):
-    """Without ``--rejoin-timeout`` (its default 0), as under torchrun's --max-restarts 0."""
+def test_a_restart_while_the_frozen_holder_looks_alive_is_refused_and_the_round_fails_naming_the_frozen_one(cluster):
+    """Without ``--rejoin-timeout`` (its default 0), as under torchrun's --max-restarts 0. A join
+    under a live member's id proves no identity (anyone with the token can send one): it is
+    refused, and the frozen holder is named when its lease runs out."""
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
-                          "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
-    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30", code=SLOW_RECEIVER)
+                          "--heartbeat-interval", "0.3", "--heartbeat-timeout", "8")
+    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "8", code=SLOW_RECEIVER)
     other = cluster.worker("other", *HB)
     wait_for(old, "phase=receive")
-    old.signal(signal.SIGSTOP)  # frozen, its connection still open: only the restart can tell
+    old.signal(signal.SIGSTOP)  # frozen, its connection still open
     try:
         reborn = cluster.worker("phoenix", *HB)
-        assert chief.wait(30) != 0
+        assert reborn.wait(30) != 0
+        assert "held by a live process" in error_line(reborn.output()), reborn.output()[-2000:]
+        assert chief.wait(60) != 0
         aborted = error_line(chief.output(), "round aborted:")
-        assert "worker phoenix (rank" in aborted and "restarted" in aborted, aborted
-        assert reborn.wait(30) != 0 and other.wait(30) != 0
-        assert "phoenix" in error_line(other.output()) and "restarted" in error_line(other.output())
+        assert "worker phoenix (rank" in aborted and "no heartbeat" in aborted, aborted
+        assert other.wait(30) != 0
+        assert "phoenix" in error_line(other.output())
     finally:
         old.signal(signal.SIGCONT)
 
@@ -193,15 +231,20 @@ def test_with_a_rejoin_window_a_killed_worker_restarted_mid_broadcast_takes_its_
     assert other.output().count("joined chief at") == 1  # the other worker was not restarted
 
 
-def test_with_a_rejoin_window_a_frozen_worker_replaced_by_a_restart_is_refused_after_sigcont(cluster):
+def test_with_a_rejoin_window_a_restart_waits_for_the_frozen_holder_to_be_lost_which_is_refused_after_sigcont(cluster):
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
                           "--topology", "star", "--rejoin-timeout", "60",
-                          "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30")
-    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "30", code=SLOW_RECEIVER)
+                          "--heartbeat-interval", "0.3", "--heartbeat-timeout", "8")
+    old = cluster.worker("phoenix", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "8", code=SLOW_RECEIVER)
     other = cluster.worker("other", *HB)
     wait_for(old, "phase=receive")
-    old.signal(signal.SIGSTOP)  # frozen, its connection still open: the restart replaces it
+    old.signal(signal.SIGSTOP)  # frozen, its connection still open: it holds its slot until its lease runs out
     try:
+        # A join under its id proves no identity: while the holder looks alive it keeps its slot.
+        early = cluster.worker("phoenix", *HB)
+        assert early.wait(60) != 0, early.output()
+        assert "ALREADY_EXISTS" in early.output() or "held by a live process" in early.output(), early.output()[-2000:]
+        wait_for(chief, "was lost during the broadcast", timeout=60)
         reborn = cluster.worker("phoenix", *HB)
         assert reborn.wait(60) == 0, reborn.output()
         assert other.wait(60) == 0, other.output()
@@ -211,7 +254,7 @@ def test_with_a_rejoin_window_a_frozen_worker_replaced_by_a_restart_is_refused_a
     assert "training started" not in old.output()
     assert "phoenix" in error_line(old.output()), old.output()[-2000:]
     assert chief.wait(30) == 0, chief.output()
-    assert "restarted as incarnation" in chief.output()
+    assert "rejoined as incarnation" in chief.output()
 
 
 def test_sigterm_mid_broadcast_tells_everyone_and_releases_the_port(cluster):
@@ -386,6 +429,11 @@ def test_a_frozen_chief_mid_broadcast_is_named_by_every_worker_of_a_chain_within
         assert "round aborted by the chief" not in line, line
         # the lease, the heartbeat that finds it out (interval + its timeout), and slack
         assert took[w] < lease + 2 * 0.3 + 3.0, f"{line}: {took[w]:.1f} s after the chief froze"
+    # Woken mid-broadcast, the chief blames itself, not w0 ("its presence call was cut off").
+    assert chief.wait(20) != 0
+    aborted = error_line(chief.output(), "round aborted:")
+    assert "the chief was stopped for" in aborted and "(frozen)" in aborted and "broadcasting" in aborted, aborted
+    assert "worker w" not in aborted, aborted
 
 
 def test_a_frozen_relay_parent_is_named_by_its_children_not_the_chief(cluster):

@@ -121,6 +121,17 @@ def test_a_corrupted_rank_ends_the_job_naming_the_rank_and_the_variable(tmp_path
     assert "round failed: worker mpi-rank-2" in out and "rank 1 (worker on" in out, out
 
 
+def test_a_rank_that_never_joins_is_named_by_rank_0s_watchdog(tmp_path):
+    proc = mpirun(3, "--model", "mlp", "--join-timeout", "4", script=["tests/mpi_probe.py"],
+                  env={"PROBE_HOLD_RANK": "2"}, timeout=60)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    [line] = [ln for ln in out.splitlines() if "rank 0 on" in ln and "did not finish within" in ln]
+    assert "join did not finish within 4 s" in line, line
+    assert "(not yet at join: rank 2 (never heard from))" in line, line
+    assert "rank 1" not in line, line
+
+
 def test_shards_under_the_mpi_command_each_worker_receives_only_its_half(tmp_path):
     proc = mpirun(3, "--model", "mlp", "--shards", "dim0", "--json")
     assert proc.returncode == 0, proc.stderr

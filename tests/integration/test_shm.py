@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from tests.procs import ROOT
+from tests.procs import ROOT, socket_inodes, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -117,3 +119,41 @@ def test_the_arena_is_a_memfd_gone_from_a_worker_once_it_drops_its_variables(tmp
         holder.stdout.close()
     assert holder.returncode == 0
     assert chief.wait(30) == 0, chief.output()
+
+
+def _abstract_sockets(pid: int, prefix: str) -> list[str]:
+    """The names of the abstract unix sockets process ``pid`` holds that start with ``prefix``:
+    what any local user can read in /proc/net/unix."""
+    inodes = socket_inodes(pid)
+    with open("/proc/net/unix") as fh:
+        rows = [line.split() for line in fh][1:]
+    return sorted({r[7][1:] for r in rows if len(r) > 7 and r[6] in inodes and r[7].startswith("@" + prefix)})
+
+
+def test_a_local_process_holding_every_shm_slot_costs_one_warning_then_a_count(cluster):
+    """It connects 16 times and says nothing, twice over: each hello times out after 5 s. The
+    chief logs the first failure, then counts the rest (the count when it closes), instead of a
+    WARNING per slot every 5 s."""
+    chief = cluster.chief("--workers", "1", "--join-timeout", "60")
+    [name] = _abstract_sockets(chief.pid, "collective-shm-")
+    for _ in range(2):
+        held = []
+        for _ in range(16):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + name)
+            s.settimeout(30)
+            held.append(s)
+        try:
+            for s in held:
+                assert s.recv(64) == b""  # the chief gave up on the hello (after 5 s) and closed it
+        finally:
+            for s in held:
+                s.close()
+    wait_until(lambda: "shared-memory request failed" in chief.output(), "the chief's line for the first failure")
+    chief.signal(signal.SIGTERM)  # it closes its shared-memory server: the count
+    assert chief.wait(30) != 0
+    out = chief.output()
+    lines = [ln for ln in out.splitlines() if "shared-memory request" in ln]
+    assert len(lines) == 2, "\n".join(lines)
+    assert "WARNING" in lines[0] and "shared-memory request failed: timed out" in lines[0], lines[0]
+    assert "31 more shared-memory request(s) failed or were refused (32 in all)" in lines[1], lines[1]

@@ -102,3 +102,57 @@ def test_status_shows_the_bytes_of_workers_fed_by_a_relay(cluster):
         assert all(0 < int(shown[r]["bytes_received"]) < int(shown[r]["bytes_total"]) for r in (1, 2)), shown
     finally:
         link.close()
+
+
+def test_status_reaches_a_default_launch_through_its_run_dir(tmp_path):
+    """`collective launch` picks a random token and port and shows neither; its run dir holds
+    them (status.json, 0600, while the chief runs), so `status --run-dir` answers."""
+    import os
+    import stat
+
+    from tests.hold import held_worker_env
+
+    env, hold = held_worker_env(tmp_path)  # worker-1 joins only when told: the run waits in join
+    run_dir = tmp_path / "run"
+    out = open(tmp_path / "launch.out", "w")
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "collective.cli", "launch", "--workers", "2", "--run-dir", str(run_dir),
+         "--join-timeout", "60"], stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        stdin=subprocess.DEVNULL, env={**os.environ, **env},
+    )
+    try:
+        status_file = run_dir / "status.json"
+        wait_until(status_file.exists, "the launch's status file", timeout=60)
+        st = os.lstat(status_file)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+        assert f"status: collective status --run-dir {run_dir}" in (tmp_path / "launch.out").read_text()
+        proc = status("--run-dir", str(run_dir), "--json")
+        assert proc.returncode == 0, proc.stderr
+        shown = json.loads(proc.stdout)
+        assert shown["phase"] == "joining" and shown["expected"] == 2, shown
+        text = status("--run-dir", str(run_dir))
+        assert text.returncode == 0 and "/2 workers joined" in text.stdout, text.stdout + text.stderr
+        hold.unlink()  # worker-1 may join now: the round completes
+        assert launch.wait(90) == 0, (tmp_path / "launch.out").read_text()
+    finally:
+        if launch.poll() is None:
+            launch.kill()  # its children are in their own sessions: they end at their join timeouts
+            launch.wait(10)
+        out.close()
+    assert not status_file.exists()  # the chief is gone: nothing left to reach, no token left behind
+    after = status("--run-dir", str(run_dir), "--json")
+    assert after.returncode == 2 and json.loads(after.stdout)["ok"] is False
+    assert after.stderr.strip() == f"collective status: error: no running launch in {run_dir}: it has no " \
+        f"status.json (the launch has ended, or its chief has not started yet); its logs: collective logs {run_dir}"
+
+
+def test_status_errors_are_its_own_one_line_and_json_says_so_too(tmp_path):
+    proc = status("--chief", "127.0.0.1:1", "--json")
+    assert proc.returncode != 0
+    shown = json.loads(proc.stdout)
+    assert shown["ok"] is False and "127.0.0.1:1" in shown["error"], shown
+    assert proc.stderr.startswith("collective status: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert " ERROR launch " not in proc.stderr
+    logs = subprocess.run([sys.executable, "-m", "collective.cli", "logs", str(tmp_path / "nope")], capture_output=True,
+                          text=True, timeout=30, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert (logs.returncode, logs.stderr) == (2, f"collective logs: error: run directory {tmp_path / 'nope'} does not exist\n")

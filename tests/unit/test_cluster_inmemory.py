@@ -85,11 +85,17 @@ def test_join_retried_with_same_incarnation_gets_the_same_rank_and_a_second_proc
 
     service, endpoint, _ = cluster({"w": np.ones(2)}, [["cpu:0"], ["cpu:0"]])
     link = endpoint.link()
-    req = pb.JoinRequest(worker_id="a", incarnation="i1", devices=["cpu:0"], preferred_rank=1)
-    assert link.join(req, 1).rank == 1
-    assert link.join(req, 1).rank == 1
-    with pytest.raises(AlreadyExistsError, match="'a'.*i1.*i2"):
+    req = pb.JoinRequest(worker_id="a", incarnation="i1", devices=["cpu:0"], preferred_rank=1, join_key="k")
+    first = link.join(req, 1)
+    assert first.rank == 1 and first.secret
+    again = link.join(req, 1)  # the reply was lost: the same rank, and the same secret
+    assert again.rank == 1 and again.secret == first.secret
+    with pytest.raises(AlreadyExistsError, match="'a'.*held by another process") as refused:
         link.join(pb.JoinRequest(worker_id="a", incarnation="i2", devices=["cpu:0"]), 1)
+    assert "i1" not in str(refused.value) and first.secret not in str(refused.value)
+    # The incarnation is public (the plan lists it): without the join key it gets nothing.
+    with pytest.raises(AlreadyExistsError, match="'a'.*without its join key"):
+        link.join(pb.JoinRequest(worker_id="a", incarnation="i1", devices=["cpu:0"], join_key="guess"), 1)
     link.join(pb.JoinRequest(worker_id="b", incarnation="i3", devices=["cpu:0"]), 1)
     # Both slots taken, so the plan is out: a third worker finds joins closed.
     with pytest.raises(PreconditionError, match="worker 'c' .*cannot join: the cluster is broadcasting"):
@@ -116,7 +122,7 @@ def _forger(arrays, chunk_bytes=4096):
     service, endpoint, _ = cluster(arrays, [["cpu:0", "cpu:1"]], chunk_bytes=chunk_bytes)
     link = endpoint.link()
     ref = pb.WorkerRef(worker_id="forger", incarnation="i1")
-    link.join(pb.JoinRequest(worker_id="forger", incarnation="i1", devices=["cpu:0", "cpu:1"]), 1)
+    ref.secret = link.join(pb.JoinRequest(worker_id="forger", incarnation="i1", devices=["cpu:0", "cpu:1"]), 1).secret
     plan = link.get_plan(ref, 1)
     list(link.fetch(ref, 1))
     return service, link, ref, plan

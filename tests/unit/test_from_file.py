@@ -198,7 +198,7 @@ def test_the_plan_goes_out_while_the_files_are_read_and_its_digests_follow(tmp_p
     monkeypatch.setattr(FileArena, "hash", lambda self: (release.wait(30), real(self)))
     service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
     ref = pb.WorkerRef(worker_id="w0", incarnation="i0")
-    service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test")
+    ref.secret = service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test").secret
     # Released at once, without digests: the stream need not wait for the files to be read.
     assert service.phase is Phase.BROADCASTING
     provisional = service.get_plan(ref, 30)
@@ -210,11 +210,11 @@ def test_the_plan_goes_out_while_the_files_are_read_and_its_digests_follow(tmp_p
     chunks = list(service.fetch(ref))
     assert all(c.digest == bytes_digest(c.data) for c in chunks if c.data)
     with pytest.raises(DeadlineError, match="had not read the model's files within 0.2 s"):
-        service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0", want_digests=True), 0.2)
+        service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0", secret=ref.secret, want_digests=True), 0.2)
     with pytest.raises(PreconditionError, match="before the plan was complete"):
         service.report_ready(pb.ReadyRequest(worker=ref))
     release.set()
-    plan = service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0", want_digests=True), 30)
+    plan = service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0", secret=ref.secret, want_digests=True), 30)
     check_completes(provisional, plan)
     assert not plan.digests_follow
     assert plan.chunk_digests == chunk_digests(service.arena, plan.chunk_bytes)
@@ -263,10 +263,10 @@ def test_a_file_changed_once_hashed_before_the_digests_go_out_fails_the_round_na
 
     monkeypatch.setattr(FileArena, "hash", hash_then_touch)
     service = ChiefService(load_source(path), 1, timeouts=FAST, from_file=True)
-    service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test")
+    secret = service.join(pb.JoinRequest(worker_id="w0", incarnation="i0", devices=["cpu:0"]), "test").secret
     release.set()
     with pytest.raises(AbortedError, match="model-00001-of-00002.safetensors: changed while being served"):
-        service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0", want_digests=True), 30)
+        service.get_plan(pb.WorkerRef(worker_id="w0", incarnation="i0", secret=secret, want_digests=True), 30)
     assert service.phase is Phase.FAILED and isinstance(service.error, ModelError)
 
 

@@ -194,3 +194,16 @@ def test_instance_keys_depend_on_model_order():
 
 def test_instance_keys_of_no_variables_is_empty():
     assert instance_keys([]) == {}
+
+
+def test_a_device_index_past_the_digit_limit_is_a_usage_error_not_an_int_overflow():
+    # int() refuses past 4,300 digits with a ValueError: before, a traceback (INTERNAL at the chief).
+    with pytest.raises(UsageError, match=r"its index has more than 9 digits") as info:
+        parse_devices(["cpu:" + "9" * 5000])
+    assert len(str(info.value)) < 300
+
+
+def test_a_duplicate_among_many_devices_is_found_and_named():
+    devices = [f"cpu:{i}" for i in range(4096)] + ["cpu:7"]
+    with pytest.raises(UsageError, match="device cpu:7 is listed twice"):
+        parse_devices(devices)

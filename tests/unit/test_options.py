@@ -46,3 +46,19 @@ def test_a_bad_variable_is_named_and_a_skipped_one_is_not_read():
     with pytest.raises(UsageError, match="COLLECTIVE_TOPOLOGY='ring': not one of auto, star, tree, chain"):
         ChiefSettings.from_env({"COLLECTIVE_TOPOLOGY": "ring"})
     assert ChiefSettings.from_env({"COLLECTIVE_CHUNK_BYTES": "lots"}, skip=("chunk-bytes",)).chunk_bytes is None
+
+
+def test_no_parser_takes_an_abbreviated_option(capsys):
+    """`launch --devices 2` was silently `--devices-per-worker 2`: every parser refuses a prefix."""
+    from collective.cli import build_parser
+    from collective.mpi import build_parser as mpi_parser
+
+    cases = [(build_parser(), ["launch", "--devices", "2"]), (build_parser(), ["status", "--int", "2"]),
+             (build_parser(), ["doctor", "--time", "2"]), (chief_parser(), ["--work", "2"]),
+             (worker_parser(), ["--dev", "cpu:0"]), (mpi_parser(), ["--devices", "2"])]
+    for parser, argv in cases:
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(argv)
+        assert info.value.code == 2
+        assert f"unrecognized arguments: {' '.join(argv[-2:])}" in capsys.readouterr().err
+    assert build_parser().parse_args(["launch", "--devices-per-worker", "2"]).devices_per_worker == 2

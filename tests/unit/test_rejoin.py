@@ -15,7 +15,7 @@ import pytest
 from collective._proto import collective_pb2 as pb
 from collective.chief.rejoin import nearest_live
 from collective.chief.service import Phase
-from collective.errors import AbortedError, PreconditionError
+from collective.errors import AbortedError, AlreadyExistsError, PreconditionError
 from collective.transport.inmemory import InMemoryEndpoint, InMemoryLink
 from collective.worker.agent import WorkerAgent
 from collective.worker.relay import RelayHandler
@@ -190,32 +190,45 @@ def _joined(service, n: int) -> list[pb.WorkerRef]:
     refs = []
     for i in range(n):
         req = pb.JoinRequest(worker_id=f"w{i}", incarnation=f"inc{i}", devices=["cpu:0"], host="h", preferred_rank=i)
-        service.join(req, PEER)
-        refs.append(pb.WorkerRef(worker_id=f"w{i}", incarnation=f"inc{i}"))
+        secret = service.join(req, PEER).secret
+        refs.append(pb.WorkerRef(worker_id=f"w{i}", incarnation=f"inc{i}", secret=secret))
     assert service.phase is Phase.BROADCASTING
     return refs
 
 
-@pytest.mark.parametrize("options", [{"timeouts": dataclasses.replace(T, rejoin=0.0)}, {"heartbeats": False}],
-                         ids=["rejoin-timeout-0", "mpi-no-heartbeats"])
-def test_without_a_rejoin_window_a_restart_after_the_plan_fails_the_round_as_before(options):
+@pytest.mark.parametrize("options", [{}, {"timeouts": dataclasses.replace(T, rejoin=0.0)}, {"heartbeats": False}],
+                         ids=["rejoin-window", "rejoin-timeout-0", "mpi-no-heartbeats"])
+def test_a_join_under_a_live_members_id_after_the_plan_is_refused_and_the_round_goes_on(options):
+    # Anyone with the token can name a member's id; a live member keeps its slot (no secret, no takeover).
     service = chief_service(ARRAYS, 2, **{"timeouts": T, **options})
-    _joined(service, 2)
-    with pytest.raises(AbortedError, match=r"worker w0 \(rank 0.*restarted .*the round cannot go on"):
+    refs = _joined(service, 2)
+    with pytest.raises(AlreadyExistsError, match=r"worker id 'w0' is held by a live process \(worker w0 \(rank 0"):
         service.join(pb.JoinRequest(worker_id="w0", incarnation="new", devices=["cpu:0"], host="h"), PEER)
+    assert service.phase is Phase.BROADCASTING
+    beat = service.heartbeat(pb.HeartbeatRequest(worker_id="w0", incarnation="inc0", secret=refs[0].secret))
+    assert beat.phase == "broadcasting"  # w0 still holds its slot and acts as itself
+
+
+def test_without_a_rejoin_window_a_lost_worker_fails_the_round_and_its_restart_hears_it():
+    service = chief_service(ARRAYS, 2, timeouts=dataclasses.replace(T, rejoin=0.0))
+    refs = _joined(service, 2)
+    service.lost(refs[0], "its presence call was cut off")
     assert service.phase is Phase.FAILED
+    with pytest.raises(AbortedError, match=r"worker w0 \(rank 0.*was lost during the broadcast"):
+        service.join(pb.JoinRequest(worker_id="w0", incarnation="new", devices=["cpu:0"], host="h"), PEER)
 
 
 def test_a_restart_takes_the_rank_and_the_replaced_incarnation_is_refused_from_then_on():
     service = chief_service(ARRAYS, 2, timeouts=T)
     refs = _joined(service, 2)
+    service.lost(refs[1], "its presence call was cut off")  # its slot is free: a restart may take it
     reply = service.join(pb.JoinRequest(worker_id="w1", incarnation="new", devices=["cpu:0"], host="h"), PEER)
-    assert reply.rank == 1 and service.phase is Phase.BROADCASTING
-    plan = service.get_plan(pb.WorkerRef(worker_id="w1", incarnation="new"), 1.0)
+    assert reply.rank == 1 and service.phase is Phase.BROADCASTING and reply.secret != refs[1].secret
+    plan = service.get_plan(pb.WorkerRef(worker_id="w1", incarnation="new", secret=reply.secret), 1.0)
     assert next(w for w in plan.workers if w.rank == 1).incarnation == "new"
     # The old process, back (SIGCONT, a healed link), is told it was replaced, on every call.
-    with pytest.raises(PreconditionError, match="joined as incarnation new"):
-        service.heartbeat(pb.HeartbeatRequest(worker_id="w1", incarnation=refs[1].incarnation))
+    with pytest.raises(PreconditionError, match="joined as another incarnation"):
+        service.heartbeat(pb.HeartbeatRequest(worker_id="w1", incarnation=refs[1].incarnation, secret=refs[1].secret))
     with pytest.raises(PreconditionError):
         service.get_plan(refs[1], 1.0)
     assert service.phase is Phase.BROADCASTING
@@ -223,7 +236,8 @@ def test_a_restart_takes_the_rank_and_the_replaced_incarnation_is_refused_from_t
 
 def test_a_restart_with_other_devices_is_refused_and_the_round_still_waits():
     service = chief_service(ARRAYS, 2, timeouts=T)
-    _joined(service, 2)
+    refs = _joined(service, 2)
+    service.lost(refs[1], "its presence call was cut off")
     with pytest.raises(PreconditionError, match="keeps its devices"):
         service.join(pb.JoinRequest(worker_id="w1", incarnation="new", devices=["cpu:0", "cpu:1"], host="h"), PEER)
     assert service.phase is Phase.BROADCASTING
@@ -235,7 +249,7 @@ def test_a_lost_incarnation_that_comes_back_is_refused_not_resurrected():
     service.lost(refs[0], "no heartbeat for 5.1 s (lease 5 s)")
     assert service.phase is Phase.BROADCASTING
     with pytest.raises(AbortedError, match="was declared lost"):
-        service.heartbeat(pb.HeartbeatRequest(worker_id="w0", incarnation=refs[0].incarnation))
+        service.heartbeat(pb.HeartbeatRequest(worker_id="w0", incarnation=refs[0].incarnation, secret=refs[0].secret))
     with pytest.raises(AbortedError, match="was declared lost"):
         service.await_prepared(refs[0], 1.0)
     assert "w0 (rank 0" in service._supervisor.waiting_for() and "[lost]" in service._supervisor.waiting_for()

@@ -119,7 +119,7 @@ def test_no_worker_takes_bytes_until_every_worker_is_prepared():
 
     slow = endpoint.link()
     slow_ref = pb.WorkerRef(worker_id="slow", incarnation="s1")
-    slow.join(pb.JoinRequest(worker_id="slow", incarnation="s1", devices=["cpu:0"]), 1)
+    slow_ref.secret = slow.join(pb.JoinRequest(worker_id="slow", incarnation="s1", devices=["cpu:0"]), 1).secret
     fast = WorkerAgent(endpoint.link(), worker_id="fast", devices=["cpu:0"], timeouts=FAST)
     done, outcome = threading.Event(), []
 
@@ -155,7 +155,7 @@ def test_a_worker_that_never_prepares_is_named_when_the_barrier_times_out():
     for name in ("a", "b"):
         link = endpoint.link()
         ref = pb.WorkerRef(worker_id=name, incarnation="i")
-        link.join(pb.JoinRequest(worker_id=name, incarnation="i", devices=["cpu:0"]), 1)
+        ref.secret = link.join(pb.JoinRequest(worker_id=name, incarnation="i", devices=["cpu:0"]), 1).secret
         refs.append((link, ref))
     refs[0][0].get_plan(refs[0][1], 5)
     with pytest.raises(DeadlineError, match=r"not every worker prepared within 0.3 s; waiting for: worker b \(rank 1"):
@@ -169,7 +169,7 @@ def test_the_barrier_ends_with_the_rounds_failure():
     endpoint = inmemory_endpoint(service)
     link = endpoint.link()
     ref = pb.WorkerRef(worker_id="a", incarnation="i")
-    link.join(pb.JoinRequest(worker_id="a", incarnation="i", devices=["cpu:0"]), 1)
+    ref.secret = link.join(pb.JoinRequest(worker_id="a", incarnation="i", devices=["cpu:0"]), 1).secret
     other = endpoint.link()
     other.join(pb.JoinRequest(worker_id="b", incarnation="i", devices=["cpu:0"]), 1)
     link.get_plan(ref, 5)

@@ -142,7 +142,8 @@ def test_a_ready_report_is_checked_against_its_own_shard():
     links = [endpoint.link(), endpoint.link()]
     refs = [pb.WorkerRef(worker_id=f"x{i}", incarnation="i") for i in range(2)]
     for i, (link, ref) in enumerate(zip(links, refs, strict=True)):
-        link.join(pb.JoinRequest(worker_id=ref.worker_id, incarnation="i", devices=["cpu:0"], preferred_rank=i), 1)
+        ref.secret = link.join(pb.JoinRequest(worker_id=ref.worker_id, incarnation="i", devices=["cpu:0"],
+                                              preferred_rank=i), 1).secret
     plans = [link.get_plan(ref, 1) for link, ref in zip(links, refs, strict=True)]
     assert plans[0].chunk_digests != plans[1].chunk_digests
     other = list(plans[1].chunk_digests)

@@ -26,7 +26,8 @@ def test_a_ready_report_that_beats_the_senders_last_resume_still_counts_and_star
     links = [endpoint.link(), endpoint.link()]
     refs = [pb.WorkerRef(worker_id=f"w{i}", incarnation="i1") for i in range(2)]
     for link, ref in zip(links, refs, strict=True):
-        link.join(pb.JoinRequest(worker_id=ref.worker_id, incarnation="i1", devices=["cpu:0"], preferred_rank=-1), 1)
+        ref.secret = link.join(pb.JoinRequest(worker_id=ref.worker_id, incarnation="i1", devices=["cpu:0"],
+                                              preferred_rank=-1), 1).secret
     plan = links[0].get_plan(refs[0], 5)
     links[1].get_plan(refs[1], 5)
 

@@ -8,7 +8,7 @@ from tools.bench import add_bench_parser, run_bench
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench")
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", allow_abbrev=False)
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     return run_main(lambda: run_bench(args))

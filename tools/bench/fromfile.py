@@ -47,7 +47,7 @@ def drop_caches() -> None:
 def one_run(model: Path, workers: int, extra: list[str], run_dir: Path, size: int) -> dict:
     argv = [sys.executable, "-m", "collective.cli", "launch", "--workers", str(workers), "--model", str(model),
             "--json", "--quiet", "--run-dir", str(run_dir), *extra]
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, mode=0o700)  # launch refuses a run dir others may write (umask 002)
     rc, out = _run_job(argv, timeout=_timeout(size, workers, 1e9), env=_clean_env(), log=run_dir / "bench.log")
     result = _last_json(out, "ok")
     if rc != 0 or not result or not result.get("ok"):

@@ -217,7 +217,7 @@ class LocalRunner:
         if c.transport == "grpc":
             argv += self.extra
         argv += self.chunk
-        run_dir.mkdir(parents=True)
+        run_dir.mkdir(parents=True, mode=0o700)  # launch refuses a run dir others may write (umask 002)
         rc, out = _run_job(argv, timeout=_timeout(size, workers, 2e9), env=_clean_env(self.env), log=run_dir / "bench.log")
         result = _last_json(out, "ok")
         if rc != 0 or not result or not result.get("ok"):

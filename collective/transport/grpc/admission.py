@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import grpc
 from google.protobuf.message import DecodeError
 
+from collective.errors import ProtocolError
 from collective.logs import printable
 from collective.transport.grpc.wire import SERVICE, TOKEN_HEADER
 
@@ -26,7 +27,9 @@ log = logging.getLogger(__name__)
 # own polling thread, from its headers alone: a call without the right token gets a handler
 # that never reads its body (refused at once, its body never decoded); an admitted call reads
 # its one request under a deadline (BODY_TIMEOUT: a member sends it with the headers), after
-# which the call is cancelled and its thread is free again.
+# which the call is cancelled and its thread is free again. A client stream (ReportReady's
+# pieces) reads each of its messages under the same deadline, so it cannot hold a thread either;
+# what it may send in all is the servicer's to bound (from its first message, which names it).
 BODY_TIMEOUT = 10.0
 REFUSAL_WINDOW = 10.0
 
@@ -78,10 +81,16 @@ class RefusalLog:
 
 
 class _BodyWatch:
-    """Cancels admitted calls whose request has not arrived within ``timeout`` s (one thread)."""
+    """Cancels admitted calls whose request has not arrived within ``timeout`` s (one thread).
 
-    def __init__(self, timeout: float, refusals: RefusalLog) -> None:
+    At most ``max_waiting`` calls wait for a request at once, each holding a pool thread: one
+    more cuts the one that has waited longest. So calls that never send their request, however
+    many, leave the rest of the pool to everyone else (a member's request arrives with its
+    headers, so only a silent call is ever the oldest for long)."""
+
+    def __init__(self, timeout: float, refusals: RefusalLog, max_waiting: int = 1 << 30) -> None:
         self.timeout = timeout
+        self.max_waiting = max(1, max_waiting)
         self._refusals = refusals
         self._cond = threading.Condition()
         self._waiting: dict[int, tuple[float, object, str]] = {}
@@ -89,12 +98,31 @@ class _BodyWatch:
         self._thread = threading.Thread(target=self._run, name="rpc-body-watch", daemon=True)
         self._thread.start()
 
+    def messages(self, requests: Iterator, context, method: str, decode) -> Iterator:
+        """A client stream's messages, decoded, each read under the deadline; ends early when
+        the call is cancelled. An undecodable message is one refusal line and a ProtocolError
+        (INVALID_ARGUMENT at the servicer's boundary), never a traceback."""
+        while (raw := self.read(requests, context, method)) is not None:
+            try:
+                yield decode(raw) if decode is not None else raw
+            except DecodeError:
+                self._refusals.refused(context.peer(), method, "an undecodable request")
+                raise ProtocolError(f"{method}: a message of the request stream is not a valid message") from None
+
     def read(self, requests: Iterator, context, method: str):
         """The call's one request, or None once the call is over without one."""
         key = id(context)
         with self._cond:
             self._waiting[key] = (time.monotonic() + self.timeout, context, method)
+            oldest = None
+            if len(self._waiting) > self.max_waiting:
+                oldest = self._waiting.pop(next(iter(self._waiting)))
             self._cond.notify()
+        if oldest is not None:
+            _, other, other_method = oldest
+            self._refusals.refused(other.peer(), other_method, f"more than {self.max_waiting} calls were "
+                                   f"waiting for their request; the one that had waited longest was cut")
+            other.cancel()
         try:
             return next(requests, None)
         except grpc.RpcError:  # cancelled: by the peer, or by us for its missing body
@@ -127,6 +155,42 @@ class _BodyWatch:
         self._thread.join(2.0)
 
 
+LARGE_REQUEST = 1 << 20  # a request past this is decoded alone, its fields counted first
+
+
+def _varint(raw: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(raw):
+            raise DecodeError("truncated varint")
+        b = raw[i]
+        value |= (b & 0x7F) << shift
+        i += 1
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def top_level_fields(raw: bytes, limit: int) -> int:
+    """How many top-level fields (each entry of a repeated one counts) the serialized message
+    ``raw`` has, counting no further than ``limit + 1``: time in proportion to that, not to ``raw``."""
+    i, count = 0, 0
+    while i < len(raw) and count <= limit:
+        tag, i = _varint(raw, i)
+        kind = tag & 7
+        if kind == 0:
+            _, i = _varint(raw, i)
+        elif kind == 2:
+            length, i = _varint(raw, i)
+            i += length
+        elif kind in (1, 5):
+            i += 8 if kind == 1 else 4
+        else:
+            raise DecodeError(f"wire type {kind}")
+        count += 1
+    return count
+
+
 class _Admission(grpc.ServerInterceptor):
     """Admits every Collective RPC from its headers (see BODY_TIMEOUT above).
 
@@ -136,8 +200,11 @@ class _Admission(grpc.ServerInterceptor):
     an undecodable one gets INVALID_ARGUMENT and a log line, not a traceback.
     """
 
-    def __init__(self, token: str | None, refusals: RefusalLog, body: _BodyWatch) -> None:
+    def __init__(self, token: str | None, refusals: RefusalLog, body: _BodyWatch,
+                 fields: dict[str, int] | None = None) -> None:
         self._token = token.encode() if token else None
+        self._fields = fields or {}  # method -> the most top-level fields its request may have
+        self._large = threading.Lock()
         self._refusals = refusals
         self._body = body
 
@@ -162,6 +229,21 @@ class _Admission(grpc.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(refuse, None, handler.response_serializer)
         return grpc.stream_unary_rpc_method_handler(refuse, None, handler.response_serializer)
 
+    def _decode(self, decode, raw: bytes, method: str):
+        """``raw`` decoded. A decoded message takes far more memory than its bytes (16 MiB of
+        empty entries of a repeated field: 1.2 GB), so a large request is decoded one at a time,
+        after its top-level fields are counted against ``fields[method]`` (stopping past it)."""
+        if decode is None:
+            return raw
+        if len(raw) <= LARGE_REQUEST:
+            return decode(raw)
+        with self._large:
+            limit = self._fields.get(method)
+            if limit is not None and top_level_fields(raw, limit) > limit:
+                raise ProtocolError(f"{method} refused: the request has more than {limit} top-level fields "
+                                    f"(entries of its repeated fields count one each); the limit is {limit}")
+            return decode(raw)
+
     def _admit(self, handler, method: str):
         behavior = handler.unary_stream or handler.unary_unary
         decode = handler.request_deserializer
@@ -171,14 +253,23 @@ class _Admission(grpc.ServerInterceptor):
             if raw is None:
                 context.abort(grpc.StatusCode.CANCELLED, f"{method}: the call ended before its request arrived")
             try:
-                request = decode(raw) if decode is not None else raw
+                request = self._decode(decode, raw, method)
             except DecodeError:
                 self._refusals.refused(context.peer(), method, "an undecodable request")
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
+            except ProtocolError as exc:
+                self._refusals.refused(context.peer(), method, str(exc))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return behavior(request, context)
 
         if handler.request_streaming:
-            return handler  # the service has no client streams; left as gRPC serves them
+            if handler.response_streaming:
+                raise TypeError(f"{method}: bidirectional streams are not admitted")  # the service has none
+
+            def admitted_stream(requests, context):
+                return handler.stream_unary(self._body.messages(requests, context, method, decode), context)
+
+            return grpc.stream_unary_rpc_method_handler(admitted_stream, None, handler.response_serializer)
         if handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(admitted, None, handler.response_serializer)
         return grpc.stream_unary_rpc_method_handler(admitted, None, handler.response_serializer)

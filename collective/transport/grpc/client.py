@@ -368,7 +368,7 @@ class GrpcChiefLink(ChiefLink):
             self._untrack(call)
 
     def report_ready(self, req: pb.ReadyRequest, timeout: float) -> pb.ReadyReply:
-        return self._unary(self._stub.ReportReady, to_pieces(req.SerializeToString()), "ready", timeout)
+        return self._unary(self._stub.ReportReady, _named(req.worker, to_pieces(req.SerializeToString())), "ready", timeout)
 
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
         return self._unary(self._stub.AwaitStart, ref, "waiting for start", timeout + 1.0, retry=True)
@@ -405,3 +405,12 @@ class GrpcChiefLink(ChiefLink):
     def _close_channels(self) -> None:
         self._channel.close()
         self._hb_channel.close()
+
+
+def _named(worker: pb.WorkerRef, pieces):
+    """``pieces`` with the first naming the sender (``Piece.worker``): the chief refuses a report
+    at its first piece unless it comes from a member."""
+    for i, piece in enumerate(pieces):
+        if i == 0:
+            piece.worker.CopyFrom(worker)
+        yield piece

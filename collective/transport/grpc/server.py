@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import itertools
 import logging
 import socket
 import threading
@@ -17,8 +18,9 @@ from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
 from collective.config import TlsFiles
+from collective.limits import MAX_ERROR_CHARS, join_fields_limit
 from collective.logs import printable
-from collective.plan import from_pieces, to_pieces
+from collective.plan import MAX_PIECED_BYTES, from_pieces, to_pieces
 from collective.transport.api import ChiefEndpoint, ChiefHandler
 from collective.transport.grpc.admission import BODY_TIMEOUT, RefusalLog, _Admission, _BodyWatch
 from collective.transport.grpc.tls import peer_identities, server_credentials
@@ -80,7 +82,9 @@ class _Servicer(pb_grpc.CollectiveServicer):
         except E.CollectiveError as exc:
             answered[0] = True
             context.set_trailing_metadata(error_metadata(exc))
-            context.abort(status_code(exc), str(exc))
+            # Cut here, where every refusal leaves: a message quoting a peer's 10 MB name must
+            # still fit the status (else the peer gets RESOURCE_EXHAUSTED, not the reason).
+            context.abort(status_code(exc), printable(str(exc), limit=MAX_ERROR_CHARS))
         except Exception as exc:
             answered[0] = True
             log.exception("%s from %s failed inside the %s", method, printable(context.peer()), self._name)
@@ -134,10 +138,26 @@ class _Servicer(pb_grpc.CollectiveServicer):
             yield from self._h.fetch(request)
 
     def ReportReady(self, request_iterator, context):  # noqa: N802
-        """A ReadyRequest in pieces: every device's chunk digests of a model of any size fit."""
-        request = self._call(context, "ReportReady", from_pieces, pb.ReadyRequest, request_iterator, f"worker at {context.peer()}")
-        self._identity(context, request.worker.worker_id)
+        """A ReadyRequest in pieces: every device's chunk digests of a model of any size fit.
+
+        The first piece names the sender (``Piece.worker``, with its secret): a call from anyone
+        but a member is refused there, and a member's stops at what its report can be
+        (``ready_bytes``), so no one makes the chief hold more than that. Each piece comes within
+        the body deadline (``admission``)."""
+        pieces = iter(request_iterator)
+        first = self._call(context, "ReportReady", _first_piece, pieces)
+        self._identity(context, first.worker.worker_id)
+        request = self._call(context, "ReportReady", self._ready_request, first, pieces, context.peer())
         return self._call(context, "ReportReady", self._h.report_ready, request)
+
+    def _ready_request(self, first: pb.Piece, pieces, peer: str) -> pb.ReadyRequest:
+        # Raises for a non-member or a wrong secret; never past MAX_PIECED_BYTES, whatever a member joined with.
+        limit = min(self._h.ready_bytes(first.worker), MAX_PIECED_BYTES)
+        sender = f"worker {printable(first.worker.worker_id)} at {printable(peer)}"
+        request = from_pieces(pb.ReadyRequest, itertools.chain([first], pieces), sender, max_bytes=limit)
+        if request.worker != first.worker:
+            raise E.ProtocolError(f"{sender} sent a ready report whose worker is not the one its first piece names")
+        return request
 
     def AwaitStart(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
@@ -157,6 +177,13 @@ class _Servicer(pb_grpc.CollectiveServicer):
     def Presence(self, request, context):  # noqa: N802
         self._identity(context, request.worker_id)
         return self._long_call(context, "Presence", request, "presence", self._h.await_outcome, request)
+
+
+def _first_piece(pieces) -> pb.Piece:
+    first = next(pieces, None)
+    if first is None or not first.HasField("worker"):
+        raise E.ProtocolError("ReportReady refused: its first piece must name the worker (Piece.worker)")
+    return first
 
 
 def _remaining(context) -> float:
@@ -211,11 +238,13 @@ class GrpcEndpoint(ChiefEndpoint):
         _check_bindable(self.bind)
         self.max_workers = self.max_workers or pool_size(handler)
         self._warn_if_open()
-        self._body = _BodyWatch(self.body_timeout, self._refusals)
+        # Half the pool may wait for requests that never come; the other half serves the rest.
+        self._body = _BodyWatch(self.body_timeout, self._refusals, max_waiting=self.max_workers // 2)
         self._pool = futures.ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix=f"{self.name}-rpc")
         server = grpc.server(
             self._pool,
-            interceptors=[_Admission(self.token, self._refusals, self._body)],
+            interceptors=[_Admission(self.token, self._refusals, self._body,
+                                     fields={"Join": join_fields_limit(len(getattr(handler, "specs", None) or ()))})],
             options=SERVER_OPTIONS,
         )
         bind_identity = bool(self.tls and self.tls.has("ca"))
@@ -245,10 +274,11 @@ class GrpcEndpoint(ChiefEndpoint):
         if not port:
             self._body.close()
             raise E.UsageError(f"cannot listen on {self.bind}: the port is in use or the address is not local")
+        self._server = server  # before start: a Ctrl-C landing in start still leaves stop() a server to stop
         server.start()
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._server, self.port = server, port
+        self.port = port
         host = self.bind.rpartition(":")[0]
         return f"{host}:{port}"
 

@@ -10,6 +10,8 @@ from google.protobuf.message import DecodeError
 
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.limits import MAX_CULPRIT_CHARS
+from collective.logs import printable
 from collective.plan import MAX_CHUNK_BYTES
 
 TOKEN_HEADER = "x-collective-token"
@@ -44,7 +46,11 @@ ERROR_KEY = "collective-error-bin"
 
 
 def error_metadata(exc: E.CollectiveError) -> tuple[tuple[str, bytes], ...]:
-    return ((ERROR_KEY, json.dumps(E.describe(exc)).encode()),)
+    """``errors.describe(exc)`` for the trailers, its culprit cut (a peer may have named it)."""
+    info = E.describe(exc)
+    if info.get("culprit"):
+        info["culprit"] = printable(info["culprit"], limit=MAX_CULPRIT_CHARS)
+    return ((ERROR_KEY, json.dumps(info).encode()),)
 
 
 def status_code(exc: E.CollectiveError) -> grpc.StatusCode:

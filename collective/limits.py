@@ -1,0 +1,72 @@
+"""What a peer's request may hold: every limit on a field a worker chooses, in one place.
+
+The chief checks a request against these before it takes its lock (``check_join``), in time
+linear in the request's size, so one oversize request (100,001 devices, a million declared
+variables) is refused at once with INVALID_ARGUMENT naming the field and the limit, and never
+holds the lock that every other call and the status need. Each limit is far above what a real
+run uses (a worker has at most a few dozen devices; the largest models have tens of thousands of
+variables; a worker id is a host name and a number).
+"""
+
+from __future__ import annotations
+
+from collective._proto import collective_pb2 as pb
+from collective.errors import ProtocolError
+
+MAX_DEVICES = 4096  # devices of one worker
+MAX_DEVICE_CHARS = 64  # one device string, e.g. "/device:CPU:12"
+MAX_DEVICE_INDEX_DIGITS = 9  # "cpu:123456789": far below Python's 4,300-digit int limit
+MAX_ID_CHARS = 256  # a worker id (a host name is at most 253)
+MAX_INCARNATION_CHARS = 128
+MAX_HOST_CHARS = 256
+MAX_SECRET_CHARS = 128  # a join key or member secret
+MAX_DECLARED_VARIABLES = 100_000  # 5x the largest plan tested (20,000); or the model's own count, when larger
+DECLARED_EXTRA = 1000  # a declaration longer than the model by more is refused by its count, not compared
+MAX_NAME_CHARS = 4096  # a declared variable's name
+MAX_DIMS = 64  # a declared variable's shape
+MAX_MODE_CHARS = 64  # a declared dtype, synchronization or aggregation
+MAX_RELAY_CERT_BYTES = 64 << 10  # a PEM certificate is a few KiB
+MAX_ERROR_CHARS = 4000  # an error's message as sent back to a peer, cut (``logs.printable``) where it is sent
+MAX_CULPRIT_CHARS = 300  # the culprit named beside it
+
+
+def declared_limit(model_variables: int) -> int:
+    """How many variables a worker may declare: the cap, or the chief's model's own count."""
+    return max(MAX_DECLARED_VARIABLES, model_variables)
+
+
+def join_fields_limit(model_variables: int) -> int:
+    """The most top-level fields a serialized JoinRequest may have (its devices, its declared
+    variables, and its ten others): counted on the wire before it is decoded."""
+    return MAX_DEVICES + declared_limit(model_variables) + 16
+
+
+def _at_most(field: str, size: int, limit: int, unit: str = "characters") -> None:
+    if size > limit:
+        raise ProtocolError(f"request refused: {field} has {size} {unit}; the limit is {limit}")
+
+
+def check_ref(ref: pb.WorkerRef | pb.HeartbeatRequest | pb.JoinRequest) -> None:
+    """A call's worker id, incarnation and secret within their limits (ProtocolError naming the
+    field otherwise)."""
+    _at_most("worker_id", len(ref.worker_id), MAX_ID_CHARS)
+    _at_most("incarnation", len(ref.incarnation), MAX_INCARNATION_CHARS)
+    _at_most("secret", len(getattr(ref, "secret", "")), MAX_SECRET_CHARS)
+
+
+def check_join(req: pb.JoinRequest, model_variables: int = 0) -> None:
+    """Every field of a JoinRequest within its limit; ProtocolError (INVALID_ARGUMENT) naming the
+    first field past its limit, and the limit. Linear in the request's size."""
+    check_ref(req)
+    _at_most("host", len(req.host), MAX_HOST_CHARS)
+    _at_most("join_key", len(req.join_key), MAX_SECRET_CHARS)
+    _at_most("devices", len(req.devices), MAX_DEVICES, "entries")
+    longest = max((len(d) for d in req.devices), default=0)
+    _at_most("a device", longest, MAX_DEVICE_CHARS)
+    _at_most("relay_cert", len(req.relay_cert), MAX_RELAY_CERT_BYTES, "bytes")
+    _at_most("declared", len(req.declared), declared_limit(model_variables), "variables")
+    for v in req.declared:
+        _at_most("a declared variable's name", len(v.name), MAX_NAME_CHARS)
+        _at_most(f"declared variable {v.name!r}'s shape", len(v.shape), MAX_DIMS, "dimensions")
+        _at_most(f"declared variable {v.name!r}'s modes",
+                 max(len(v.dtype), len(v.synchronization), len(v.aggregation)), MAX_MODE_CHARS)

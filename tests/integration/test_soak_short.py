@@ -1,0 +1,39 @@
+"""The soak (tests/soak.py) in short, so a fault that no longer ends the way it must cannot land:
+real worker processes against an in-process chief behind a real gRPC endpoint on loopback."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+
+import pytest
+
+from tests.procs import Proc
+from tests.soak import FAULTS, Soak
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("attempt", range(5))  # an ordering race: the report against the cut presence call
+def test_a_truncated_stream_fails_the_round_naming_the_truncation_not_a_cut_presence_call(tmp_path, attempt):
+    """The sender ends the stream without its end message; the worker reports why before it
+    exits, and the chief names that cause whichever of the report and the cut comes first."""
+    r = Soak(3, random.Random(attempt), tmp_path).run_round(1, "truncated_stream")
+    assert r.outcome == "fail", r
+    assert "without its end message" in r.error and "presence call was cut off" not in r.error, r.error
+    assert not r.problems, r.problems
+
+
+def test_a_short_soak_meets_every_fault_once_and_every_round_ends_as_it_must(tmp_path):
+    # The first rounds take each fault in turn: one round per fault covers them all.
+    soak = Proc(["tests/soak.py", "--rounds", str(len(FAULTS))], tmp_path / "soak.log")
+    try:
+        code = soak.wait(240)  # about 40 s on 2 loaded cores
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the soak did not finish within 240 s:\n{soak.output()}") from None
+    finally:
+        out = soak.output()
+        soak.kill()
+    assert code == 0, out
+    assert f"soak: {len(FAULTS)} passed, 0 failed" in out, out
+    assert "faults: " + ", ".join(f"{fault} 1" for fault in FAULTS) in out, out
