@@ -31,7 +31,8 @@ class Supervisor:
         self._svc = svc
         self._last_log = svc._started_at
         self._tick: tuple[float, float, int] | None = None  # run()'s last turn: clock, CPU, members
-        self._awaiting: set[str] = set()  # incarnations whose cut calls wait for a cause (await_cause)
+        # incarnation -> (ref, reason) of a member whose cut calls wait for its cause (await_cause)
+        self._awaiting: dict[str, tuple[pb.WorkerRef, str]] = {}
 
     def waiting_for(self) -> str:
         """Whom the round waits for: free ranks while joining, then each member not yet ready."""
@@ -80,15 +81,22 @@ class Supervisor:
         svc = self._svc
         if m.incarnation in self._awaiting:  # one wait per member, however many of its calls are cut
             return
-        self._awaiting.add(m.incarnation)
+        self._awaiting[m.incarnation] = (ref, reason)
 
         def wait() -> None:
             with svc._cond:
                 svc._wait(lambda: m.told or svc._phase is not Phase.BROADCASTING, CAUSE_GRACE)
-                self._awaiting.discard(m.incarnation)
-                svc.lost(ref, reason, after_grace=True)
+                self.cut_now(m)
 
         threading.Thread(target=wait, name="await-cause", daemon=True).start()
+
+    def cut_now(self, m) -> None:
+        """Declare ``m`` lost now if its calls were cut and it is still given the time to say why
+        (``await_cause``): a restart of it joining is news enough that the old process is gone.
+        Only the holder's own calls (its secret) start that wait, so no one else can end it."""
+        held = self._awaiting.pop(m.incarnation, None)
+        if held is not None:
+            self._svc.lost(*held, after_grace=True)
 
     def stopped(self) -> bool:
         """Fail the round naming the chief if this loop did not run for about a lease while
