@@ -37,7 +37,6 @@ def _run(args: argparse.Namespace) -> int:
     tls = tls_from_args(args)
     if tls.enabled:
         server_credentials(tls)  # refuse a half-configured TLS setup before loading a big model
-    source = load_source(args.model, seed=args.seed)
 
     def on_listening(address: str, port: int) -> None:
         if args.port_file:
@@ -46,7 +45,9 @@ def _run(args: argparse.Namespace) -> int:
             os.replace(tmp, args.port_file)
 
     run_chief(
-        source, args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
+        # Loaded once the port is bound: a port in use is reported first, and a model that cannot
+        # be loaded is the answer every worker's join gets.
+        lambda: load_source(args.model, seed=args.seed), args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
         shm=args.shm, topology=args.topology, chunk_bytes=args.chunk_bytes, on_listening=on_listening,
         result_file=args.result_file, max_model_bytes=args.max_model_bytes, shards=args.shards,
         from_file=args.from_file,
