@@ -66,7 +66,7 @@ JOIN_LOG_FIRST, JOIN_LOG_CAP = 2.0, 30.0
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 100),
 ]
 
 
