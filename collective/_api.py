@@ -189,6 +189,7 @@ def run_chief(
                 max_model_bytes=max_model_bytes, shards=shards, from_file=from_file,
             )
         if api:
+            pending.retire()  # the caller holds the result; the service's memory goes now
             threading.Thread(target=_stop_later, args=(endpoint, grace), name="chief-linger", daemon=True).start()
             background = True
         return out
@@ -552,6 +553,24 @@ def _bind_for(host: str, port: int) -> str:
     if is_loopback(host):
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}"
+
+
+def release_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``), after a hand-off
+    has freed the values a framework's tensors held before: freed blocks below glibc's mmap
+    threshold (a few MiB each, as most tensors are) otherwise stay in this process's RSS. A
+    no-op where there is no glibc. The round's own objects (the chief's service and arena, the
+    values it served) hold each other, so a collection comes first: until then they are only
+    unreachable."""
+    import gc
+
+    gc.collect()  # all generations: automatic collections during the call may have aged them
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _worker_id(rank: int, env: Mapping[str, str]) -> str:

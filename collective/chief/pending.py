@@ -32,6 +32,7 @@ class PendingChief:
         self._error: E.CollectiveError | None = None
         self._told: set[str] = set()
         self._since = time.monotonic()
+        self._final: pb.StatusReply | None = None  # the outcome, once retired
 
     @property
     def service(self):
@@ -46,6 +47,21 @@ class PendingChief:
         with self._cond:
             if self._service is None and self._error is None:
                 self._error = error
+            self._cond.notify_all()
+
+    def retire(self) -> None:
+        """The round is over and its caller goes on (the API): answer Status from a snapshot of
+        the outcome, any other call with the round's end, and drop the service, so its arena and
+        the model's values are freed with the caller's own references, not after the status
+        grace the server still serves in the background."""
+        with self._cond:
+            service = self._service
+            if service is None:
+                return
+            self._final = service.status()
+            self._error = service.error or E.AbortedError(
+                f"chief {service.incarnation}: the round is over (start was released)")
+            self._service = None
             self._cond.notify_all()
 
     def linger(self, timeout: float) -> None:
@@ -79,17 +95,21 @@ class PendingChief:
         return target.join(req, peer)
 
     def status(self) -> pb.StatusReply:
-        if self._service is not None:
-            return self._service.status()
+        service = self._service
+        if service is not None:
+            return service.status()
         with self._cond:
+            if self._final is not None:
+                return self._final
             error = self._error
         return pb.StatusReply(phase="failed" if error else "loading", expected=self.num_workers,
                               error=str(error or ""), waiting_for="" if error else "the model to load",
                               seconds_in_phase=time.monotonic() - self._since)
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
-        if self._service is not None:
-            self._service.lost(ref, reason)
+        service = self._service
+        if service is not None:
+            service.lost(ref, reason)
 
     # Calls that come only after a join: the round exists by then (or the chief failed). Any
     # handler method, present or added later, goes to the service.
