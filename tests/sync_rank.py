@@ -10,6 +10,7 @@ dtype, one extra variable). ``SYNC_NO_VALUES=1``: ranks other than 0 pass no val
 rank 0's values it should hold (``expected``) and the bytes it received.
 ``SYNC_SHARDS=bad``: rank 0 asks for shards of a variable its model lacks (``nope``).
 ``SYNC_STRAGGLER_LOG=s``: the API's "still waiting" warnings come after ``s`` s (default 10).
+``SYNC_JOIN_TIMEOUT=s``: the join timeout of every rank (default 30 s).
 ``SYNC_FROM_FILE=path``: rank 0 passes ``path`` (a .safetensors of its values) with
 ``from_file=True`` instead of the arrays; the others pass no values.
 """

@@ -19,6 +19,8 @@ from collective._proto import collective_pb2 as pb
 # How long a join is held while the model loads; under the client's 5 s per-try deadline, so
 # the worker gets an answer ("still loading") and tries again at once.
 HOLD = 2.0
+# The phase of the "still loading" answer: the one a joining worker takes for "ask again".
+LOADING = "loading"
 
 
 class PendingChief:
@@ -81,7 +83,7 @@ class PendingChief:
                 err = self._error
                 raise E.rebuild(E.describe(err), err.code, str(err))
             raise E.ChiefUnreachableError(
-                f"the chief is still loading the model ({time.monotonic() - self._since:.0f} s so far)", phase="join")
+                f"the chief is still loading the model ({time.monotonic() - self._since:.0f} s so far)", phase=LOADING)
 
     def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
         try:

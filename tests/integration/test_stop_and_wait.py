@@ -7,6 +7,7 @@ Real processes on loopback; heartbeats shrunk as in test_liveness so every case 
 from __future__ import annotations
 
 import signal
+import socket
 
 import pytest
 
@@ -69,3 +70,20 @@ def test_sync_ranks_waiting_for_a_missing_rank_warn_naming_it(tmp_path):
     assert "missing: 1 worker(s) for training rank(s) 2" in outputs[1], outputs[1]
     # The chief's address is a loopback one: rank 0 binds it, and nobody else can reach it.
     assert "WITHOUT a cluster token" not in outputs[0], outputs[0]
+
+
+def test_the_chief_reports_a_port_in_use_before_it_loads_the_model(tmp_path):
+    """The chief binds first: with its port taken and a model that would take long to load (or,
+    here, cannot be loaded at all), the port is what it reports, at once, exit 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        chief = Proc(["-m", "collective.chief", "--workers", "1", "--bind", f"127.0.0.1:{port}",
+                      "--model", str(tmp_path / "not-there.safetensors")], tmp_path / "chief.log")
+        try:
+            assert chief.wait(60) == 2, chief.output()
+        finally:
+            chief.kill()
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in chief.output(), chief.output()
+    assert "not-there" not in chief.output(), chief.output()

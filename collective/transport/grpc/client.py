@@ -220,7 +220,8 @@ class GrpcChiefLink(ChiefLink):
                 raised = _raised_class(exc)
                 # Not reached yet, or a chief still loading its model (it held the join a while:
                 # ask again at once); any other answer is final.
-                loading = raised is not None and raised.get("class") == "ChiefUnreachableError"
+                loading = raised is not None and (raised.get("class"), raised.get("phase")) == (
+                    "ChiefUnreachableError", "loading")  # chief/pending.py's LOADING
                 if (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                         and (raised is None or loading)):
                     last = exc.details() or exc.code().name
