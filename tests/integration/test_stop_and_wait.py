@@ -83,7 +83,8 @@ def test_the_chief_reports_a_port_in_use_before_it_loads_the_model(tmp_path):
                       "--model", str(tmp_path / "not-there.safetensors")], tmp_path / "chief.log")
         try:
             assert chief.wait(60) == 2, chief.output()
+            output = chief.output()
         finally:
             chief.kill()
-    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in chief.output(), chief.output()
-    assert "not-there" not in chief.output(), chief.output()
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in output, output
+    assert "not-there" not in output, output
