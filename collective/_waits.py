@@ -98,8 +98,11 @@ def stopped_by_signal(service, signum: int) -> None:
     except Exception:  # noqa: BLE001 - the line must come out whatever the state
         phase, waiting = "?", ""
     what = "interrupted" if signum == signal.SIGINT else "shutting down"
-    service.fail(AbortedError(f"chief {what} ({name}) while {phase}" + (f"; still waiting for {waiting}" if waiting else ""),
-                              phase=phase))
+    err = AbortedError(f"chief {what} ({name}) while {phase}" + (f"; still waiting for {waiting}" if waiting else ""),
+                       phase=phase)
+    service.fail(err)  # logs "round aborted: ..." when it is the round's first failure
+    if service.error is not err:  # the round had ended already (a scancel reaches every task at once)
+        log.error("%s (the round had already %s)", err, "failed" if service.error is not None else "started")
 
 
 # What a worker was doing in each phase of its log context, for the line a SIGTERM leaves.
