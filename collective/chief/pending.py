@@ -35,6 +35,7 @@ class PendingChief:
         self._told: set[str] = set()
         self._since = time.monotonic()
         self._final: pb.StatusReply | None = None  # the outcome, once retired
+        self._held = 0  # joins waiting for the model to load
 
     @property
     def service(self):
@@ -86,14 +87,22 @@ class PendingChief:
                 f"the chief is still loading the model ({time.monotonic() - self._since:.0f} s so far)", phase=LOADING)
 
     def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
+        # At most one held join per worker slot (and a few retries): more joins than the round
+        # has workers cannot all be honest, and each held one takes a server thread.
+        with self._cond:
+            hold = HOLD if self._held < self.num_workers + 2 else 0.0
+            self._held += 1
         try:
-            target = self._target(HOLD)
+            target = self._target(hold)
         except E.CollectiveError:
             with self._cond:
                 if self._error is not None and req.worker_id:
                     self._told.add(req.worker_id)
                     self._cond.notify_all()
             raise
+        finally:
+            with self._cond:
+                self._held -= 1
         return target.join(req, peer)
 
     def status(self) -> pb.StatusReply:

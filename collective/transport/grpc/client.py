@@ -218,8 +218,8 @@ class GrpcChiefLink(ChiefLink):
                 return self._stub.Join(req, timeout=min(left, 5.0), metadata=self._metadata)
             except grpc.RpcError as exc:
                 raised = _raised_class(exc)
-                # Not reached yet, or a chief still loading its model (it held the join a while:
-                # ask again at once); any other answer is final.
+                # Not reached yet, or a chief still loading its model (it held the join a while,
+                # or answers at once when too many wait); any other answer is final.
                 loading = raised is not None and (raised.get("class"), raised.get("phase")) == (
                     "ChiefUnreachableError", "loading")  # chief/pending.py's LOADING
                 if (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -236,8 +236,7 @@ class GrpcChiefLink(ChiefLink):
                                  self.name, self.address, tries, "y" if tries == 1 else "ies", now - started,
                                  printable(last), max(deadline - now, 0.0))
                         next_log, log_every = now + log_every, min(log_every * 2, JOIN_LOG_CAP)
-                    if not loading:
-                        time.sleep(min(JOIN_BACKOFF, max(0.0, deadline - time.monotonic())))
+                    time.sleep(min(JOIN_BACKOFF, max(0.0, deadline - time.monotonic())))
                     continue
                 raise self._error(exc, "join", timeout) from None
 
