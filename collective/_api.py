@@ -169,7 +169,7 @@ def run_chief(
     endpoint = GrpcEndpoint(bind, token=token, tls=tls)  # refuses a half-configured TLS setup here
     pending = PendingChief(num_workers)
     address = endpoint.start(pending)
-    log.info("chief listening on %s; loading the model", address)
+    log.debug("chief listening on %s; loading the model", address)  # "serving on" follows once loaded
     background = False
     previous = on_stop_signals(pending)
     try:
