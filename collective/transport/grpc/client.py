@@ -336,8 +336,9 @@ class GrpcChiefLink(ChiefLink):
                 raise E.ChiefUnreachableError(
                     f"{self.name} at {self.address} sent nothing for {stall_timeout:g} s during receive"
                 ) from None
+            # Reachable a moment ago (it sent this stream): the stream broke, which its own words say.
             raise E.ChiefUnreachableError(
-                f"{self.name} at {self.address} unreachable during receive: the data stream broke off ({exc})"
+                f"the data stream from {self.name} at {self.address} broke off during receive ({exc})"
             ) from None
         except E.CollectiveError:
             if self._interrupted is not None:
