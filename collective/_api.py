@@ -12,20 +12,24 @@ reports them to its own ``ChiefService``, which releases start only when they ag
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from collective import config
+from collective._waits import Awaited, chief_awaits, on_stop_signals, stop_on_sigterm, worker_awaits
 from collective.clusterenv import resolve_roles
 from collective.config import Timeouts, parse_address
-from collective.errors import CollectiveError, ModelError, UsageError
+from collective.errors import AbortedError, CollectiveError, ModelError, UsageError
 from collective.model import ModelSource, VariableSpec
 from collective.replicas import SyncResult
 from collective.variables import VariableStore
@@ -125,7 +129,7 @@ def _cli_settings(role: str, env: Mapping[str, str], given: Mapping[str, Any] | 
 
 
 def run_chief(
-    source: ModelSource,
+    source: ModelSource | Callable[[], ModelSource],
     num_workers: int,
     *,
     bind: str,
@@ -142,73 +146,103 @@ def run_chief(
     max_model_bytes: int | None = None,
     shards=None,
     from_file: bool = False,
+    api: bool = False,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
     """One round as ``python -m collective.chief`` runs it: the chief's round (``run_round``)
     driven over gRPC, with a thread pool sized from the worker count, the join and ready
     deadlines supervised. ``devices``: the chief trains too and holds replicas there. SIGTERM /
     SIGINT fail the round (handlers installed only on the main thread, restored after). Returns
-    (service, (store, digest) or None); raises the round's error."""
+    (service, (store, digest) or None); raises the round's error.
+
+    The port is bound first: ``source`` may be a callable making the model source, called once
+    the server listens, so a port in use is reported before a long load, and whatever fails
+    before the round exists (the model, the values, ``shards``) is the answer every worker's join
+    gets (``chief/pending.py``); with ``spmd`` the chief keeps answering until every rank heard
+    it (up to ``PRE_SERVING_LINGER`` s). ``api``: return at once and let the server answer
+    ``collective status`` for ``timeouts.status_grace`` in the background (the API: the caller
+    trains meanwhile), and log a WARNING naming whom the round waits for while it waits (``_waits.Awaited``)."""
+    from collective.chief.pending import PendingChief
     from collective.chief.round import run_round
-    from collective.transport.grpc import server_credentials
-
-    parse_address(bind, what="bind address")
-    if tls is not None and tls.enabled:
-        server_credentials(tls)  # refuse a half-configured TLS setup before loading a big model
-    return run_round(
-        source, num_workers, _grpc_drive(bind, token, tls, on_listening), devices=devices,
-        replica_timeout=timeouts.join + timeouts.rpc, result_file=result_file,
-        timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology, spmd=spmd,
-        max_model_bytes=max_model_bytes, shards=shards, from_file=from_file,
-    )
-
-
-def _grpc_drive(bind: str, token: str | None, tls, on_listening):
-    """The gRPC drive of a chief round: serve the service on ``bind`` until ``supervise()``
-    returns (start released) or raises (the round failed), the chief's own replicas made beside
-    it."""
-    from collective.errors import AbortedError
     from collective.transport.grpc import GrpcEndpoint
 
-    def drive(service, local) -> None:
-        endpoint = GrpcEndpoint(bind, token=token, tls=tls)  # its pool is sized from the service
-        previous: dict[int, Any] = {}
-        try:
-            address = endpoint.start(service)
-            log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address,
-                     service.num_workers)
-            if on_listening is not None:
-                on_listening(address, endpoint.port)
-            if threading.current_thread() is threading.main_thread():
-                def on_signal(signum, frame) -> None:
-                    # Outside the handler: fail() takes the service lock, which this thread may
-                    # hold. Ctrl-C is a shutdown like SIGTERM: the round fails at once and every
-                    # worker is told by the chief, rather than a KeyboardInterrupt tearing the
-                    # server down.
-                    what = "interrupted" if signum == signal.SIGINT else "shutting down"
-                    reason = AbortedError(f"chief {what} ({signal.Signals(signum).name})")
-                    if signum == signal.SIGINT:
-                        reason.exit_code = 130  # as every command exits on Ctrl-C
-                    threading.Thread(target=service.fail, args=(reason,), daemon=True).start()
-
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    previous[sig] = signal.signal(sig, on_signal)
-            beside = None
-            if local is not None:
-                def hold() -> None:
-                    try:
-                        local()
-                    except CollectiveError:
-                        pass  # the round failed with it; supervise() raises it
-
-                beside = threading.Thread(target=hold, name="chief-replicas", daemon=True)
-                beside.start()
-            service.supervise()
-            if beside is not None:
-                beside.join(service.timeouts.rpc)  # start was released, so its report is in
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    parse_address(bind, what="bind address")
+    endpoint = GrpcEndpoint(bind, token=token, tls=tls)  # refuses a half-configured TLS setup here
+    pending = PendingChief(num_workers)
+    address = endpoint.start(pending)
+    log.debug("chief listening on %s; loading the model", address)  # "serving on" follows once loaded
+    background = False
+    previous = on_stop_signals(pending)
+    try:
+        if on_listening is not None:
+            on_listening(address, endpoint.port)
+        grace = timeouts.status_grace
+        if api:
+            timeouts = dataclasses.replace(timeouts, status_grace=0.0)
+        with (Awaited("collective.sync rank 0 (the chief)" if spmd else "the chief", chief_awaits(pending),
+                      timeouts.straggler_log) if api else contextlib.nullcontext()):
+            if callable(source) and not hasattr(source, "specs"):
+                source = source()
+            out = run_round(
+                source, num_workers, _grpc_drive(pending, address), devices=devices,
+                replica_timeout=timeouts.join + timeouts.rpc, result_file=result_file,
+                timeouts=timeouts, chunk_bytes=chunk_bytes, shm=shm, topology=topology, spmd=spmd,
+                max_model_bytes=max_model_bytes, shards=shards, from_file=from_file,
+            )
+        if api:
+            pending.retire()  # the caller holds the result; the service's memory goes now
+            threading.Thread(target=_stop_later, args=(endpoint, grace), name="chief-linger", daemon=True).start()
+            background = True
+        return out
+    except BaseException as exc:
+        if pending.service is None:  # failed before the round existed: every worker hears why
+            pending.refuse(exc if isinstance(exc, CollectiveError) else
+                           AbortedError(f"the chief failed before serving: {type(exc).__name__}: {exc}"))
+            if spmd:
+                # The other ranks may still be starting (importing a framework takes seconds):
+                # wait for each to hear it, longer than after a round's failure.
+                wait = min(timeouts.join, max(timeouts.linger, PRE_SERVING_LINGER))
+                log.warning("failed before serving: %s; telling the other ranks (waiting up to %.0f s for them)",
+                            exc, wait)
+                pending.linger(wait)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if not background:
             endpoint.stop(grace=1.0)
+
+
+# How long a chief that failed before serving waits for every SPMD rank to hear why.
+PRE_SERVING_LINGER = 30.0
+
+
+def _stop_later(endpoint, grace: float) -> None:
+    time.sleep(grace)  # `collective status --watch` sees the outcome; the caller does not wait for it
+    endpoint.stop(grace=1.0)
+
+
+def _grpc_drive(pending, address: str):
+    """The gRPC drive of a chief round: serve the service (through ``pending``, already
+    listening) until ``supervise()`` returns (start released) or raises (the round failed), the
+    chief's own replicas made beside it."""
+
+    def drive(service, local) -> None:
+        pending.serve(service)
+        log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address,
+                 service.num_workers)
+        beside = None
+        if local is not None:
+            def hold() -> None:
+                try:
+                    local()
+                except CollectiveError:
+                    pass  # the round failed with it; supervise() raises it
+
+            beside = threading.Thread(target=hold, name="chief-replicas", daemon=True)
+            beside.start()
+        service.supervise()
+        if beside is not None:
+            beside.join(service.timeouts.rpc)  # start was released, so its report is in
 
     return drive
 
@@ -273,9 +307,18 @@ def serve(
         trains = devices is not None or bool(cluster and cluster.chief_trains)
     with config.reading(env):
         devices = parse_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
-    source = as_source(values if values is not None else args.model, seed=args.seed)
+    request = shards if shards is not None else args.shards
+
+    def load() -> ModelSource:  # called once the port is bound: what it raises reaches every worker
+        source = as_source(values if values is not None else args.model, seed=args.seed)
+        if request is not None:
+            from collective.shards import normalize
+
+            normalize(request, [s.name for s in source.specs()], workers + (1 if trains else 0))
+        return source
+
     service, held = run_chief(
-        source, workers,
+        load, workers,
         bind=bind or args.bind,
         token=token if token is not None else args.token,
         tls=tls if tls is not None else tls_from_args(args),
@@ -286,8 +329,9 @@ def serve(
         devices=devices if trains else None,
         spmd=spmd,
         on_listening=on_listening,
-        shards=shards if shards is not None else args.shards,
+        shards=request,
         from_file=args.from_file if from_file is None else from_file,
+        api=True,
     )
     store, digest = held if held else (VariableStore(), "")
     store.start()
@@ -314,6 +358,7 @@ def join(
     expected: Sequence[VariableSpec] | None = None,
     shm: bool | None = None,
     relay_host: str | None = "auto",
+    who: str | None = None,
 ):
     """Join the chief as a worker in this process, as ``python -m collective.worker`` does. Blocks until
     start is released and returns the ``WorkerResult`` (``variables``: the verified replicas,
@@ -325,7 +370,10 @@ def join(
     variables this process builds itself; the chief refuses the join before any byte moves if
     its model differs, listing every difference. ``relay_host``: where this worker's relay
     listens; "auto" is the interface that reaches the chief; None: never relay to other
-    workers (star topology for this worker). Raises a ``CollectiveError`` naming the phase and
+    workers (star topology for this worker). ``who``: this process in the WARNING it logs
+    after ``Timeouts.straggler_log`` s of waiting, then every 3 times that, naming whom the
+    round still waits for (default ``worker <id>``). On the main thread SIGTERM ends the call
+    with ``AbortedError`` "... stopped by SIGTERM while <phase>" (exit status 143). Raises a ``CollectiveError`` naming the phase and
     the culprit; every wait has a deadline.
     """
     from collective.config import timeouts_from_args, tls_from_args
@@ -356,6 +404,7 @@ def join(
         # A parent relay is verified as the plan says (its worker id, or its own certificate).
         return GrpcChiefLink(parent.relay_address, token=token, tls=relay_client_tls(tls, parent), name=name)
 
+    previous: dict[int, Any] = {}
     try:
         # Inside the try: a Ctrl-C right after the relay server started still stops it here,
         # not in grpc's finaliser racing its serving thread (a ValueError traceback at exit).
@@ -365,8 +414,13 @@ def join(
             preferred_rank=rank if rank is not None else args.rank, timeouts=t, expected=expected,
             shm=args.shm if shm is None else shm, relay=relay, connect=connect,
         )
-        return agent.run()
+        previous = stop_on_sigterm(f"worker {agent.worker_id}", agent.worker_id)
+        with Awaited(who or f"worker {agent.worker_id}", worker_awaits(link, f"the chief at {chief}", t.rpc),
+                      t.straggler_log):
+            return agent.run()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         link.close()
         if relay is not None:
             relay.stop()
@@ -451,9 +505,12 @@ def sync(
     env = dict(os.environ)
     with config.reading(env):
         devices = parse_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
-    source = as_source(values) if values is not None else None
     log.info("sync: rank %d of %d (%s), devices %s", roles.rank, roles.world_size, roles.source, ",".join(devices))
-    if shards is not None and roles.rank == 0:
+    # Rank 0 of a gRPC round checks its values and shards after binding its port (``serve``),
+    # so what is wrong with them reaches every rank, not only this one.
+    chief_over_grpc = roles.rank == 0 and roles.world_size > 1 and not roles.mpi
+    source = as_source(values) if values is not None and not chief_over_grpc else None
+    if shards is not None and roles.rank == 0 and not chief_over_grpc:
         from collective.shards import normalize
 
         normalize(shards, [s.name for s in source.specs()], roles.world_size)  # a bad request fails before any work
@@ -470,15 +527,16 @@ def sync(
         return sync_over_mpi(source, devices, roles, timeouts, shards=shards, from_file=from_file)
     if roles.rank == 0:
         host, port = parse_address(roles.chief, what="the chief's address")
-        bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or (f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}")
+        bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or _bind_for(host, port)
         result = serve(
-            source, workers=roles.world_size - 1, bind=bind, devices=devices, trains=True, token=token, tls=tls,
+            values, workers=roles.world_size - 1, bind=bind, devices=devices, trains=True, token=token, tls=tls,
             timeouts=timeouts, shm=shm, spmd=True, shards=shards, from_file=from_file,
         )
         return result
     worker = join(
         roles.chief, devices=devices, rank=roles.rank - 1, worker_id=_worker_id(roles.rank, env), token=token,
         tls=tls, timeouts=timeouts, expected=source.specs() if source is not None else None, shm=shm,
+        who=f"collective.sync rank {roles.rank}",
     )
     if worker.rank != roles.rank - 1:
         log.warning("rank %d was given worker rank %d by the chief (another process claimed %d)",
@@ -488,6 +546,34 @@ def sync(
     return SyncResult(worker.rank + 1, roles.world_size, list(worker.devices), worker.variables, worker.worker_digest,
                       shards=placements(worker.plan), bytes_received=worker.bytes_received,
                       plan_bytes=worker.plan.ByteSize())
+
+
+def _bind_for(host: str, port: int) -> str:
+    """Where rank 0 listens by default: the chief's own address when it is a loopback one (the
+    other ranks are on this host; nobody else can reach it), else every interface."""
+    from collective.transport.grpc.server import is_loopback
+
+    if is_loopback(host):
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"[::]:{port}" if ":" in host else f"0.0.0.0:{port}"
+
+
+def release_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``), after a hand-off
+    has freed the values a framework's tensors held before: freed blocks below glibc's mmap
+    threshold (a few MiB each, as most tensors are) otherwise stay in this process's RSS. A
+    no-op where there is no glibc. The round's own objects (the chief's service and arena, the
+    values it served) hold each other, so a collection comes first: until then they are only
+    unreachable."""
+    import gc
+
+    gc.collect()  # all generations: automatic collections during the call may have aged them
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _worker_id(rank: int, env: Mapping[str, str]) -> str:

@@ -98,10 +98,31 @@ def _on_interrupt(signum, frame) -> None:
     os._exit(130)
 
 
+_WATCHDOG = None  # this rank's PhaseWatchdog once it exists: the phase a SIGTERM names
+
+
+def _on_terminate(signum, frame) -> None:
+    """SIGTERM (scancel, a preempting scheduler, mpiexec passing on its own) reaches every rank:
+    each says in one line that it was stopped and in which phase, then exits 143 (128 + 15) at
+    once, from the handler, like Ctrl-C."""
+    from collective.clusterenv import mpi_rank
+
+    rank = mpi_rank(os.environ)
+    phase = _WATCHDOG.current if _WATCHDOG is not None else None
+    where = f" during {phase}" if phase else ""
+    who = "chief" if rank in (None, 0) else "worker"
+    line = f"rank {rank if rank is not None else 0} ({who} on {socket.gethostname()}) stopped by SIGTERM{where}\n"
+    os.write(2, line.encode())  # one write: mpiexec interleaves the ranks' output at write boundaries
+    time.sleep(0.2)  # as for Ctrl-C: the line gets out before mpiexec tears the job down
+    os._exit(128 + signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _WATCHDOG
     from collective.entry import early_sigint
 
     signal.signal(signal.SIGINT, _on_interrupt)
+    signal.signal(signal.SIGTERM, _on_terminate)
     if early_sigint():  # a Ctrl-C while the modules loaded (collective/__init__.py held it)
         _on_interrupt(signal.SIGINT, None)
     try:
@@ -119,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if comm.size < 2:
         log.error("collective.mpi needs at least 2 ranks (rank 0 is the chief): run mpiexec -n N+1 with N >= 1 workers")
         return 2
-    watchdog = PhaseWatchdog(comm)
+    watchdog = _WATCHDOG = PhaseWatchdog(comm)
     if rank == 0 and args.result_file:
         Path(args.result_file).unlink(missing_ok=True)  # a previous run's must not pass for this one's
     try:

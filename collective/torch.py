@@ -42,6 +42,7 @@ tensors (buffers) and ``Replicate`` DTensors get the whole value. Over gRPC, or 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +51,7 @@ import torch
 
 import collective
 from collective import dtypes
+from collective._api import release_freed_memory
 from collective.digest import array_digest
 from collective.errors import IntegrityError, UsageError
 
@@ -183,7 +185,9 @@ def sync_module(module: torch.nn.Module, *, devices: Any = None, mesh: Any = Non
         raise UsageError("values= is for sharded modules (DTensors, or mesh=); a plain module serves its own state")
     values = state_arrays(module)
     result = collective.sync(values, devices=devices if devices is not None else module_device(module), **sync_kwargs)
+    del values  # the module's old storage goes once its tensors take the replicas
     load_arrays(module, result.arrays(0))
+    release_freed_memory()
     return result
 
 
@@ -197,11 +201,10 @@ def check_module(module: torch.nn.Module, **check_kwargs: Any) -> str:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without torch.distributed
-        return False
-    return isinstance(t, DTensor)
+    # Not imported here: importing torch.distributed.tensor pulls in sympy and mpmath (about
+    # 40 MiB that would stay in every process), and no DTensor exists before its module is.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _placements(module: torch.nn.Module, mesh: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], list, Any, Any]:
@@ -298,4 +301,6 @@ def _sync_sharded(module: torch.nn.Module, mesh: Any, values: Any, devices: Any,
             raise UsageError(f"{name}: this rank's local shard is {tuple(t.shape)}, its rows of rank 0's value "
                              f"{arrays[name].shape} (torch.chunk's rule over the shards)")
     _write(local, arrays, zero_copy=False)  # into each DTensor's own local tensor, read back and checked
+    del source, values, arrays
+    release_freed_memory()
     return result

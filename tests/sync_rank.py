@@ -8,6 +8,9 @@ dtype, one extra variable). ``SYNC_NO_VALUES=1``: ranks other than 0 pass no val
 ``SYNC_OUT=dir``: write the line to ``dir/rank<r>.json`` too (ranks under mpiexec share stdout).
 ``SYNC_SHARDS=dim0``: rank 0 asks for shards; each rank also prints the digests of the rows of
 rank 0's values it should hold (``expected``) and the bytes it received.
+``SYNC_SHARDS=bad``: rank 0 asks for shards of a variable its model lacks (``nope``).
+``SYNC_STRAGGLER_LOG=s``: the API's "still waiting" warnings come after ``s`` s (default 10).
+``SYNC_JOIN_TIMEOUT=s``: the join timeout of every rank (default 30 s).
 ``SYNC_FROM_FILE=path``: rank 0 passes ``path`` (a .safetensors of its values) with
 ``from_file=True`` instead of the arrays; the others pass no values.
 """
@@ -62,15 +65,19 @@ def main() -> int:
         given = path if rank == 0 else None
     if str(rank) == os.environ.get("SYNC_LATE_RANK"):
         time.sleep(1.0)
-    t = collective.Timeouts(join=30, rpc=10, stall=10, ready=30, start=30, linger=2, heartbeat=1, lease=10)
+    t = collective.Timeouts(join=float(os.environ.get("SYNC_JOIN_TIMEOUT", 30)), rpc=10, stall=10, ready=30, start=30,
+                            linger=2, heartbeat=1, lease=10,
+                            straggler_log=float(os.environ.get("SYNC_STRAGGLER_LOG", 10)))
     shards = os.environ.get("SYNC_SHARDS") or None
+    if shards == "bad":
+        shards = {"nope": "dim0", "*": "all"}
     try:
         result = collective.sync(given, devices="cpu:0,cpu:1", timeouts=t, shards=shards if rank == 0 else None,
                                  from_file=bool(path) if rank == 0 else None)
     except collective.CollectiveError as exc:
         report(rank, {"rank": rank, "error": type(exc).__name__, "message": str(exc), "culprit": exc.culprit,
                       "phase": exc.phase})
-        return 1
+        return exc.exit_code
     line = {
         "rank": result.rank, "world_size": result.world_size, "devices": result.devices,
         "inputs": digests(values), "held": [digests(result.arrays(i)) for i in range(len(result.devices))],

@@ -41,7 +41,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.port_file and os.path.exists(args.port_file) and not os.path.isfile(args.port_file):
         # It is replaced by a regular file: /dev/full would be gone, a FIFO's reader never told.
         raise UsageError(f"--port-file {args.port_file}: is not a regular file; name a file the chief may replace")
-    source = load_source_reporting(args.model, seed=args.seed, result_file=args.result_file, transport="grpc")
 
     def on_listening(address: str, port: int) -> None:
         if args.port_file:
@@ -55,7 +54,10 @@ def _run(args: argparse.Namespace) -> int:
                 raise UsageError(f"--port-file {args.port_file}: cannot write it: {exc.strerror or exc}") from exc
 
     run_chief(
-        source, args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
+        # Loaded once the port is bound: a port in use is reported first, and a model that cannot
+        # be loaded is the answer every worker's join gets.
+        lambda: load_source_reporting(args.model, seed=args.seed, result_file=args.result_file, transport="grpc"),
+        args.workers, bind=args.bind, token=args.token, tls=tls, timeouts=timeouts_from_args(args),
         shm=args.shm, topology=args.topology, chunk_bytes=args.chunk_bytes, on_listening=on_listening,
         result_file=args.result_file, max_model_bytes=args.max_model_bytes, shards=args.shards,
         from_file=args.from_file,

@@ -31,18 +31,17 @@ class Supervisor:
         self._svc = svc
         self._last_log = svc._started_at
         self._tick: tuple[float, float, int] | None = None  # run()'s last turn: clock, CPU, members
-        self._awaiting: set[str] = set()  # incarnations whose cut calls wait for a cause (await_cause)
+        # incarnation -> (ref, reason) of a member whose cut calls wait for its cause (await_cause)
+        self._awaiting: dict[str, tuple[pb.WorkerRef, str]] = {}
 
     def waiting_for(self) -> str:
         """Whom the round waits for: free ranks while joining, then each member not yet ready."""
         svc = self._svc
         if svc._phase is Phase.JOINING:
-            missing = svc.num_workers - len(svc._members)
-            taken = {m.rank for m in svc._members.values()}
-            ranks = [str(r) for r in range(svc.num_workers) if r not in taken]
+            missing, ranks = self._missing()
             if not missing:
                 return "the model's files to be read and hashed"
-            return f"{missing} more worker(s) to join (free ranks {','.join(ranks)})"
+            return f"{missing} more worker(s) to join (free {ranks.replace('rank(s)', 'ranks')})"
         total = svc.arena.nbytes / 2**20
         late = [
             m.name() + (f" [receiving {m.received() / 2**20:.1f}/{total:.1f} MiB]" if m.phase == "receiving" else f" [{m.phase}]")
@@ -55,9 +54,21 @@ class Supervisor:
             late.insert(0, "the model's files to be read and hashed (the chief)")
         return ", ".join(late) or "nobody"
 
+    def _missing(self) -> tuple[int, str]:
+        """How many workers have not joined, and their free ranks as the user knows them: in
+        SPMD (``collective.sync``) the training ranks, worker rank + 1 (rank 0 is the chief)."""
+        svc = self._svc
+        taken = {m.rank for m in svc._members.values()}
+        free = [r for r in range(svc.num_workers) if r not in taken]
+        if svc.spmd:
+            return svc.num_workers - len(svc._members), "training rank(s) " + ",".join(str(r + 1) for r in free)
+        return svc.num_workers - len(svc._members), "rank(s) " + ",".join(map(str, free))
+
     def joined_summary(self) -> str:
         svc = self._svc
-        names = ", ".join(f"{m.worker_id} rank {m.rank}" for m in sorted(svc._members.values(), key=lambda m: m.rank))
+        rank = "training rank {}" if svc.spmd else "rank {}"  # SPMD: rank 0 is the chief
+        names = ", ".join(f"{m.worker_id} " + rank.format(m.rank + svc.spmd)
+                          for m in sorted(svc._members.values(), key=lambda m: m.rank))
         return f"{len(svc._members)}/{svc.num_workers} workers joined ({names or 'none'})"
 
     def check_leases(self) -> None:
@@ -80,15 +91,22 @@ class Supervisor:
         svc = self._svc
         if m.incarnation in self._awaiting:  # one wait per member, however many of its calls are cut
             return
-        self._awaiting.add(m.incarnation)
+        self._awaiting[m.incarnation] = (ref, reason)
 
         def wait() -> None:
             with svc._cond:
                 svc._wait(lambda: m.told or svc._phase is not Phase.BROADCASTING, CAUSE_GRACE)
-                self._awaiting.discard(m.incarnation)
-                svc.lost(ref, reason, after_grace=True)
+                self.cut_now(m)
 
         threading.Thread(target=wait, name="await-cause", daemon=True).start()
+
+    def cut_now(self, m) -> None:
+        """Declare ``m`` lost now if its calls were cut and it is still given the time to say why
+        (``await_cause``): a restart of it joining is news enough that the old process is gone.
+        Only the holder's own calls (its secret) start that wait, so no one else can end it."""
+        held = self._awaiting.pop(m.incarnation, None)
+        if held is not None:
+            self._svc.lost(*held, after_grace=True)
 
     def stopped(self) -> bool:
         """Fail the round naming the chief if this loop did not run for about a lease while
@@ -140,10 +158,8 @@ class Supervisor:
             while svc._phase is Phase.JOINING and not self.stopped():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    taken = {m.rank for m in svc._members.values()}
-                    missing = svc.num_workers - len(svc._members)
-                    ranks = ",".join(str(r) for r in range(svc.num_workers) if r not in taken)
-                    why = (f"missing: {missing} worker(s) for rank(s) {ranks}" if missing
+                    missing, ranks = self._missing()
+                    why = (f"missing: {missing} worker(s) for {ranks}" if missing
                            else "the model's files were still being read and hashed")
                     err = JoinTimeoutError(
                         f"{self.joined_summary()}; {why} after the {t.join:g} s join timeout", phase="join"

@@ -179,6 +179,12 @@ class PhaseWatchdog:
         with self._lock:
             self._phase = (name, timeout, time.monotonic() + timeout)
 
+    @property
+    def current(self) -> str | None:
+        """The phase this rank is in, for the line a signal leaves."""
+        phase = self._phase
+        return phase[0] if phase else None
+
     def step(self, name: str, timeout: float) -> None:
         """A phase that begins at one of the round's collective steps (STEPS), reached now."""
         self.phase(name, timeout)

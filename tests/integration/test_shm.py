@@ -102,7 +102,8 @@ def test_the_arena_is_a_memfd_gone_from_a_worker_once_it_drops_its_variables(tmp
         "sys.stdin.readline()\n"
     )
     chief = cluster.chief("--workers", "1", "--join-timeout", "30")
-    assert any(m.startswith("/memfd:collective-arena") for m in _memfds(chief.pid)), _memfds(chief.pid)
+    # The port file comes once the chief listens, before its model (and arena) is loaded.
+    wait_until(lambda: any(m.startswith("/memfd:collective-arena") for m in _memfds(chief.pid)), "the chief's memfd")
     holder = subprocess.Popen([sys.executable, str(script), cluster.address, "w0"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:

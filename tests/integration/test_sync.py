@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -158,6 +159,19 @@ def test_a_declared_variable_mismatch_on_rank_2_fails_every_rank_naming_it(tmp_p
         assert (r["culprit"] or "").startswith("rank-2@") and r["phase"] == "join", (r["culprit"], r["phase"], r["log"])
 
 
+def test_a_bad_shards_request_on_rank_0_reaches_every_rank_at_once(tmp_path):
+    """Rank 0 asks for shards of a variable its model lacks. It binds its port before checking,
+    so every other rank's join is answered with rank 0's own error (exit 2, naming 'nope'),
+    well within the 60 s join timeout (before: rank 0 exited and the others waited it out, then
+    blamed an unreachable chief)."""
+    started = time.monotonic()
+    results = run_ranks(tmp_path, collective_env, {"SYNC_SHARDS": "bad", "SYNC_JOIN_TIMEOUT": "60"})
+    for r in results:
+        assert r["exit"] == 2 and r["error"] == "UsageError", r["log"]
+        assert "not variables of the model: 'nope'" in r["message"], r["log"]
+    assert time.monotonic() - started < 40, [r["log"] for r in results]
+
+
 # --- under a real mpiexec ------------------------------------------------------------------
 
 
@@ -279,7 +293,6 @@ except collective.AbortedError as exc:
 
 def test_serve_on_the_main_thread_turns_sigint_into_an_aborted_round(tmp_path):
     import signal
-    import time
 
     script = tmp_path / "serve.py"
     script.write_text(SERVE_ON_MAIN)

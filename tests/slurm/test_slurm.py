@@ -82,10 +82,42 @@ def test_preempted_worker_ends_round_naming_its_rank(slurm, tmp_path):
     errors = [line for line in text.splitlines() if "error rank=" in line]
     # The chief names the preempted task by its worker id, rank-<SLURM_PROCID>@<node>.
     assert any(line.startswith("0:") and f"rank-2@{slurm.host}" in line for line in errors), text
-    assert len(errors) == 3, text  # ranks 0, 1, 3 each ended with an error; rank 2 was terminated
+    # Rank 2 itself says, in one line, that SIGTERM stopped it and in which phase (joining,
+    # receiving...: where its own round was when the signal came).
+    assert any(line.startswith("2:") and f"worker rank-2@{slurm.host} stopped by SIGTERM while " in line
+               for line in errors), text
+    assert len(errors) == 4, text  # every rank ended with an error line
     # Every task ended by itself: none was SIGKILLed at the end of KillWait.
     assert "SIGKILL" not in text and "Killed" not in text, text
     assert "CANCELLED" not in text, text
+
+
+@pytest.mark.timeout(400)
+def test_scancel_mid_round_every_task_says_it_was_stopped(slurm, tmp_path):
+    """``scancel JOBID``, as users stop a job: SIGTERM to every task of the step. Each says in one
+    line that SIGTERM stopped it and in which phase (the chief: whom it still waited for), before
+    KillWait's SIGKILL; the job fails with srun's exit status (``exec srun`` in the script)."""
+    out = tmp_path / "job.out"
+    env = {**FAST, "COLLECTIVE_CHUNK_BYTES": "4096", "COLLECTIVE_HEARTBEAT_INTERVAL": "0.5"}
+    job = slurm.sbatch("examples/slurm/job.sbatch", "--width", "2048", "--depth", "8", output=out, env=env)
+    slurm.wait_state(job, {"RUNNING"}, 120)
+    _wait_pids(slurm, f"{job}.0", 4, 120)
+    deadline = time.monotonic() + 120
+    while "receive" not in out.read_text(errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    slurm.run("scancel", job)
+    state = slurm.wait_finished(job, 180)
+    text = out.read_text(errors="replace")
+    assert state in ("FAILED", "CANCELLED"), (state, text)
+    assert slurm.job(job).get("ExitCode", "0:0") != "0:0", (slurm.job(job), text)
+    assert "result rank=" not in text, text
+    errors = [line for line in text.splitlines() if "error rank=" in line]
+    # The chief's own line (its log), whichever came first: the signal, or a worker that went.
+    assert any(line.startswith("0:") and "chief shutting down (SIGTERM) while " in line
+               for line in text.splitlines()), text
+    for rank in (1, 2, 3):
+        assert any(line.startswith(f"{rank}:") and "SIGTERM" in line for line in errors), (rank, text)
+    assert "Killed" not in text, text
 
 
 @pytest.mark.timeout(400)

@@ -19,11 +19,10 @@ CUT = "its presence call was cut off (process gone or connection lost)"
 
 def _broadcasting(workers: int = 2):
     service = chief_service(workers=workers)
-    for i in range(workers):
-        service.join(pb.JoinRequest(worker_id=f"w{i}", incarnation=f"inc{i}", devices=["cpu:0"], host="h",
-                                    preferred_rank=i), PEER)
+    secrets = [service.join(pb.JoinRequest(worker_id=f"w{i}", incarnation=f"inc{i}", devices=["cpu:0"], host="h",
+                                           preferred_rank=i), PEER).secret for i in range(workers)]
     assert service.phase is Phase.BROADCASTING
-    return service, pb.WorkerRef(worker_id="w0", incarnation="inc0")
+    return service, pb.WorkerRef(worker_id="w0", incarnation="inc0", secret=secrets[0])
 
 
 def _report(service, ref) -> None:

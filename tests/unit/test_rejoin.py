@@ -15,6 +15,7 @@ import pytest
 from collective._proto import collective_pb2 as pb
 from collective.chief.rejoin import nearest_live
 from collective.chief.service import Phase
+from collective.chief.supervise import CAUSE_GRACE
 from collective.errors import AbortedError, AlreadyExistsError, PreconditionError
 from collective.transport.inmemory import InMemoryEndpoint, InMemoryLink
 from collective.worker.agent import WorkerAgent
@@ -213,6 +214,8 @@ def test_without_a_rejoin_window_a_lost_worker_fails_the_round_and_its_restart_h
     service = chief_service(ARRAYS, 2, timeouts=dataclasses.replace(T, rejoin=0.0))
     refs = _joined(service, 2)
     service.lost(refs[0], "its presence call was cut off")
+    with service._cond:  # after the grace in which its own report of a cause could still come
+        service._cond.wait_for(lambda: service.phase is Phase.FAILED, timeout=CAUSE_GRACE + 10)
     assert service.phase is Phase.FAILED
     with pytest.raises(AbortedError, match=r"worker w0 \(rank 0.*was lost during the broadcast"):
         service.join(pb.JoinRequest(worker_id="w0", incarnation="new", devices=["cpu:0"], host="h"), PEER)

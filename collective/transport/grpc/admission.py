@@ -6,7 +6,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -201,9 +201,11 @@ class _Admission(grpc.ServerInterceptor):
     """
 
     def __init__(self, token: str | None, refusals: RefusalLog, body: _BodyWatch,
-                 fields: dict[str, int] | None = None) -> None:
+                 fields: dict[str, Callable[[], int]] | None = None) -> None:
         self._token = token.encode() if token else None
-        self._fields = fields or {}  # method -> the most top-level fields its request may have
+        # method -> the most top-level fields its request may have, asked per call: a chief that
+        # bound its port first learns its model's size later
+        self._fields = fields or {}
         self._large = threading.Lock()
         self._refusals = refusals
         self._body = body
@@ -238,7 +240,7 @@ class _Admission(grpc.ServerInterceptor):
         if len(raw) <= LARGE_REQUEST:
             return decode(raw)
         with self._large:
-            limit = self._fields.get(method)
+            limit = self._fields[method]() if method in self._fields else None
             if limit is not None and top_level_fields(raw, limit) > limit:
                 raise ProtocolError(f"{method} refused: the request has more than {limit} top-level fields "
                                     f"(entries of its repeated fields count one each); the limit is {limit}")

@@ -57,10 +57,17 @@ class _NoDataPort(Exception):
     """The sender's raw TCP data port cannot be reached: FetchRaw over gRPC instead."""
 
 
-# Join retries back off exponentially to JOIN_BACKOFF_CAP s between tries; their log lines come
-# after the first failure and then at doubling intervals up to JOIN_LOG_CAP s, each a summary.
-JOIN_BACKOFF_CAP = 2.0
+# Join retries every JOIN_BACKOFF s while the chief is not up yet (connection refused), so a
+# worker joins within about that of the chief listening: gRPC's own reconnect backoff is kept
+# as short (RECONNECT_OPTIONS), else it would add seconds on top. Their log lines come after the
+# first failure and then at doubling intervals up to JOIN_LOG_CAP s, each a summary.
+JOIN_BACKOFF = 0.1
 JOIN_LOG_FIRST, JOIN_LOG_CAP = 2.0, 30.0
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
 
 
 class GrpcChiefLink(ChiefLink):
@@ -88,7 +95,8 @@ class GrpcChiefLink(ChiefLink):
 
     def _open(self, purpose: str) -> grpc.Channel:
         # A local subchannel pool keeps the two channels from sharing one connection.
-        options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1), ("collective.purpose", purpose)]
+        options = [*CLIENT_OPTIONS, *RECONNECT_OPTIONS, ("grpc.use_local_subchannel_pool", 1),
+                   ("collective.purpose", purpose)]
         if self.tls is None:
             return grpc.insecure_channel(self.address, options=options)
         if self.tls.server_name:
@@ -196,7 +204,7 @@ class GrpcChiefLink(ChiefLink):
         started = time.monotonic()
         deadline = started + timeout
         last = "no answer"
-        backoff, refusals, tries = 0.1, 0, 0
+        refusals, tries = 0, 0
         next_log, log_every = started, JOIN_LOG_FIRST
         while True:
             left = deadline - time.monotonic()
@@ -209,8 +217,13 @@ class GrpcChiefLink(ChiefLink):
                 # Fail fast (no wait_for_ready) so a refused handshake shows its real reason.
                 return self._stub.Join(req, timeout=min(left, 5.0), metadata=self._metadata)
             except grpc.RpcError as exc:
+                raised = _raised_class(exc)
+                # Not reached yet, or a chief still loading its model (it held the join a while,
+                # or answers at once when too many wait); any other answer is final.
+                loading = raised is not None and (raised.get("class"), raised.get("phase")) == (
+                    "ChiefUnreachableError", "loading")  # chief/pending.py's LOADING
                 if (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                        and _raised_class(exc) is None):  # not reached yet; an answer is final
+                        and (raised is None or loading)):
                     last = exc.details() or exc.code().name
                     hint = self._tls_hint(last)
                     refusals = refusals + 1 if hint else 0
@@ -223,8 +236,7 @@ class GrpcChiefLink(ChiefLink):
                                  self.name, self.address, tries, "y" if tries == 1 else "ies", now - started,
                                  printable(last), max(deadline - now, 0.0))
                         next_log, log_every = now + log_every, min(log_every * 2, JOIN_LOG_CAP)
-                    time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-                    backoff = min(JOIN_BACKOFF_CAP, backoff * 2)
+                    time.sleep(min(JOIN_BACKOFF, max(0.0, deadline - time.monotonic())))
                     continue
                 raise self._error(exc, "join", timeout) from None
 
@@ -324,8 +336,9 @@ class GrpcChiefLink(ChiefLink):
                 raise E.ChiefUnreachableError(
                     f"{self.name} at {self.address} sent nothing for {stall_timeout:g} s during receive"
                 ) from None
+            # Reachable a moment ago (it sent this stream): the stream broke, which its own words say.
             raise E.ChiefUnreachableError(
-                f"{self.name} at {self.address} unreachable during receive: the data stream broke off ({exc})"
+                f"the data stream from {self.name} at {self.address} broke off during receive ({exc})"
             ) from None
         except E.CollectiveError:
             if self._interrupted is not None:

@@ -202,6 +202,13 @@ def pool_size(handler) -> int:
 CALLS_PER_WORKER = 4
 
 
+def _model_variables(handler) -> int:
+    """How many variables the served model has: 0 while a chief bound first still loads it
+    (``chief/pending.py`` stands in for the service until then)."""
+    served = getattr(handler, "service", None) or handler
+    return len(getattr(served, "specs", None) or ())
+
+
 class GrpcEndpoint(ChiefEndpoint):
     """Serves ``handler`` on ``bind`` (``HOST:PORT``; port 0 picks a free one).
 
@@ -244,7 +251,7 @@ class GrpcEndpoint(ChiefEndpoint):
         server = grpc.server(
             self._pool,
             interceptors=[_Admission(self.token, self._refusals, self._body,
-                                     fields={"Join": join_fields_limit(len(getattr(handler, "specs", None) or ()))})],
+                                     fields={"Join": lambda: join_fields_limit(_model_variables(handler))})],
             options=SERVER_OPTIONS,
         )
         bind_identity = bool(self.tls and self.tls.has("ca"))

@@ -1,0 +1,90 @@
+"""What a process says when it is stopped (scancel sends SIGTERM to every task) and while a
+collective.sync call waits for a missing rank: one line each, naming the phase and whom.
+
+Real processes on loopback; heartbeats shrunk as in test_liveness so every case ends in seconds.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+
+import pytest
+
+from tests.clusters import SLOW_RECEIVER
+from tests.integration.test_sync import SCRIPT, collective_env, free_port
+from tests.procs import Proc, error_line, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+HB = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "1.5"]
+BIG = ["--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm"]  # a stream still under way
+
+
+def test_sigterm_to_a_worker_mid_receive_says_so_in_one_line(cluster):
+    chief = cluster.chief("--workers", "2", *BIG, *HB)
+    victim = cluster.worker("victim", *HB, code=SLOW_RECEIVER)
+    cluster.worker("other", *HB)
+    wait_for(victim, "phase=receive")
+    victim.signal(signal.SIGTERM)
+    assert victim.wait(30) == 128 + signal.SIGTERM, victim.output()
+    line = error_line(victim.output())
+    assert "worker victim stopped by SIGTERM while receiving" in line, victim.output()
+    assert "Traceback" not in victim.output()
+    assert chief.wait(30) != 0 and "victim" in error_line(chief.output(), "round aborted:")
+
+
+def test_sigterm_to_the_chief_mid_broadcast_names_who_was_still_receiving(cluster):
+    chief = cluster.chief("--workers", "2", *BIG, *HB)
+    slow = cluster.worker("slow", "--rank", "0", *HB, code=SLOW_RECEIVER)
+    cluster.worker("other", "--rank", "1", *HB)
+    wait_for(slow, "phase=receive")
+    chief.signal(signal.SIGTERM)
+    assert chief.wait(30) != 0
+    line = error_line(chief.output(), "round aborted:")
+    assert "chief shutting down (SIGTERM) while broadcasting; still waiting for worker slow (rank 0" in line, line
+    assert slow.wait(30) != 0 and "chief shutting down (SIGTERM)" in slow.output()
+    assert "Traceback" not in chief.output() + slow.output()
+
+
+def test_sync_ranks_waiting_for_a_missing_rank_warn_naming_it(tmp_path):
+    """Ranks 0 and 1 of 3 call sync; rank 2 never comes. Without any logging set-up each says,
+    as a WARNING on stderr, whom it still waits for, by training rank; the join timeout then
+    names training rank 2 (not worker rank 1). Rank 0 listens on the loopback chief address
+    it was given, so it gives no warning about listening without a token."""
+    port = free_port()
+    extra = {"SYNC_STRAGGLER_LOG": "1", "SYNC_JOIN_TIMEOUT": "6"}
+    procs = [Proc([SCRIPT], tmp_path / f"rank{r}.log", env={**collective_env(r, port), **extra}) for r in (0, 1)]
+    try:
+        codes = [p.wait(60) for p in procs]
+        outputs = [p.output() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes[0] != 0 and codes[1] != 0, outputs
+    assert "collective.sync rank 0 (the chief): still waiting after 1 s for 1 more worker(s) to join " \
+           "(free training ranks 2)" in outputs[0], outputs[0]
+    assert "collective.sync rank 1: still waiting after 1 s for 1 more worker(s) to join (free training ranks 2)" \
+           in outputs[1], outputs[1]
+    assert "missing: 1 worker(s) for training rank(s) 2" in outputs[0], outputs[0]
+    assert "missing: 1 worker(s) for training rank(s) 2" in outputs[1], outputs[1]
+    # The chief's address is a loopback one: rank 0 binds it, and nobody else can reach it.
+    assert "WITHOUT a cluster token" not in outputs[0], outputs[0]
+
+
+def test_the_chief_reports_a_port_in_use_before_it_loads_the_model(tmp_path):
+    """The chief binds first: with its port taken and a model that would take long to load (or,
+    here, cannot be loaded at all), the port is what it reports, at once, exit 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        chief = Proc(["-m", "collective.chief", "--workers", "1", "--bind", f"127.0.0.1:{port}",
+                      "--model", str(tmp_path / "not-there.safetensors")], tmp_path / "chief.log")
+        try:
+            assert chief.wait(60) == 2, chief.output()
+            output = chief.output()
+        finally:
+            chief.kill()
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in output, output
+    assert "not-there" not in output, output

@@ -1,0 +1,92 @@
+"""chief/pending.py: what a gRPC chief answers between binding its port and its round existing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from collective import errors as E
+from collective._proto import collective_pb2 as pb
+from collective.chief import pending
+from collective.chief.pending import PendingChief
+
+
+class Service:
+    num_workers = 2
+
+    def __init__(self) -> None:
+        self.joined: list[str] = []
+
+    def join(self, req, peer):
+        self.joined.append(req.worker_id)
+        return pb.JoinReply(rank=len(self.joined) - 1)
+
+    def status(self):
+        return pb.StatusReply(phase="joining", expected=2)
+
+    error = None
+    incarnation = "abc"
+
+
+def join_in_thread(chief: PendingChief, worker_id: str) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(chief.join(pb.JoinRequest(worker_id=worker_id), "peer"))
+        except E.CollectiveError as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_join_while_the_model_loads_is_held_and_joins_once_the_round_exists():
+    chief, service = PendingChief(2), Service()
+    t, out = join_in_thread(chief, "w0")
+    time.sleep(0.1)
+    assert not out and chief.status().phase == "loading"
+    chief.serve(service)
+    t.join(5)
+    assert isinstance(out[0], pb.JoinReply) and service.joined == ["w0"]
+
+
+def test_an_error_before_serving_is_every_joins_answer_in_its_own_class():
+    chief = PendingChief(2)
+    t, out = join_in_thread(chief, "w0")
+    chief.refuse(E.UsageError("shards: 1 name(s) are not variables of the model: 'nope'"))
+    t.join(5)
+    assert type(out[0]) is E.UsageError and "'nope'" in str(out[0])
+    with pytest.raises(E.UsageError, match="'nope'"):
+        chief.join(pb.JoinRequest(worker_id="w1"), "peer")
+    started = time.monotonic()
+    chief.linger(10)  # both workers heard it: no waiting
+    assert time.monotonic() - started < 5
+    assert chief.status().phase == "failed" and "'nope'" in chief.status().error
+
+
+def test_joins_beyond_the_worker_slots_are_answered_at_once_while_loading(monkeypatch):
+    monkeypatch.setattr(pending, "HOLD", 3.0)
+    chief = PendingChief(1)
+    held = [join_in_thread(chief, f"w{i}") for i in range(3)]  # 1 slot + 2: all held
+    time.sleep(0.2)
+    started = time.monotonic()
+    with pytest.raises(E.ChiefUnreachableError, match="still loading") as info:
+        chief.join(pb.JoinRequest(worker_id="extra"), "peer")
+    assert time.monotonic() - started < 1.0 and info.value.phase == pending.LOADING
+    chief.serve(Service())
+    for t, out in held:
+        t.join(5)
+        assert isinstance(out[0], pb.JoinReply)
+
+
+def test_a_retired_chief_answers_status_from_its_outcome_and_holds_no_service():
+    chief, service = PendingChief(2), Service()
+    chief.serve(service)
+    chief.retire()
+    assert chief.service is None and chief.status().phase == "joining"
+    with pytest.raises(E.AbortedError, match="the round is over"):
+        chief.join(pb.JoinRequest(worker_id="late"), "peer")
