@@ -50,6 +50,7 @@ class Child:
     stdout: list[str] = field(default_factory=list)  # stdout only: where the JSON summary is
     open_streams: int = 2
     log_error: OSError | None = None  # why its log file stopped being written (a full disk)
+    stopped: bool = False  # launch ended it (the round over, a deadline, Ctrl-C): no failure of its own
 
     def exit_text(self) -> str:
         code = self.proc.returncode
@@ -198,6 +199,7 @@ class Launcher:
             # ranks exit 130 together instead of being killed, which makes it print a banner);
             # a process that has not taken SIGINT over yet (still loading) gets SIGTERM next.
             for c in live:
+                c.stopped = True
                 _signal(c.proc, signal.SIGINT)
             soon = time.monotonic() + 2.0
             for c in live:
@@ -207,6 +209,7 @@ class Launcher:
                     pass
             live = [c for c in live if c.proc.poll() is None]
         for c in live:
+            c.stopped = True
             _signal(c.proc, signal.SIGTERM)
         start = time.monotonic()
         for c in live:
@@ -476,7 +479,10 @@ class Launcher:
             result["culprit"] = self._failure_culprit
             # The chief's own phase when it was stopped: the plan out (a join time) means broadcast.
             result["error_phase"] = "broadcast" if (result.get("phases") or {}).get("join") is not None else "join"
-        result["failed_processes"] = {label: code for label, code in codes.items() if code != 0}
+        # After a failed round, what launch itself ended (workers still waiting to hear of it) did
+        # not fail on its own: listing it would point at processes that are not at fault.
+        spared = {c.label for c in self.children if c.stopped} if not result.get("ok") else set()
+        result["failed_processes"] = {label: code for label, code in codes.items() if code != 0 and label not in spared}
         if result["failed_processes"]:
             result["ok"] = False
         result["exit_code"] = exit_code(result)

@@ -40,10 +40,12 @@ class Proc:
     """A child process whose combined output goes to a file; killed by pid when closed."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None,
-                 sigint_ignored: bool = False, wrapper: list[str] | None = None) -> None:
+                 sigint_ignored: bool = False, wrapper: list[str] | None = None,
+                 launcher: list[str] | None = None) -> None:
         """``sigint_ignored``: start it as a shell starts a background job (``cmd &`` in a
         script, as CI runs): SIGINT inherited as SIG_IGN, which Python keeps unless told.
-        ``wrapper``: another exec wrapper to start it through (``file_limit``)."""
+        ``wrapper``: another exec wrapper to start it through (``file_limit``). ``launcher``:
+        what runs the Python process (``mpiexec -n 3``); its pid is the one signalled and killed."""
         if sigint_ignored:
             wrapper = SIGINT_IGNORED
         self.log = log
@@ -52,7 +54,7 @@ class Proc:
         full_env["PYTHONUNBUFFERED"] = "1"
         self._fh = open(log, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, *(wrapper or []), *args], stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [*(launcher or []), sys.executable, *(wrapper or []), *args], stdout=self._fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=full_env, cwd=ROOT, start_new_session=True,
         )
         self.pid = self.proc.pid

@@ -208,7 +208,13 @@ def failed_summary(error, *, transport: str, model: str | None, phase: str | Non
 
 
 def shards_text(request) -> str:
-    """The shard request as ``--shards`` takes it: dim0, or the JSON object."""
+    """The shard request as ``--shards`` takes it: dim0, or the JSON object; an HSDP mesh's
+    (``shards.Groups``: one request over S shards, each held by several training ranks) says
+    which shard each training rank holds too."""
+    groups = getattr(request, "shard_of", None)
+    if groups is not None:
+        return f"{shards_text(request.request)} over {max(groups) + 1 if groups else 0} shards (training rank -> shard: " \
+               f"{','.join(map(str, groups))})"
     return request if isinstance(request, str) else json.dumps(request, sort_keys=True)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from tests.procs import ROOT, wait_until
+from tests.procs import ROOT, Proc, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.mpi]
 
@@ -140,27 +140,20 @@ def test_sigterm_to_the_job_leaves_one_line_per_rank_naming_the_phase(tmp_path):
     rank; each says in one line that it was stopped and in which phase, and exits 143."""
     if MPIEXEC is None:
         pytest.fail("mpiexec not found: `make test` installs the mpich wheel (the `mpi` extra)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
-    env["PROBE_HOLD_RANK"] = "2"
-    out = tmp_path / "out.txt"
-    with open(out, "w") as fh:
-        proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "tests/mpi_probe.py", "--model", "mlp",
-                                 "--join-timeout", "60"], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                                stdin=subprocess.DEVNULL)
+    job = Proc(["tests/mpi_probe.py", "--model", "mlp", "--join-timeout", "60"], tmp_path / "out.txt",
+               env={"PROBE_HOLD_RANK": "2"}, launcher=[MPIEXEC, "-n", "3"])
     try:
-        wait_until(lambda: "HOLDING" in out.read_text(), timeout=60, what="rank 2 holding before its join")
+        wait_for(job, "HOLDING", timeout=60)
         time.sleep(1.0)  # ranks 0 and 1 are in their join by now
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        job.signal(signal.SIGTERM)
+        job.wait(30)
+        text = job.output()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    text = out.read_text()
+        job.kill()
     stopped = re.findall(r"rank (\d) \((chief|worker) on \S+\) stopped by SIGTERM during (\w+)", text)
     assert ("0", "chief", "join") in stopped and ("1", "worker", "join") in stopped, text
     assert "Traceback" not in text, text
-    assert proc.returncode != 0
+    assert job.proc.returncode != 0
 
 
 def test_shards_under_the_mpi_command_each_worker_receives_only_its_half(tmp_path):
