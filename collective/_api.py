@@ -283,7 +283,7 @@ def serve(
     (``collective.shards``); the training ranks are the workers, after this process if it trains.
     ``from_file``: serve a ``.safetensors`` model (a file, a sharded checkpoint's index or its
     directory, given as ``values``) straight from its files, mapped read-only, without a copy in
-    memory (default ``COLLECTIVE_FROM_FILE``; see README "Models").
+    memory (default ``COLLECTIVE_FROM_FILE``; see the docs, "Models").
 
     Returns a ``SyncResult`` (rank 0; ``summary`` is the round's summary; ``devices`` is empty
     when the chief does not train). Raises the round's ``CollectiveError`` (``JoinTimeoutError``,
