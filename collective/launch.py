@@ -586,7 +586,7 @@ def summary_table(result: dict) -> str:
         lines.append("  exit codes  " + ", ".join(f"{k}={v}" for k, v in result["failed_processes"].items()))
     if result.get("run_dir"):
         lines.append(f"  logs        {result['run_dir']}  (collective logs {result['run_dir']})")
-    elif "run_dir" in result:
+    elif result.get("wall_seconds") is not None:  # launch's own summary (collective.mpi has no run dir)
         lines.append("  logs        removed with the run's temporary directory (--keep-run-dir or --run-dir keeps them)")
     if result.get("logs_cut"):
         lines.append(f"  logs cut    {result['logs_cut']}")
