@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 
 from collective import config
-from collective._waits import Awaited, chief_awaits, on_stop_signals, stop_on_sigterm, worker_awaits
+from collective._waits import (
+    Awaited,
+    StopSignal,
+    chief_awaits,
+    on_stop_signals,
+    stop_on_sigterm,
+    worker_awaits,
+)
 from collective.clusterenv import resolve_roles
 from collective.config import Timeouts, parse_address
 from collective.errors import AbortedError, CollectiveError, ModelError, UsageError
@@ -193,7 +200,8 @@ def run_chief(
             threading.Thread(target=_stop_later, args=(endpoint, grace), name="chief-linger", daemon=True).start()
             background = True
         return out
-    except BaseException as exc:
+    except BaseException as caught:
+        exc = caught.error if isinstance(caught, StopSignal) else caught
         if pending.service is None:  # failed before the round existed: every worker hears why
             pending.refuse(exc if isinstance(exc, CollectiveError) else
                            AbortedError(f"the chief failed before serving: {type(exc).__name__}: {exc}"))
@@ -204,7 +212,9 @@ def run_chief(
                 log.warning("failed before serving: %s; telling the other ranks (waiting up to %.0f s for them)",
                             exc, wait)
                 pending.linger(wait)
-        raise
+        if exc is caught:
+            raise
+        raise exc from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -228,6 +238,8 @@ def _grpc_drive(pending, address: str):
 
     def drive(service, local) -> None:
         pending.serve(service)
+        if pending.stopped is not None:  # stopped while it loaded: the round begins failed
+            service.fail(pending.stopped)
         log.info("chief %s serving on %s; waiting for %d worker(s)", service.incarnation, address,
                  service.num_workers)
         beside = None

@@ -69,6 +69,16 @@ def worker_awaits(link, chief_name: str, timeout: float) -> Callable[[], str | N
     return awaited
 
 
+class StopSignal(BaseException):
+    """SIGTERM / SIGINT while the model loads, raised from the handler: a BaseException, so no
+    ``except Exception`` in the loading code it interrupts can swallow it (one did, under load:
+    the chief then served on as if never told). ``error`` is what the caller raises."""
+
+    def __init__(self, error: AbortedError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def on_stop_signals(pending) -> dict[int, Any]:
     """On the main thread, SIGTERM / SIGINT fail the round: while the model loads, by raising
     here (the workers are told by ``pending``); once the round exists, by failing it, so every
@@ -84,7 +94,8 @@ def on_stop_signals(pending) -> dict[int, Any]:
             err = AbortedError(f"chief {what} ({signal.Signals(signum).name}) while loading the model", phase="load")
             if signum == signal.SIGINT:
                 err.exit_code = 130  # as every command exits on Ctrl-C
-            raise err
+            pending.stopped = err  # should anything still swallow what follows, serving begins failed
+            raise StopSignal(err)
         # Outside the handler: fail() takes the service lock, which this thread may hold.
         threading.Thread(target=stopped_by_signal, args=(service, signum), daemon=True).start()
 

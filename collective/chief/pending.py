@@ -36,6 +36,7 @@ class PendingChief:
         self._since = time.monotonic()
         self._final: pb.StatusReply | None = None  # the outcome, once retired
         self._held = 0  # joins waiting for the model to load
+        self.stopped: E.CollectiveError | None = None  # a stop signal that came while it loaded (_waits)
 
     @property
     def service(self):

@@ -136,6 +136,8 @@ def test_a_local_process_holding_every_shm_slot_costs_one_warning_then_a_count(c
     chief logs the first failure, then counts the rest (the count when it closes), instead of a
     WARNING per slot every 5 s."""
     chief = cluster.chief("--workers", "1", "--join-timeout", "60")
+    # The port file comes before the model is loaded (the chief binds first); the socket after.
+    wait_until(lambda: _abstract_sockets(chief.pid, "collective-shm-"), "the chief's shared-memory socket", timeout=60)
     [name] = _abstract_sockets(chief.pid, "collective-shm-")
     for _ in range(2):
         held = []
