@@ -19,6 +19,27 @@ pytestmark = [pytest.mark.multihost, pytest.mark.timeout(180)]
 
 SIZE = 16 << 20  # large enough for auto to pick a chain between the hosts
 
+# A bulk flow that keeps a link's queue full: a sink on the flooded host, four sending streams.
+_SINK = """
+import socket, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 9000)); s.listen(8)
+def drain(c):
+    while c.recv(1 << 20):
+        pass
+while True:
+    threading.Thread(target=drain, args=(s.accept()[0],), daemon=True).start()
+"""
+_FLOOD = """
+import socket, sys, threading, time
+def send():
+    s = socket.create_connection((sys.argv[1], 9000), timeout=10); b = bytes(1 << 16)
+    while True:
+        s.sendall(b)
+for _ in range(4):
+    threading.Thread(target=send, daemon=True).start()
+time.sleep(600)
+"""
+
 
 def _counter(net: Topology, host: str, which: str) -> int:
     """``/sys/class/net/eth0/statistics/<which>`` as the host itself sees it."""
@@ -27,15 +48,26 @@ def _counter(net: Topology, host: str, which: str) -> int:
     return int(out.stdout)
 
 
-def _round(tmp_path, hosts: list[str], workers_per_host: int, *, worker_options: dict[str, list[str]] | None = None):
+def _round(tmp_path, hosts: list[str], workers_per_host: int, *, worker_options: dict[str, list[str]] | None = None,
+           shape: dict[str, dict] | None = None, flood: str | None = None):
     """Chief on host ``chief``; ``workers_per_host`` workers on each of ``hosts``, ranks dealt
-    round-robin over the hosts (so rank order alone would cross a host boundary at every hop).
+    round-robin over the hosts (so rank order alone would cross a host boundary at every hop);
+    ``shape`` maps a host to ``Topology.shape``'s arguments for its link; a bulk flow from the
+    chief's host keeps the link into host ``flood`` full for the whole round.
     Returns the result file, every process's output and each host's rx/tx bytes in the round."""
     spec = write_spec(tmp_path / "model.yaml", SIZE, 16)
     result_file = tmp_path / "result.json"
     env = {"COLLECTIVE_TOKEN": uuid.uuid4().hex}
     n = len(hosts) * workers_per_host
     with Topology(["chief", *hosts], tmp_path) as net:
+        for host, how in (shape or {}).items():
+            net.shape(host, **how)
+        if flood:
+            net.run(flood, ["python", "-c", _SINK], name="sink")
+            net.exec("chief", ["python", "-c", f"import socket, time\nfor _ in range(100):\n    try:\n"
+                               f"        socket.create_connection(({flood!r}, 9000), timeout=1).close(); break\n"
+                               f"    except OSError:\n        time.sleep(0.1)"])
+            net.run("chief", ["python", "-c", _FLOOD, flood], name="flood")
         before = {h: (_counter(net, h, "rx_bytes"), _counter(net, h, "tx_bytes")) for h in ["chief", *hosts]}
         chief = net.run("chief", ["python", "-m", "collective.chief", "--workers", str(n), "--model", str(spec),
                                   "--bind", "0.0.0.0:50051", "--result-file", str(result_file),
@@ -94,6 +126,18 @@ def test_a_peer_without_shared_memory_takes_the_bytes_from_its_hosts_receiver_no
     assert "through the network" in outputs["host-b-w3"] and "through shared memory" in outputs["host-a-w2"]
     for h in hosts:
         assert size <= moved[h][0] <= 1.10 * size, (h, moved[h], size)
+
+
+def test_a_relay_behind_a_busy_slow_link_is_reached_and_the_round_completes(tmp_path, namespaces):
+    # host-a's link is slow, its queue deep and kept full by a bulk flow: every packet into
+    # host-a waits about 600 ms, host-b's connection to its relay on host-a included. gRPC gave
+    # each connection attempt only 100 ms (min_reconnect_backoff_ms doubles as the connect
+    # timeout), so host-b failed its round: "relay worker host-a-w0 ... connect() timed out".
+    result, outputs, _ = _round(tmp_path, ["host-a", "host-b"], 1,
+                                shape={"host-a": {"rate": "20mbit", "queue": "600ms"}}, flood="host-a")
+    assert re.search(r"topology chain over 2 network receiver", outputs["chief"]), outputs["chief"]
+    assert "receiving from relay worker host-a-w0 (rank 0)" in outputs["host-b-w1"], outputs["host-b-w1"]
+    assert len({w["digest"] for w in result["workers"]}) == 1
 
 
 def test_a_host_leader_killed_mid_stream_is_named_and_its_peers_and_the_next_host_end_too(tmp_path, namespaces):

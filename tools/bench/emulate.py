@@ -383,13 +383,15 @@ class Topology:
         """Pull ``host``'s cable: its link on the switch goes down; nothing reaches it any more."""
         _run("ip", "-n", self.switch, "link", "set", self.hosts[host].link, "down")
 
-    def shape(self, host: str, rate: str) -> None:
+    def shape(self, host: str, rate: str, *, queue: str = "100ms") -> None:
         """Limit ``host``'s link to ``rate`` (e.g. ``20mbit``) both ways with tbf: on the host's
-        side for its uplink, on the switch's side for its downlink (netem is not available)."""
+        side for its uplink, on the switch's side for its downlink (netem is not available).
+        ``queue`` is how long a packet may wait in the link's queue: a link kept full by a bulk
+        flow delays every other packet on it by about that much (a long, busy path's RTT)."""
         h = self.hosts[host]
         for ns, dev in ((h.ns, "eth0"), (self.switch, h.link)):
             _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
-                 "latency", "100ms")
+                 "latency", queue)
 
     def heal(self, host: str) -> None:
         _run("ip", "-n", self.switch, "link", "set", self.hosts[host].link, "up")

@@ -61,11 +61,15 @@ class _NoDataPort(Exception):
 # worker joins within about that of the chief listening: gRPC's own reconnect backoff is kept
 # as short (RECONNECT_OPTIONS), else it would add seconds on top. Their log lines come after the
 # first failure and then at doubling intervals up to JOIN_LOG_CAP s, each a summary.
+# Not "grpc.min_reconnect_backoff_ms": gRPC takes it as the least time a connection attempt is
+# given, so 100 ms there made every attempt over a path slower than 100 ms (a long haul, or a
+# link kept full by the broadcast itself) fail with "connect() timed out", and a relay's child
+# failed its round on that first failure. Attempts keep gRPC's own minimum of 20 s; the calls'
+# deadlines bound every wait.
 JOIN_BACKOFF = 0.1
 JOIN_LOG_FIRST, JOIN_LOG_CAP = 2.0, 30.0
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 100),
 ]
 
