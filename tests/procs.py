@@ -125,3 +125,15 @@ def error_line(output: str, marker: str = " ERROR ") -> str:
     if not lines:
         raise AssertionError(f"no line with {marker!r}; output:\n{output}")
     return lines[-1]
+
+
+def run_all(argv: list[str], logs: list[Path], envs: list[dict[str, str]], timeout: float) -> tuple[list[int], list[str]]:
+    """Start one process of ``argv`` per (log, env), wait for each within ``timeout`` and kill
+    every one of them (by pid) whatever happens: their exit codes and outputs, in order."""
+    procs = [Proc(argv, log, env=env) for log, env in zip(logs, envs, strict=True)]
+    try:
+        codes = [p.wait(timeout) for p in procs]
+        return codes, [p.output() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()

@@ -87,7 +87,7 @@ class Rejoins:
         """A new incarnation of ``old`` joins after the plan is out: admit it in ``old``'s rank
         once ``old`` is lost, or fail the round (no rejoins here), or refuse it (``old`` still
         live, other devices)."""
-        self._svc._supervisor.cut_now(old)  # its calls were cut already: its restart is the news
+        self._svc.restarted(old)  # its calls were cut already: its restart is the news
         if old.phase != "lost":
             # Anyone holding the token can send a join under a worker's id; only the process
             # holding the slot has its secret. A live member keeps its slot, and the round goes on.

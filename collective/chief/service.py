@@ -538,6 +538,11 @@ class ChiefService(Admission):
             if m.phase == "receiving" and m.bytes_reported == total:
                 m.phase, self._marks["sent"] = "verifying", time.monotonic()
 
+    def restarted(self, old) -> None:
+        """A restart of member ``old`` is joining: if its calls were cut and the chief still gives
+        it time to say why (``Supervisor.await_cause``), that wait ends now: the old process is gone."""
+        self._supervisor.cut_now(old)
+
     def lost(self, ref: pb.WorkerRef, reason: str, *, after_grace: bool = False) -> None:
         """A worker's call ended without an answer: the process is gone or its link is cut.
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.clusters import SLOW_RECEIVER
 from tests.integration.test_sync import SCRIPT, collective_env, free_port
-from tests.procs import Proc, error_line, wait_for
+from tests.procs import Proc, error_line, run_all, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -54,13 +54,8 @@ def test_sync_ranks_waiting_for_a_missing_rank_warn_naming_it(tmp_path):
     it was given, so it gives no warning about listening without a token."""
     port = free_port()
     extra = {"SYNC_STRAGGLER_LOG": "1", "SYNC_JOIN_TIMEOUT": "6"}
-    procs = [Proc([SCRIPT], tmp_path / f"rank{r}.log", env={**collective_env(r, port), **extra}) for r in (0, 1)]
-    try:
-        codes = [p.wait(60) for p in procs]
-        outputs = [p.output() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes, outputs = run_all([SCRIPT], [tmp_path / f"rank{r}.log" for r in (0, 1)],
+                             [{**collective_env(r, port), **extra} for r in (0, 1)], 60)
     assert codes[0] != 0 and codes[1] != 0, outputs
     assert "collective.sync rank 0 (the chief): still waiting after 1 s for 1 more worker(s) to join " \
            "(free training ranks 2)" in outputs[0], outputs[0]

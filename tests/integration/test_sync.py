@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.integration.test_mpi import MPIEXEC
-from tests.procs import ROOT, Proc
+from tests.procs import ROOT, Proc, run_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -47,13 +47,8 @@ def tf_config_env(rank: int, port: int) -> dict[str, str]:
 
 def run_ranks(tmp_path, env_for, extra: dict[str, str] | None = None) -> list[dict]:
     port = free_port()
-    procs = [Proc([SCRIPT], tmp_path / f"rank{r}.log", env={**env_for(r, port), **(extra or {})}) for r in range(WORLD)]
-    try:
-        codes = [p.wait(120) for p in procs]
-        outputs = [p.output() for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes, outputs = run_all([SCRIPT], [tmp_path / f"rank{r}.log" for r in range(WORLD)],
+                             [{**env_for(r, port), **(extra or {})} for r in range(WORLD)], 120)
     return [_result(out, code) for out, code in zip(outputs, codes, strict=True)]
 
 
