@@ -24,6 +24,13 @@ network link carries the model once:
   ``SAME_HOST_STAR_MAX`` receivers, a tree beyond (one machine, 2 cores, 256 MiB, BENCHMARKS.md:
   4 workers star 0.34 s, tree 0.41 s, chain 0.56 s; 8 workers 0.71, 0.78, 1.16 s).
 
+- dtree (``dtree_parents``): NCCL's pipelined double binary tree over the receivers. Two binary
+  trees, each rooted at the chief, each carrying every other chunk (``carrier``); every receiver
+  is an interior node (at most two children) of at most one of them, so every uplink carries the
+  model at most once (plus one chunk when their number is odd) and a chunk crosses at most
+  ceil(log2(N+1)) + 1 hops. Only the simulator (tools/sim) and ``predict`` know it so far: the
+  data plane has one parent per worker, so it is not in ``TOPOLOGIES`` nor offered by ``auto``.
+
 ``choose`` resolves ``auto`` with ``predict``, a model of the broadcast time fitted to runs on
 emulated hosts (BENCHMARKS.md): the topology with the least predicted time for this number of
 network receivers and this payload, on a link of ``ASSUMED_LINK_BPS``. Small payloads are
@@ -73,9 +80,55 @@ def parents(topology: str, workers: int) -> list[int]:
     raise UsageError(f"unknown topology {topology!r}; use one of {', '.join(TOPOLOGIES)}")
 
 
+# Laid out by ``trees`` and modelled by ``predict`` and the simulator, beside those users can pick.
+MODELLED = (*TOPOLOGIES[1:], "dtree")
+
+
+def _btree(n: int, rank: int) -> int:
+    """The parent of ``rank`` in NCCL's in-order binary tree over ranks 0..n-1 (-1: the root, rank
+    0, whose one child is the largest power of two below n). A rank whose lowest set bit is b has
+    children rank -+ b/2: odd ranks are leaves."""
+    if rank == 0:
+        return -1
+    bit = rank & -rank
+    up = (rank ^ bit) | (bit << 1)
+    return rank ^ bit if up >= n else up
+
+
+def dtree_parents(workers: int) -> tuple[list[int], list[int]]:
+    """The parents (-1: the chief) of ``workers`` receivers in the two trees of a double binary
+    tree. Tree B mirrors tree A (rank r -> n-1-r), so A's interior ranks (even) are B's leaves (odd
+    ranks) and the other way round. An odd count gets a virtual rank 0, A's root (one child) and
+    B's leaf, dropped afterwards: its child becomes A's root. (NCCL shifts an odd count by one
+    instead, which leaves rank 0 interior in both trees: its uplink would carry 1.5 models.)"""
+    if workers <= 0:
+        return [], []
+    if workers % 2:
+        a, b = dtree_parents(workers + 1)
+        return [max(p - 1, -1) for p in a[1:]], [max(p - 1, -1) for p in b[1:]]
+    n = workers
+    a = [_btree(n, r) for r in range(n)]
+    b = [-1 if (u := _btree(n, n - 1 - r)) == -1 else n - 1 - u for r in range(n)]
+    return a, b
+
+
+def trees(topology: str, workers: int) -> list[list[int]]:
+    """Every tree of ``topology`` as a parents list (-1: the chief): one, or two for dtree."""
+    if topology == "dtree":
+        return list(dtree_parents(workers))
+    return [parents(topology, workers)]
+
+
+def carrier(topology: str, chunk: int) -> int:
+    """Which of ``trees(topology, N)`` carries chunk ``chunk``: a dtree alternates its two
+    trees, so each carries half the chunks and the chief's uplink the model once."""
+    return chunk % 2 if topology == "dtree" else 0
+
+
 def chunk_bytes_for(topology: str) -> int:
-    """The default chunk of a topology: small for a chain, whose pipeline fills one chunk per hop."""
-    return CHAIN_CHUNK_BYTES if topology == "chain" else DEFAULT_CHUNK_BYTES
+    """The default chunk of a topology: small for a chain or a double tree, whose pipelines fill
+    one chunk per hop."""
+    return CHAIN_CHUNK_BYTES if topology in ("chain", "dtree") else DEFAULT_CHUNK_BYTES
 
 
 def predict(

@@ -1,9 +1,21 @@
 """Who receives from whom."""
 
+import math
+from collections import Counter
+
 import pytest
 
 from collective.errors import UsageError
-from collective.topology import arrange, choose, parents, predict
+from collective.topology import (
+    TOPOLOGIES,
+    arrange,
+    carrier,
+    choose,
+    dtree_parents,
+    parents,
+    predict,
+    trees,
+)
 
 
 def test_star_has_every_worker_receive_from_the_chief():
@@ -163,3 +175,46 @@ def test_chunk_bytes_takes_a_size_with_a_unit_on_the_chief_and_launch_as_bench_d
         cli_parser().parse_args(["launch", "--chunk-bytes", "12x"])
     assert exit_info.value.code == 2
     assert "--chunk-bytes '12x': expected bytes" in capsys.readouterr().err
+
+
+def _depth(ps: list[int], rank: int) -> int:
+    """Hops from the chief to ``rank`` (failing on a cycle or a parent out of range)."""
+    hops, node, seen = 1, rank, set()
+    while ps[node] != -1:
+        assert node not in seen and 0 <= ps[node] < len(ps)
+        seen.add(node)
+        node, hops = ps[node], hops + 1
+    return hops
+
+
+@pytest.mark.parametrize("n", [*range(1, 70), 127, 128, 129, 1000, 1023, 1024, 1025, 10_000])
+def test_a_double_tree_reaches_every_rank_in_both_trees_each_interior_in_at_most_one(n):
+    a, b = dtree_parents(n)
+    limit = math.ceil(math.log2(n + 1)) + 1
+    for ps in (a, b):
+        assert len(ps) == n and ps.count(-1) == 1  # one root under the chief
+        assert max(_depth(ps, r) for r in range(n)) <= limit
+        assert max(Counter(p for p in ps if p >= 0).values(), default=0) <= 2  # binary
+    interior_a, interior_b = {p for p in a if p >= 0}, {p for p in b if p >= 0}
+    assert not interior_a & interior_b
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 100, 1024])
+@pytest.mark.parametrize("chunks", [1, 2, 5, 64])
+def test_a_double_tree_sends_each_chunk_down_one_tree_and_each_uplink_carries_the_model_once(n, chunks):
+    both = trees("dtree", n)
+    sent = Counter()  # chunks each node's uplink carries; node -1 is the chief
+    for c in range(chunks):
+        ps = both[carrier("dtree", c)]
+        for p in ps:
+            sent[p] += 1
+    assert sent[-1] == chunks  # the chief sends each chunk once, to one root
+    # an odd number of chunks gives one tree one chunk more: a node with two children there sends it twice
+    assert max(sent.values()) <= chunks + chunks % 2
+    assert {carrier("dtree", c) for c in range(chunks)} == ({0, 1} if chunks > 1 else {0})
+
+
+def test_a_double_tree_is_modelled_but_not_offered_until_the_data_plane_carries_it():
+    with pytest.raises(UsageError):
+        parents("dtree", 4)
+    assert "dtree" not in TOPOLOGIES and trees("chain", 3) == [[-1, 0, 1]]
