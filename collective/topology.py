@@ -41,7 +41,6 @@ link one copy per receiver.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -137,22 +136,50 @@ def predict(
 ) -> float:
     """Predicted broadcast seconds for ``receivers`` network receivers, one per host.
 
-    star: the chief's link carries one copy per receiver. tree: the chief's link carries one copy
-    per child of the root (ceil(log2(R+1))), and a chunk crosses depth hops. chain: every link
-    carries one copy, and the pipeline fills one chunk per hop. Every hop adds ``hop_seconds``.
+    The structure of the simulator (tools/bench/sim.py, which runs these layouts chunk by chunk):
+    every parent-child pair is a stream with an equal share of the links it crosses, 1 / max(the
+    parent's streams out, the child's streams in). The chief's link carries the model once per
+    child of the chief in each tree (a star: once per receiver; a binomial tree: ceil(log2(R+1));
+    a chain, or a double tree whose trees each carry half: once), which ends when the last chunk
+    has left the chief. Then that chunk goes down the tree: every hop after the first takes one
+    chunk at its stream's share (a chain: one chunk per hop; a double tree: two, each of its
+    streams at half a link), and every hop adds ``hop_seconds``; the slowest receiver counts.
     """
     if receivers <= 0:
         return 0.0
-    parents(topology, 1)  # validates the name
+    if topology not in MODELLED:
+        parents(topology, 1)  # raises, naming the topologies users can pick
+    layout = trees(topology, receivers)
     chunk = min(chunk_bytes or chunk_bytes_for(topology), max(total_bytes, 1))
-    link = total_bytes / bytes_per_second
-    hop = chunk / bytes_per_second + hop_seconds
-    if topology == "star":
-        return receivers * link + hop
-    if topology == "chain":
-        return link + receivers * hop
-    fanout = math.ceil(math.log2(receivers + 1))
-    return fanout * link + fanout * hop
+    out = [0] * (receivers + 1)  # streams out of node p + 1 (node 0 the chief)
+    into = [0] * receivers
+    for ps in layout:
+        for r, p in enumerate(ps):
+            out[p + 1] += 1
+            into[r] += 1
+    chief_link = total_bytes / len(layout) * out[0] / bytes_per_second
+    fill = 0.0
+    for ps in layout:
+        after = [0.0] * receivers  # seconds from the last chunk leaving the chief to it landing at r
+        for r in top_down(ps):
+            p = ps[r]
+            down = 0.0 if p < 0 else after[p] + chunk * max(out[p + 1], into[r]) / bytes_per_second
+            after[r] = down + hop_seconds
+        fill = max(fill, max(after))
+    return chief_link + fill
+
+
+def top_down(ps: Sequence[int]) -> list[int]:
+    """The receivers of one tree (parents ``ps``), each after its parent."""
+    kids: list[list[int]] = [[] for _ in range(len(ps) + 1)]
+    for r, p in enumerate(ps):
+        kids[p + 1].append(r)
+    order, todo = [], list(kids[0])
+    while todo:
+        r = todo.pop()
+        order.append(r)
+        todo.extend(kids[r + 1])
+    return order
 
 
 def choose(topology: str, receivers: int, total_bytes: int, *, same_host: bool = False) -> str:

@@ -7,6 +7,7 @@ import pytest
 
 from collective.errors import UsageError
 from collective.topology import (
+    MODELLED,
     TOPOLOGIES,
     arrange,
     carrier,
@@ -64,9 +65,28 @@ def test_the_model_charges_a_star_one_copy_per_receiver_and_a_chain_one_chunk_pe
     star = predict("star", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
     chain = predict("chain", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
     tree = predict("tree", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
-    assert star == pytest.approx(4 * 8 + 1)
-    assert chain == pytest.approx(8 + 4 * 1)
-    assert tree == pytest.approx(3 * 8 + 3 * 1)  # the root has 3 children of 5 nodes
+    dtree = predict("dtree", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
+    assert star == pytest.approx(4 * 8)  # the last chunk leaves the chief as it lands
+    assert chain == pytest.approx(8 + 3 * 1)  # then it crosses three more hops
+    # the root has 3 children of 5 nodes; rank 2 takes each chunk from rank 0, its only child
+    assert tree == pytest.approx(3 * 8 + 1)
+    # trees of depth 3 (e.g. chief -> 0 -> 2 -> 1 in tree A): 2 hops of a chunk at half a link
+    assert dtree == pytest.approx(8 + 2 * 2)
+    with_hops = predict("chain", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0.5, chunk_bytes=1 << 20)
+    assert with_hops == pytest.approx(chain + 4 * 0.5)
+
+
+def test_the_model_is_the_simulators_closed_form():
+    """topology.predict against tools/bench/sim.py (links with no token bucket): the same
+    structure, so the same figure for every layout, small or large."""
+    from tools.bench.sim import Net, simulate
+
+    rate = 25e9 / 8
+    for topo in MODELLED:
+        for n in (1, 2, 3, 5, 8, 33, 1000):
+            for size in (1 << 20, 64 << 20):
+                want = simulate(topo, n, size, Net(rate, chunk_seconds=0.002))
+                assert predict(topo, n, size, bytes_per_second=rate, hop_seconds=0.002) == pytest.approx(want), (topo, n)
 
 
 def test_with_sharing_each_other_host_has_one_network_receiver_and_its_peers_receive_from_it():
