@@ -113,13 +113,14 @@ def _bucketed(ready: np.ndarray, d: np.ndarray, bucket_seconds: float) -> np.nda
     for a chunk, up to the bucket (in seconds of the stream's share: burst / k bytes at rate / k),
     and carry that many seconds of a chunk at once. A relay's link idles while the relay takes in
     the next chunk, so every hop of a chain fills up to one bucket faster than the shaped rate."""
-    end = np.empty(len(d))
+    out = []
     tokens, last = bucket_seconds, 0.0
-    for i in range(len(d)):
-        start = max(float(ready[i]), last)
+    for r, di in zip(ready.tolist(), d.tolist(), strict=True):  # plain floats: this loop is the fit's cost
+        start = r if r > last else last
         tokens = min(bucket_seconds, tokens + start - last)
-        used = min(tokens, float(d[i]))
+        used = min(tokens, di)
         tokens -= used
-        last = end[i] = start + d[i] - used
-    return end
+        last = start + di - used
+        out.append(last)
+    return np.array(out)
 
