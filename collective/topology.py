@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from collective.errors import UsageError
 from collective.plan import DEFAULT_CHUNK_BYTES
 
+# What users can pick, and ``auto`` among them. "dtree" joins once the data plane gives a worker
+# a parent in each of its two trees (it is modelled already: ``MODELLED``).
 TOPOLOGIES = ("auto", "star", "tree", "chain")
 # Default chunk size of a chain (an explicit --chunk-bytes wins): the pipeline fills one chunk
 # per hop, so 8 workers at 200 Mbit/s took 1.73x S/B with 4 MiB chunks and 1.12x with 512 KiB.
@@ -193,7 +195,7 @@ def choose(topology: str, receivers: int, total_bytes: int, *, same_host: bool =
     if same_host:
         return "star" if receivers <= SAME_HOST_STAR_MAX else "tree"
     # min keeps the first of equals: star, the simplest, for a single receiver.
-    return min(("star", "tree", "chain"), key=lambda t: predict(t, receivers, total_bytes))
+    return min(TOPOLOGIES[1:], key=lambda t: predict(t, receivers, total_bytes))
 
 
 @dataclass(frozen=True)
