@@ -28,7 +28,7 @@ network link carries the model once:
   trees, each rooted at the chief, each carrying every other chunk (``carrier``); every receiver
   is an interior node (at most two children) of at most one of them, so every uplink carries the
   model at most once (plus one chunk when their number is odd) and a chunk crosses at most
-  ceil(log2(N+1)) + 1 hops. Only the simulator (tools/sim) and ``predict`` know it so far: the
+  ceil(log2(N+1)) + 1 hops. Only the simulator (tools/bench/sim.py) and ``predict`` know it so far: the
   data plane has one parent per worker, so it is not in ``TOPOLOGIES`` nor offered by ``auto``.
 
 ``choose`` resolves ``auto`` with ``predict``, a model of the broadcast time fitted to runs on
@@ -151,8 +151,9 @@ def predict(
         return 0.0
     if topology not in MODELLED:
         parents(topology, 1)  # raises, naming the topologies users can pick
-    layout = trees(topology, receivers)
     chunk = min(chunk_bytes or chunk_bytes_for(topology), max(total_bytes, 1))
+    # A tree that carries no chunk (a one-chunk model's second) opens no stream.
+    layout = trees(topology, receivers)[: max(1, -(-total_bytes // chunk))]
     out = [0] * (receivers + 1)  # streams out of node p + 1 (node 0 the chief)
     into = [0] * receivers
     for ps in layout:
