@@ -24,6 +24,13 @@ network link carries the model once:
   ``SAME_HOST_STAR_MAX`` receivers, a tree beyond (one machine, 2 cores, 256 MiB, BENCHMARKS.md:
   4 workers star 0.34 s, tree 0.41 s, chain 0.56 s; 8 workers 0.71, 0.78, 1.16 s).
 
+- dtree (``dtree_parents``): NCCL's pipelined double binary tree over the receivers. Two binary
+  trees, each rooted at the chief, each carrying every other chunk (``carrier``); every receiver
+  is an interior node (at most two children) of at most one of them, so every uplink carries the
+  model at most once (plus one chunk when their number is odd) and a chunk crosses at most
+  ceil(log2(N+1)) + 1 hops. Only the simulator (tools/bench/sim.py) and ``predict`` know it so far: the
+  data plane has one parent per worker, so it is not in ``TOPOLOGIES`` nor offered by ``auto``.
+
 ``choose`` resolves ``auto`` with ``predict``, a model of the broadcast time fitted to runs on
 emulated hosts (BENCHMARKS.md): the topology with the least predicted time for this number of
 network receivers and this payload, on a link of ``ASSUMED_LINK_BPS``. Small payloads are
@@ -34,13 +41,14 @@ link one copy per receiver.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from collective.errors import UsageError
 from collective.plan import DEFAULT_CHUNK_BYTES
 
+# What users can pick, and ``auto`` among them. "dtree" joins once the data plane gives a worker
+# a parent in each of its two trees (it is modelled already: ``MODELLED``).
 TOPOLOGIES = ("auto", "star", "tree", "chain")
 # Default chunk size of a chain (an explicit --chunk-bytes wins): the pipeline fills one chunk
 # per hop, so 8 workers at 200 Mbit/s took 1.73x S/B with 4 MiB chunks and 1.12x with 512 KiB.
@@ -73,9 +81,55 @@ def parents(topology: str, workers: int) -> list[int]:
     raise UsageError(f"unknown topology {topology!r}; use one of {', '.join(TOPOLOGIES)}")
 
 
+# Laid out by ``trees`` and modelled by ``predict`` and the simulator, beside those users can pick.
+MODELLED = (*TOPOLOGIES[1:], "dtree")
+
+
+def _btree(n: int, rank: int) -> int:
+    """The parent of ``rank`` in NCCL's in-order binary tree over ranks 0..n-1 (-1: the root, rank
+    0, whose one child is the largest power of two below n). A rank whose lowest set bit is b has
+    children rank -+ b/2: odd ranks are leaves."""
+    if rank == 0:
+        return -1
+    bit = rank & -rank
+    up = (rank ^ bit) | (bit << 1)
+    return rank ^ bit if up >= n else up
+
+
+def dtree_parents(workers: int) -> tuple[list[int], list[int]]:
+    """The parents (-1: the chief) of ``workers`` receivers in the two trees of a double binary
+    tree. Tree B mirrors tree A (rank r -> n-1-r), so A's interior ranks (even) are B's leaves (odd
+    ranks) and the other way round. An odd count gets a virtual rank 0, A's root (one child) and
+    B's leaf, dropped afterwards: its child becomes A's root. (NCCL shifts an odd count by one
+    instead, which leaves rank 0 interior in both trees: its uplink would carry 1.5 models.)"""
+    if workers <= 0:
+        return [], []
+    if workers % 2:
+        a, b = dtree_parents(workers + 1)
+        return [max(p - 1, -1) for p in a[1:]], [max(p - 1, -1) for p in b[1:]]
+    n = workers
+    a = [_btree(n, r) for r in range(n)]
+    b = [-1 if (u := _btree(n, n - 1 - r)) == -1 else n - 1 - u for r in range(n)]
+    return a, b
+
+
+def trees(topology: str, workers: int) -> list[list[int]]:
+    """Every tree of ``topology`` as a parents list (-1: the chief): one, or two for dtree."""
+    if topology == "dtree":
+        return list(dtree_parents(workers))
+    return [parents(topology, workers)]
+
+
+def carrier(topology: str, chunk: int) -> int:
+    """Which of ``trees(topology, N)`` carries chunk ``chunk``: a dtree alternates its two
+    trees, so each carries half the chunks and the chief's uplink the model once."""
+    return chunk % 2 if topology == "dtree" else 0
+
+
 def chunk_bytes_for(topology: str) -> int:
-    """The default chunk of a topology: small for a chain, whose pipeline fills one chunk per hop."""
-    return CHAIN_CHUNK_BYTES if topology == "chain" else DEFAULT_CHUNK_BYTES
+    """The default chunk of a topology: small for a chain or a double tree, whose pipelines fill
+    one chunk per hop."""
+    return CHAIN_CHUNK_BYTES if topology in ("chain", "dtree") else DEFAULT_CHUNK_BYTES
 
 
 def predict(
@@ -84,22 +138,51 @@ def predict(
 ) -> float:
     """Predicted broadcast seconds for ``receivers`` network receivers, one per host.
 
-    star: the chief's link carries one copy per receiver. tree: the chief's link carries one copy
-    per child of the root (ceil(log2(R+1))), and a chunk crosses depth hops. chain: every link
-    carries one copy, and the pipeline fills one chunk per hop. Every hop adds ``hop_seconds``.
+    The structure of the simulator (tools/bench/sim.py, which runs these layouts chunk by chunk):
+    every parent-child pair is a stream with an equal share of the links it crosses, 1 / max(the
+    parent's streams out, the child's streams in). The chief's link carries the model once per
+    child of the chief in each tree (a star: once per receiver; a binomial tree: ceil(log2(R+1));
+    a chain, or a double tree whose trees each carry half: once), which ends when the last chunk
+    has left the chief. Then that chunk goes down the tree: every hop after the first takes one
+    chunk at its stream's share (a chain: one chunk per hop; a double tree: two, each of its
+    streams at half a link), and every hop adds ``hop_seconds``; the slowest receiver counts.
     """
     if receivers <= 0:
         return 0.0
-    parents(topology, 1)  # validates the name
+    if topology not in MODELLED:
+        parents(topology, 1)  # raises, naming the topologies users can pick
     chunk = min(chunk_bytes or chunk_bytes_for(topology), max(total_bytes, 1))
-    link = total_bytes / bytes_per_second
-    hop = chunk / bytes_per_second + hop_seconds
-    if topology == "star":
-        return receivers * link + hop
-    if topology == "chain":
-        return link + receivers * hop
-    fanout = math.ceil(math.log2(receivers + 1))
-    return fanout * link + fanout * hop
+    # A tree that carries no chunk (a one-chunk model's second) opens no stream.
+    layout = trees(topology, receivers)[: max(1, -(-total_bytes // chunk))]
+    out = [0] * (receivers + 1)  # streams out of node p + 1 (node 0 the chief)
+    into = [0] * receivers
+    for ps in layout:
+        for r, p in enumerate(ps):
+            out[p + 1] += 1
+            into[r] += 1
+    chief_link = total_bytes / len(layout) * out[0] / bytes_per_second
+    fill = 0.0
+    for ps in layout:
+        after = [0.0] * receivers  # seconds from the last chunk leaving the chief to it landing at r
+        for r in top_down(ps):
+            p = ps[r]
+            down = 0.0 if p < 0 else after[p] + chunk * max(out[p + 1], into[r]) / bytes_per_second
+            after[r] = down + hop_seconds
+        fill = max(fill, max(after))
+    return chief_link + fill
+
+
+def top_down(ps: Sequence[int]) -> list[int]:
+    """The receivers of one tree (parents ``ps``), each after its parent."""
+    kids: list[list[int]] = [[] for _ in range(len(ps) + 1)]
+    for r, p in enumerate(ps):
+        kids[p + 1].append(r)
+    order, todo = [], list(kids[0])
+    while todo:
+        r = todo.pop()
+        order.append(r)
+        todo.extend(kids[r + 1])
+    return order
 
 
 def choose(topology: str, receivers: int, total_bytes: int, *, same_host: bool = False) -> str:
@@ -113,7 +196,7 @@ def choose(topology: str, receivers: int, total_bytes: int, *, same_host: bool =
     if same_host:
         return "star" if receivers <= SAME_HOST_STAR_MAX else "tree"
     # min keeps the first of equals: star, the simplest, for a single receiver.
-    return min(("star", "tree", "chain"), key=lambda t: predict(t, receivers, total_bytes))
+    return min(TOPOLOGIES[1:], key=lambda t: predict(t, receivers, total_bytes))
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def rows(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, str, str]]
         meaning = helptext[: m.start()] if m else helptext
         if action.choices and not isinstance(action, argparse._SubParsersAction):
             meaning += " (one of: " + ", ".join(str(c) for c in action.choices) + ")"
-        if action.required or not action.option_strings:
+        if action.required or (not action.option_strings and action.nargs not in ("?", "*")):
             meaning += " (required)"
         flag = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.metavar or action.dest}`"
         yield flag, env, _default(action), meaning

@@ -259,3 +259,33 @@ def test_from_file_bad_options_exit_2_with_one_line(args, says):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], proc.stderr
+
+
+def test_sim_prints_the_fit_and_the_projection_and_draws_an_svg(monkeypatch, capsys, tmp_path):
+    """`collective bench sim` in-process, on a smaller projection (the full one takes half a minute)."""
+    import xml.etree.ElementTree as ET
+
+    from collective.cli import main
+    from tools.bench import simreport
+
+    monkeypatch.setattr(simreport, "HOSTS", (64,))
+    monkeypatch.setattr(simreport, "SIZES", (("64 MiB", 64 << 20),))
+    monkeypatch.setattr(simreport, "PLOT_HOSTS", (1, 64))
+    monkeypatch.setattr(simreport, "GOALS", ((64 << 20, 1.5),))
+    svg = tmp_path / "sim.svg"
+    assert main(["bench", "sim", "--svg", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert "| star | 8 | 64 MiB | 22.456 |" in out  # a recorded emulated run beside its figures
+    for topo in ("star", "tree", "chain", "dtree"):
+        assert f"| 25 Gbit/s | 64 MiB | 64 | {topo}" in out and f"| 100 Gbit/s | 64 MiB | 64 | {topo}" in out
+    assert "fitted: efficiency" in out and "dtree meets <= 1.5x S/B at 1,024 hosts" in out
+    lines = ET.parse(svg).getroot().findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 8  # per topology: the projection and the fitted emulated setting
+
+
+def test_sim_takes_no_other_mode(capsys):
+    from collective.cli import main
+
+    assert main(["bench", "simulate"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the only mode is 'sim'" in err[0]

@@ -1,9 +1,22 @@
 """Who receives from whom."""
 
+import math
+from collections import Counter
+
 import pytest
 
 from collective.errors import UsageError
-from collective.topology import arrange, choose, parents, predict
+from collective.topology import (
+    MODELLED,
+    TOPOLOGIES,
+    arrange,
+    carrier,
+    choose,
+    dtree_parents,
+    parents,
+    predict,
+    trees,
+)
 
 
 def test_star_has_every_worker_receive_from_the_chief():
@@ -52,9 +65,28 @@ def test_the_model_charges_a_star_one_copy_per_receiver_and_a_chain_one_chunk_pe
     star = predict("star", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
     chain = predict("chain", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
     tree = predict("tree", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
-    assert star == pytest.approx(4 * 8 + 1)
-    assert chain == pytest.approx(8 + 4 * 1)
-    assert tree == pytest.approx(3 * 8 + 3 * 1)  # the root has 3 children of 5 nodes
+    dtree = predict("dtree", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0, chunk_bytes=1 << 20)
+    assert star == pytest.approx(4 * 8)  # the last chunk leaves the chief as it lands
+    assert chain == pytest.approx(8 + 3 * 1)  # then it crosses three more hops
+    # the root has 3 children of 5 nodes; rank 2 takes each chunk from rank 0, its only child
+    assert tree == pytest.approx(3 * 8 + 1)
+    # trees of depth 3 (e.g. chief -> 0 -> 2 -> 1 in tree A): 2 hops of a chunk at half a link
+    assert dtree == pytest.approx(8 + 2 * 2)
+    with_hops = predict("chain", 4, 8 << 20, bytes_per_second=mib_per_s, hop_seconds=0.5, chunk_bytes=1 << 20)
+    assert with_hops == pytest.approx(chain + 4 * 0.5)
+
+
+def test_the_model_is_the_simulators_closed_form():
+    """topology.predict against tools/bench/sim.py (links with no token bucket): the same
+    structure, so the same figure for every layout, small or large."""
+    from tools.bench.sim import Net, simulate
+
+    rate = 25e9 / 8
+    for topo in MODELLED:
+        for n in (1, 2, 3, 5, 8, 33, 1000):
+            for size in (100, 1 << 20, 64 << 20):
+                want = simulate(topo, n, size, Net(rate, chunk_seconds=0.002))
+                assert predict(topo, n, size, bytes_per_second=rate, hop_seconds=0.002) == pytest.approx(want), (topo, n)
 
 
 def test_with_sharing_each_other_host_has_one_network_receiver_and_its_peers_receive_from_it():
@@ -163,3 +195,46 @@ def test_chunk_bytes_takes_a_size_with_a_unit_on_the_chief_and_launch_as_bench_d
         cli_parser().parse_args(["launch", "--chunk-bytes", "12x"])
     assert exit_info.value.code == 2
     assert "--chunk-bytes '12x': expected bytes" in capsys.readouterr().err
+
+
+def _depth(ps: list[int], rank: int) -> int:
+    """Hops from the chief to ``rank`` (failing on a cycle or a parent out of range)."""
+    hops, node, seen = 1, rank, set()
+    while ps[node] != -1:
+        assert node not in seen and 0 <= ps[node] < len(ps)
+        seen.add(node)
+        node, hops = ps[node], hops + 1
+    return hops
+
+
+@pytest.mark.parametrize("n", [*range(1, 70), 127, 128, 129, 1000, 1023, 1024, 1025, 10_000])
+def test_a_double_tree_reaches_every_rank_in_both_trees_each_interior_in_at_most_one(n):
+    a, b = dtree_parents(n)
+    limit = math.ceil(math.log2(n + 1)) + 1
+    for ps in (a, b):
+        assert len(ps) == n and ps.count(-1) == 1  # one root under the chief
+        assert max(_depth(ps, r) for r in range(n)) <= limit
+        assert max(Counter(p for p in ps if p >= 0).values(), default=0) <= 2  # binary
+    interior_a, interior_b = {p for p in a if p >= 0}, {p for p in b if p >= 0}
+    assert not interior_a & interior_b
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 100, 1024])
+@pytest.mark.parametrize("chunks", [1, 2, 5, 64])
+def test_a_double_tree_sends_each_chunk_down_one_tree_and_each_uplink_carries_the_model_once(n, chunks):
+    both = trees("dtree", n)
+    sent = Counter()  # chunks each node's uplink carries; node -1 is the chief
+    for c in range(chunks):
+        ps = both[carrier("dtree", c)]
+        for p in ps:
+            sent[p] += 1
+    assert sent[-1] == chunks  # the chief sends each chunk once, to one root
+    # an odd number of chunks gives one tree one chunk more: a node with two children there sends it twice
+    assert max(sent.values()) <= chunks + chunks % 2
+    assert {carrier("dtree", c) for c in range(chunks)} == ({0, 1} if chunks > 1 else {0})
+
+
+def test_a_double_tree_is_modelled_but_not_offered_until_the_data_plane_carries_it():
+    with pytest.raises(UsageError):
+        parents("dtree", 4)
+    assert "dtree" not in TOPOLOGIES and trees("chain", 3) == [[-1, 0, 1]]

@@ -44,6 +44,9 @@ hosts; ``--transport mpi`` and the MPI peer run through MPICH's
 ``mpiexec`` with an rsh-like launcher that enters each host (UCX/libfabric forced onto TCP so no
 same-machine shortcut bypasses the shaped links). Needs root.
 
+``collective bench sim`` runs no broadcast: it fits the simulator (``sim``) to the emulated runs
+and prints the projection (``simreport``).
+
 Its parts: ``spec`` (defaults, option parsers, candidates, the model spec), ``runners`` (one
 candidate run, on this host or on emulated hosts), ``fromfile`` and ``checkpoint`` (``--from-file``:
 a sharded checkpoint served by a copying chief and from its files), this module (settings, the run, the table and
@@ -336,6 +339,13 @@ def _human(n: int) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``collective bench``: run, then print the table (or one JSON line with --json)."""
+    what = getattr(args, "what", None)
+    if what is not None:
+        if what != "sim":
+            raise UsageError(f"collective bench {what!r}: the only mode is 'sim' (or none, to run the benchmark)")
+        from tools.bench.simreport import run_sim
+
+        return run_sim(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
     if getattr(args, "from_file", False):
         from tools.bench.fromfile import run_from_file
 
@@ -375,6 +385,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Time the broadcast phase (first byte sent until every worker is ready) for each "
                     "configuration, median of --repeat runs; with --peers also MPI_Bcast (mpi4py) and "
                     "gloo (torch) moving the same bytes to the same number of receivers.")
+    p.add_argument("what", nargs="?", metavar="sim",
+                   help="sim: fit the simulator (tools/bench/sim.py) to the emulated runs and project every "
+                        "topology to 64, 1,024 and 10,000 hosts (tools/bench/simreport.py); no byte is sent")
+    p.add_argument("--svg", default=None, metavar="FILE.svg",
+                   help="with sim: draw time / (S/B) against hosts, one line per topology, the emulated runs as points")
     p.add_argument("--workers", action="append", metavar="N",
                    help=f"worker count(s): repeatable or a comma list such as 2,4,8 (default {DEFAULT_WORKERS})")
     p.add_argument("--size", default=DEFAULT_SIZE, metavar="BYTES",
