@@ -32,7 +32,7 @@ from collective.digest import bytes_digest
 from collective.plan import new_arena, validate_plan
 from collective.sizes import format_bytes
 from collective.snapshot import tree
-from collective.snapshot.publish import MODEL_PREFIX, cluster_token
+from collective.snapshot.holder import MODEL_PREFIX, cluster_token
 from collective.stream import Receiver, overlapping
 
 log = logging.getLogger(__name__)
@@ -45,11 +45,13 @@ _REF = "fetch"
 
 
 class Fetched(dict):
-    """The fetched state (a dict, as published), with ``step``, ``manifest_digest`` and
-    ``stats``: holder address -> bytes it delivered, stripes, and why it was dropped (if it was)."""
+    """The fetched state (a dict, as published), with ``step``, ``manifest_digest``,
+    ``total_bytes`` (the arena's) and ``stats``: holder address -> bytes it delivered, stripes,
+    and why it was dropped (if it was)."""
 
     step: int
     manifest_digest: str
+    total_bytes: int
     stats: dict
 
 
@@ -361,7 +363,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
         for h in holders:
             h.link.close()
     out = Fetched(state)
-    out.step, out.manifest_digest = step, plan.manifest_digest
+    out.step, out.manifest_digest, out.total_bytes = step, plan.manifest_digest, plan.total_bytes
     out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped} for h in ready}
     seconds = time.monotonic() - started
     log.info("fetched step %d (%s, manifest %s) in %.2f s: %s", step, format_bytes(plan.total_bytes),
