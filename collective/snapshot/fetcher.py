@@ -33,7 +33,7 @@ from collective.plan import new_arena, validate_plan
 from collective.sizes import format_bytes
 from collective.snapshot import tree
 from collective.snapshot.holder import MODEL_PREFIX, cluster_token
-from collective.stream import Receiver, overlapping
+from collective.stream import Receiver, frame_table, overlapping
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,7 @@ class _Striper:
                  stall_timeout: float) -> None:
         self.plan, self.holders, self.arena, self.scatter = plan, holders, arena, scatter
         self.stall_timeout = stall_timeout
+        self.frames = frame_table(plan)  # once: every stripe's Receiver checks against it
         size, total = plan.chunk_bytes, plan.total_bytes
         chunks = -(-total // size)
         per = max(1, min(-(-chunks // (4 * len(holders))), max(1, STRIPE_BYTES // size)))
@@ -250,7 +251,7 @@ class _Striper:
         total = self.plan.total_bytes
         buf = self.arena if self.arena is not None else new_arena(b - a)
         base = 0 if self.arena is not None else a
-        receiver = Receiver(self.plan, buf, span=span, base=base)
+        receiver = Receiver(self.plan, buf, span=span, base=base, frames=self.frames)
         ref = pb.WorkerRef(worker_id=_REF, resume_from=a, stop_at=b if b < total else 0)
         try:
             h.link.receive_into(ref, receiver, self.stall_timeout)

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 CLOSE_GRACE = 10.0
 """How long ``close()`` waits for fetches in progress before it cuts them."""
+QUIET = 0.5
+"""A fetch in progress opens its next stripe's stream within this of the last one's end (or of
+asking for the plan): ``close()`` waits until nothing has happened for this long."""
 
 MODEL_PREFIX = "snapshot step "
 """A publication's ``Plan.model``: this and the step, which a fetcher reads before any byte."""
@@ -135,17 +138,21 @@ class SnapshotHandler:
         self._chunker = Chunker(plan, arena)
         self._cond = threading.Condition()
         self._active = 0
-        self._closed = False
+        self._closing = False  # no new fetch (GetPlan refused); those in progress go on
+        self._closed = False  # no stream either
+        self._last = 0.0  # monotonic time of the last plan asked for or stream ended
         self.bytes_served = 0
         self.streams_served = 0
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
         check_ref(ref)
-        self._refuse_if_closed()
+        with self._cond:
+            self._refuse_if_closed(self._closing)
+            self._last = time.monotonic()
         return self.plan
 
-    def _refuse_if_closed(self) -> None:
-        if self._closed:
+    def _refuse_if_closed(self, closed: bool) -> None:
+        if closed:
             raise AbortedError(f"this holder no longer publishes step {self.plan.model.removeprefix(MODEL_PREFIX)} "
                                f"(closed)")
 
@@ -159,7 +166,7 @@ class SnapshotHandler:
             raise ProtocolError(f"stripe {start}..{stop or total} is not a range of chunks of this "
                                 f"{total}-byte snapshot ({size}-byte chunks)")
         with self._cond:
-            self._refuse_if_closed()
+            self._refuse_if_closed(self._closed)
             self._active += 1
         try:
             for msg, data in self._chunker.frames(start, stop=stop):
@@ -170,6 +177,7 @@ class SnapshotHandler:
             with self._cond:
                 self._active -= 1
                 self.streams_served += 1
+                self._last = time.monotonic()
                 self._cond.notify_all()
 
     def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
@@ -179,15 +187,20 @@ class SnapshotHandler:
         log.info("a fetch of this publication ended early: %s", reason)
 
     def status(self) -> pb.StatusReply:
-        return pb.StatusReply(phase="publishing" if not self._closed else "closed")
+        return pb.StatusReply(phase="publishing" if not self._closing else "closed")
 
     def close(self, grace: float) -> bool:
-        """Refuse new fetches; wait up to ``grace`` s for those in progress. True if none is left."""
+        """Refuse new fetches; wait up to ``grace`` s for those in progress (streams active, or
+        one ended or a plan asked for within ``QUIET`` s: the fetch's next stripe may follow),
+        then refuse every stream. True if none was left in progress."""
         deadline = time.monotonic() + grace
         with self._cond:
+            self._closing = True
+            while (now := time.monotonic()) < deadline:
+                if not self._active and now - self._last >= QUIET:
+                    break
+                self._cond.wait(min(deadline - now, QUIET))
             self._closed = True
-            while self._active and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
             return not self._active
 
     def _round_only(self, *args, **kwargs):

@@ -83,6 +83,24 @@ def test_torch_module_and_adam_state_load_in_place(holders):
     opt.step()  # the loaded optimizer steps
 
 
+def test_into_the_modules_own_tensors_no_second_copy(holders):
+    torch = pytest.importorskip("torch")
+    import collective.torch as ct
+
+    a, published, _ = holders("--state", "torch", "--chunk-bytes", "256")
+    b, _, _ = holders("--state", "torch", "--chunk-bytes", "256")  # two holders: stripes land in buffers of their own
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    targets = ct.receive_targets(model, prefix="model/")
+    pointers = {n: t.data_ptr() for n, t in model.state_dict().items()}
+    got = collective.fetch([a, b], step=8, token=TOKEN, timeout=60, into=targets)
+    _same(got, published)
+    assert all(got["model"][n] is targets["model/" + n] for n in pointers)  # the very arrays given
+    assert {n: t.data_ptr() for n, t in model.state_dict().items()} == pointers  # written in place
+    assert array_digest(model.state_dict()["2.bias"].numpy()) == published["digests"]["model/2.bias"]
+    with pytest.raises(collective.UsageError, match=r"into\['model/0.weight'\] is"):
+        collective.fetch(a, step=8, token=TOKEN, timeout=60, into={"model/0.weight": np.zeros(3, np.float32)})
+
+
 def test_striped_over_three_holders_each_serves_a_share(holders):
     started = [holders("--state", "big", "--mib", "32", "--chunk-bytes", str(1 << 20)) for _ in range(3)]
     got = collective.fetch([a for a, _, _ in started], step=8, token=TOKEN, timeout=120)
@@ -198,6 +216,39 @@ def test_close_stops_serving_and_is_idempotent():
     pub.close()
     with pytest.raises(collective.CollectiveError, match=f"holder at {pub.address}"):
         collective.fetch(pub.address, step=3, token=TOKEN, timeout=5)
+
+
+def test_close_lets_a_fetch_in_progress_finish_then_refuses(monkeypatch):
+    from collective.stream import Chunker
+
+    frames = Chunker.frames
+
+    def paced(self, *args, **kwargs):  # a slow uplink: 0.1 s a chunk, 8 chunks
+        for item in frames(self, *args, **kwargs):
+            time.sleep(0.1)
+            yield item
+
+    monkeypatch.setattr(Chunker, "frames", paced)
+    state = {"x": np.random.default_rng(0).random(1 << 20)}  # 8 MiB
+    pub = collective.publish(state, step=2, bind="127.0.0.1:0", token=TOKEN, chunk_bytes=1 << 20)
+    result: dict = {}
+    fetcher = threading.Thread(target=lambda: result.update(
+        got=_catch(lambda: collective.fetch(pub.address, step=2, token=TOKEN, timeout=60))))
+    fetcher.start()
+    deadline = time.monotonic() + 30
+    while pub.stats()["bytes_served"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    closer = threading.Thread(target=pub.close, kwargs={"grace": 30})
+    closer.start()  # returns once the fetch in progress is done (its stripes one after another)
+    time.sleep(0.2)
+    with pytest.raises(collective.AbortedError, match="no longer publishes step 2"):  # a new fetch meanwhile
+        collective.fetch(pub.address, step=2, token=TOKEN, timeout=10)
+    closer.join(40)
+    assert not fetcher.is_alive() and not closer.is_alive()
+    assert not isinstance(result["got"], Exception), result["got"]
+    assert np.array_equal(result["got"]["x"], state["x"])
+    with pytest.raises(collective.ChiefUnreachableError, match=f"holder at {pub.address} unreachable"):
+        collective.fetch(pub.address, step=2, token=TOKEN, timeout=10)
 
 
 def _catch(fn):
