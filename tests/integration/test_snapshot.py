@@ -7,6 +7,7 @@ JSON belongs."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 import time
@@ -128,6 +129,19 @@ def test_a_holder_killed_mid_fetch_leaves_its_share_to_the_others(holders):
     _same(got, published)
     assert "was lost" in got.stats[victim]["dropped"]
     assert got.stats[victim]["bytes"] < 64 << 20
+
+
+def test_a_frozen_holder_is_dropped_after_the_stall_timeout(holders):
+    mib = ["--state", "big", "--mib", "32", "--chunk-bytes", str(1 << 20)]
+    frozen, published, proc = holders(*mib, "--pace", "0.25")
+    other, _, _ = holders(*mib)
+    threading.Timer(1.0, proc.signal, args=(signal.SIGSTOP,)).start()  # alive, connections open, silent
+    try:
+        got = collective.fetch([frozen, other], step=8, token=TOKEN, timeout=120, stall_timeout=3)
+    finally:
+        proc.signal(signal.SIGCONT)
+    _same(got, published)
+    assert "sent nothing for 3 s" in got.stats[frozen]["dropped"]
 
 
 def test_the_only_holder_killed_mid_fetch_is_one_line_naming_it(holders):
