@@ -142,7 +142,32 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout
         sides = "; ".join(f"{', '.join(a)} publish manifest {d}" for d, a in groups.items())
         raise E.FetchError(f"holders disagree on the manifest of step {step}: {sides}; compare them "
                          f"(collective.check) before trusting any")
-    return ready
+    return _same_layout(ready)
+
+
+def _layout(plan: pb.Plan) -> str:
+    """What stripes from several holders need in common beyond the manifest: the same bytes at
+    the same offsets in the same chunks (``chunk_bytes`` is the publisher's choice)."""
+    bare = pb.Plan()
+    bare.CopyFrom(plan)
+    bare.chief_incarnation = ""
+    return bytes_digest(bare.SerializeToString(deterministic=True))
+
+
+def _same_layout(ready: list[_Holder]) -> list[_Holder]:
+    """The most holders whose plans lay the state out alike (the first such group on a tie);
+    the others, of the same manifest but other chunks, are left out with a warning (their
+    stripes would be checked against another plan's chunk digests, and blamed wrongly)."""
+    groups = collections.defaultdict(list)
+    for h in ready:
+        groups[_layout(h.plan)].append(h)
+    best = max(groups.values(), key=len)
+    for h in ready:
+        if h not in best:
+            log.warning("fetch: %s publishes the same manifest in other chunks (%d-byte chunks, %d bytes); "
+                        "left out, striping over %d holder(s) of one layout", h.name(), h.plan.chunk_bytes,
+                        h.plan.total_bytes, len(best))
+    return best
 
 
 def _one_line(exc: Exception) -> str:

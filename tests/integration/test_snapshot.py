@@ -191,6 +191,14 @@ def test_holders_that_disagree_on_the_manifest_are_refused(holders):
     assert "holders disagree on the manifest of step 8" in str(err.value) and a in str(err.value) and b in str(err.value)
 
 
+def test_holders_of_one_manifest_in_other_chunks_are_not_mixed(holders):
+    a, published, _ = holders("--state", "nested", "--chunk-bytes", "256")
+    b, _, _ = holders("--state", "nested", "--chunk-bytes", "512")  # the same state, cut otherwise
+    got = collective.fetch([a, b], step=8, token=TOKEN, timeout=60)
+    _same(got, published)
+    assert list(got.stats) == [a] and got.stats[a]["dropped"] is None  # b left out, not blamed
+
+
 def test_an_unreachable_holder_is_named_and_the_others_serve(holders):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
