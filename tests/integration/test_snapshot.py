@@ -7,6 +7,7 @@ JSON belongs."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
@@ -238,6 +239,31 @@ def test_close_stops_serving_and_is_idempotent():
     pub.close()
     with pytest.raises(collective.CollectiveError, match=f"holder at {pub.address}"):
         collective.fetch(pub.address, step=3, token=TOKEN, timeout=5)
+
+
+def test_the_fetch_command_writes_the_state_to_a_file(holders, tmp_path):
+    import subprocess
+    import sys
+
+    from collective.sources import load_source
+
+    address, published, _ = holders("--state", "nested")
+    env = {**os.environ, "COLLECTIVE_TOKEN": TOKEN}
+    out = tmp_path / "state.safetensors"
+    run = subprocess.run([sys.executable, "-m", "collective.cli", "fetch", "--from", address, "--step", "8", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "fetched step 8 (3 tensors" in run.stdout and f"from {address}" in run.stdout
+    source = load_source(str(out))
+    values = {}
+    for spec in source.specs():
+        values[spec.name] = np.empty(spec.shape, spec.np_dtype)
+        source.fill(spec, values[spec.name])
+    assert {n: array_digest(a) for n, a in values.items()} == published["digests"]
+    run = subprocess.run([sys.executable, "-m", "collective.cli", "fetch", "--from", address, "--step", "9", "--out",
+                          str(tmp_path / "x.npz")], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        f"collective fetch: error: holder at {address} publishes step 8, not step 9"], run.stderr
 
 
 def test_close_lets_a_fetch_in_progress_finish_then_refuses(monkeypatch):
