@@ -199,6 +199,7 @@ class _Striper:
         chunks = -(-total // size)
         per = max(1, min(-(-chunks // (4 * len(holders))), max(1, STRIPE_BYTES // size)))
         self.queue = collections.deque((i * size, min((i + per) * size, total)) for i in range(0, chunks, per))
+        self.stripe_bytes = per * size
         self.left = len(self.queue)
         self.cond = threading.Condition()
         self.failure: BaseException | None = None
@@ -259,9 +260,12 @@ class _Striper:
             return None
 
     def _take(self, h: _Holder) -> None:
+        # With ``into``, each holder's thread receives its stripes into one buffer of its own,
+        # made once (its pages faulted in once), and copies each out once verified.
+        own = new_arena(min(self.stripe_bytes, self.plan.total_bytes)) if self.arena is None else None
         try:
             while (span := self._next()) is not None:
-                if not self._receive(h, span):
+                if not self._receive(h, span, own):
                     return
         except BaseException as exc:  # a bug here must end the fetch, not hang it
             with self.cond:
@@ -271,11 +275,11 @@ class _Striper:
             with self.cond:
                 self.cond.notify_all()
 
-    def _receive(self, h: _Holder, span: tuple[int, int]) -> bool:
+    def _receive(self, h: _Holder, span: tuple[int, int], own: np.ndarray | None) -> bool:
         a, b = span
         total = self.plan.total_bytes
-        buf = self.arena if self.arena is not None else new_arena(b - a)
-        base = 0 if self.arena is not None else a
+        buf = self.arena if own is None else own[: b - a]
+        base = 0 if own is None else a
         receiver = Receiver(self.plan, buf, span=span, base=base, frames=self.frames)
         ref = pb.WorkerRef(worker_id=_REF, resume_from=a, stop_at=b if b < total else 0)
         try:
