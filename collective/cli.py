@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     fe.add_argument("--timeout", type=positive_float, default=300.0, help="seconds for the whole fetch")
     fe.add_argument("--stall-timeout", type=positive_float, default=30.0,
                     help="seconds a holder may send nothing before its share goes to the others")
+    add_tls_options(fe, worker=True)
 
     bench = _bench_tools()
     if bench is not None:
@@ -210,7 +211,11 @@ def _fetch(args: argparse.Namespace) -> int:
     if out.suffix not in (".safetensors", ".npz"):
         raise UsageError(f"--out {args.out}: write a .safetensors or a .npz file")
     started = time.monotonic()
-    got = fetch(args.sources, step=args.step, token=args.token, timeout=args.timeout, stall_timeout=args.stall_timeout)
+    from collective.config import tls_from_args
+
+    tls = tls_from_args(args)
+    got = fetch(args.sources, step=args.step, token=args.token, timeout=args.timeout, stall_timeout=args.stall_timeout,
+                tls=tls if tls.enabled else None)
     skeleton, arrays = tree.flatten(got)  # names as published (key paths), no copy
     if out.suffix == ".npz":
         save_npz(out, arrays)

@@ -7,7 +7,7 @@
     pub.close()
 
 ``publish(state, *, step, token=None, bind="0.0.0.0:0", advertise=None, copy=False,
-chunk_bytes=None) -> Publication``: ``state`` is a mapping name -> array (numpy array or CPU
+chunk_bytes=None, tls=None) -> Publication``: ``state`` is a mapping name -> array (numpy array or CPU
 torch tensor), or a nested ``state_dict`` / optimizer ``state_dict()``; tensors are served as
 raw bytes, other leaves (int, float, bool, None, str and lists / dicts / tuples of them) as
 JSON; anything else is a UsageError naming its key path. Nothing is pickled. Every digest is
@@ -15,7 +15,7 @@ computed once, here. ``copy=False`` serves the caller's arrays in place: do not 
 until ``close()`` returns. ``copy=True`` serves a copy, and the caller may change them at once.
 
 ``fetch(sources, *, step, token=None, timeout=300.0, stall_timeout=30.0, into=None,
-manifest=None, max_bytes=None) -> Fetched`` (a dict): the state as published, tensors as numpy
+manifest=None, max_bytes=None, tls=None) -> Fetched`` (a dict): the state as published, tensors as numpy
 arrays (views of one received arena, or the caller's ``into`` arrays: name -> preallocated
 writable array of the tensor's shape and dtype, so a recovering process holds the state once),
 other leaves as their JSON values. Several sources: the holders of ``step`` whose manifests

@@ -41,7 +41,22 @@ MAX_PLAN_BYTES = 256 << 20
 """The largest plan a holder may send (100,000 tensors and 1 TiB of chunk digests fit)."""
 STRIPE_BYTES = 64 << 20
 """At most this much in one stripe: a lost holder's share is retaken in pieces this size."""
-_REF = "fetch"
+_REF = "fetch"  # who a fetch says it is (its worker id); under mutual TLS, its certificate's name
+
+
+def _identity(tls) -> str:
+    """The worker id a fetch presents: its certificate's common name under mutual TLS (the
+    holder admits only a caller its certificate names), else ``fetch``."""
+    if tls is None or not tls.mutual:
+        return _REF
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(tls.read("cert"))
+    except ValueError as exc:
+        raise E.UsageError(f"tls cert {tls.cert or '(in memory)'}: not a PEM certificate ({exc})") from None
+    names = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    return str(names[0].value) if names else _REF
 
 
 class Fetched(dict):
@@ -105,7 +120,7 @@ def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
 
 
 def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout: float,
-               max_bytes: int) -> list[_Holder]:
+               max_bytes: int, ident: str) -> list[_Holder]:
     """Each holder's plan, in parallel; the holders of ``step`` that agree on its manifest."""
     errors: dict[str, E.CollectiveError] = {}
 
@@ -113,7 +128,7 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout
         try:
             # A holder that does not answer within the stall timeout is left out, not waited for.
             wait = max(0.1, min(deadline - time.monotonic(), stall_timeout))
-            plan = h.link.get_plan(pb.WorkerRef(worker_id=_REF), wait,
+            plan = h.link.get_plan(pb.WorkerRef(worker_id=ident), wait,
                                    phase="fetch (asking for its manifest)", max_bytes=MAX_PLAN_BYTES)
             _check_plan(h, plan, step, max_bytes)
             h.plan = plan
@@ -191,7 +206,8 @@ class _Striper:
     """The stripes of one fetch, the threads that take them (one per holder) and the outcome."""
 
     def __init__(self, plan: pb.Plan, holders: list[_Holder], arena: np.ndarray | None, scatter,
-                 stall_timeout: float) -> None:
+                 stall_timeout: float, ident: str) -> None:
+        self.ident = ident
         self.plan, self.holders, self.arena, self.scatter = plan, holders, arena, scatter
         self.stall_timeout = stall_timeout
         self.frames = frame_table(plan)  # once: every stripe's Receiver checks against it
@@ -281,7 +297,7 @@ class _Striper:
         buf = self.arena if own is None else own[: b - a]
         base = 0 if own is None else a
         receiver = Receiver(self.plan, buf, span=span, base=base, frames=self.frames)
-        ref = pb.WorkerRef(worker_id=_REF, resume_from=a, stop_at=b if b < total else 0)
+        ref = pb.WorkerRef(worker_id=self.ident, resume_from=a, stop_at=b if b < total else 0)
         try:
             h.link.receive_into(ref, receiver, self.stall_timeout)
             receiver.finish()
@@ -366,7 +382,7 @@ def _views(plan: pb.Plan, arena: np.ndarray) -> dict[str, np.ndarray]:
 
 def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, timeout: float = 300.0,
           stall_timeout: float = 30.0, into: Mapping[str, np.ndarray] | None = None,
-          manifest: str | None = None, max_bytes: int | None = None) -> Fetched:
+          manifest: str | None = None, max_bytes: int | None = None, tls=None) -> Fetched:
     """The state published at ``step`` by the holders at ``sources``, every byte verified.
 
     :param sources: one ``host:port`` (or several, comma-separated) or a sequence of them. The
@@ -390,6 +406,9 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
         received arena, zero copy) and JSON values for the rest; ``.step``,
         ``.manifest_digest``, ``.total_bytes`` and ``.stats`` (per holder: bytes delivered,
         stripes, why it was dropped).
+    :param tls: ``TlsFiles(ca=)`` to reach holders that serve TLS (``server_name=`` when their
+        certificate names another host); with ``cert=`` and ``key=`` too, mutual TLS (the
+        fetch presents itself under its certificate's common name).
     :raises FetchError: wrong step, holders disagreeing on the manifest, no holder left.
     :raises IntegrityError: a holder's bytes differ from its own plan and no other holder is left.
     :raises AuthError: a holder refused the token. ChiefUnreachableError: unreachable holder.
@@ -404,16 +423,18 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     started = time.monotonic()
     deadline = started + timeout
     token = cluster_token(token)
-    holders = [_Holder(a, GrpcChiefLink(a, token=token, name="holder")) for a in addresses]
+    ident = _identity(tls)
+    holders = [_Holder(a, GrpcChiefLink(a, token=token, name="holder", tls=tls)) for a in addresses]
     try:
-        ready = _ask_plans(holders, step, deadline, stall_timeout, max_bytes if max_bytes is not None else _memory_bytes())
+        ready = _ask_plans(holders, step, deadline, stall_timeout,
+                           max_bytes if max_bytes is not None else _memory_bytes(), ident)
         plan = ready[0].plan
         if manifest is not None and plan.manifest_digest != manifest:
             raise E.FetchError(f"{', '.join(h.name() for h in ready)} publish manifest {plan.manifest_digest} "
                              f"of step {step}, not the expected {manifest}")
         scatter = _Into(plan, into) if into is not None else None
         arena = new_arena(plan.total_bytes) if scatter is None else None
-        striper = _Striper(plan, ready, arena, scatter, stall_timeout)
+        striper = _Striper(plan, ready, arena, scatter, stall_timeout, ident)
         striper.run(deadline)
         arrays = _views(plan, arena) if scatter is None else scatter.arrays()
         sender = ", ".join(h.name() for h in ready)

@@ -28,6 +28,7 @@ import numpy as np
 
 from collective import config
 from collective._proto import collective_pb2 as pb
+from collective.config import TlsFiles
 from collective.digest import array_digest, bytes_digest
 from collective.errors import AbortedError, ProtocolError, UnimplementedError, UsageError
 from collective.limits import check_ref
@@ -251,7 +252,8 @@ class Publication:
 
 
 def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = "0.0.0.0:0",
-            advertise: str | None = None, copy: bool = False, chunk_bytes: int | None = None) -> Publication:
+            advertise: str | None = None, copy: bool = False, chunk_bytes: int | None = None,
+            tls: TlsFiles | None = None) -> Publication:
     """Serve ``state`` at ``step`` to ``collective.fetch`` until ``close()``.
 
     :param state: a mapping name -> array (numpy array or CPU torch tensor), or a nested
@@ -269,6 +271,8 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
         bytes that differ from the digests, and name this holder). True: one copy is taken
         now and the caller may change its tensors at once.
     :param chunk_bytes: the unit of streaming and verification (default 4 MiB).
+    :param tls: ``TlsFiles(cert=, key=)`` to serve over TLS; with ``ca=`` too, mutual TLS
+        (a fetcher must present a certificate that CA signed).
     :return: the ``Publication`` (``address``, ``step``, ``manifest_digest``, ``close()``).
     """
     from collective.transport.grpc import GrpcEndpoint
@@ -281,7 +285,7 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     started = time.monotonic()
     plan, arena, keep = build(state, step, copy=copy, chunk_bytes=chunk_bytes)
     handler = SnapshotHandler(plan, arena)
-    endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder")
+    endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder", tls=tls)
     bound = endpoint.start(handler)
     host = advertise or bound.rpartition(":")[0].strip("[]")
     if host in ("", "0.0.0.0", "::"):

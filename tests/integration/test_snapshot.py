@@ -266,6 +266,24 @@ def test_the_fetch_command_writes_the_state_to_a_file(holders, tmp_path):
         f"collective fetch: error: holder at {address} publishes step 8, not step 9"], run.stderr
 
 
+def test_mutual_tls_fetch_presents_its_certificate(tmp_path):
+    import subprocess
+
+    from collective.config import TlsFiles
+    from tests.procs import ROOT
+
+    subprocess.run(["bash", str(ROOT / "scripts" / "make-certs.sh"), str(tmp_path), "worker-1"], check=True,
+                   capture_output=True, timeout=60)
+    server = TlsFiles(cert=str(tmp_path / "chief.pem"), key=str(tmp_path / "chief.key"), ca=str(tmp_path / "ca.pem"))
+    client = TlsFiles(ca=str(tmp_path / "ca.pem"), cert=str(tmp_path / "worker-1.pem"), key=str(tmp_path / "worker-1.key"))
+    state = {"w": np.arange(100.0)}
+    with collective.publish(state, step=4, bind="127.0.0.1:0", token=TOKEN, tls=server) as pub:
+        got = collective.fetch(pub.address, step=4, token=TOKEN, timeout=30, tls=client)
+        assert np.array_equal(got["w"], state["w"])
+        with pytest.raises(collective.CollectiveError, match=f"holder at {pub.address}"):  # no certificate
+            collective.fetch(pub.address, step=4, token=TOKEN, timeout=10, tls=TlsFiles(ca=str(tmp_path / "ca.pem")))
+
+
 def test_close_lets_a_fetch_in_progress_finish_then_refuses(monkeypatch):
     from collective.stream import Chunker
 
