@@ -1,6 +1,6 @@
 """``fetch``: a published state from one or several holders, striped, every chunk verified.
 
-1. Each holder is asked for its plan (GetPlan, in pieces, at most ``MAX_PLAN_BYTES``). A plan is
+1. Each holder is asked for its plan (GetPlan, in pieces, at most ``limits.MAX_SNAPSHOT_PLAN_BYTES``). A plan is
    checked before anything is allocated: ``validate_plan``, its step (``Plan.model``), its size
    against ``max_bytes``, its skeleton variable's size. The holders of the requested step whose
    manifest digests agree are used together; holders that disagree fail the fetch, naming both
@@ -29,6 +29,7 @@ from collective import dtypes
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective.digest import bytes_digest
+from collective.limits import MAX_SNAPSHOT_PLAN_BYTES
 from collective.plan import new_arena, validate_plan
 from collective.sizes import format_bytes
 from collective.snapshot import tree
@@ -37,8 +38,6 @@ from collective.stream import Receiver, frame_table, overlapping
 
 log = logging.getLogger(__name__)
 
-MAX_PLAN_BYTES = 256 << 20
-"""The largest plan a holder may send (100,000 tensors and 1 TiB of chunk digests fit)."""
 STRIPE_BYTES = 64 << 20
 """At most this much in one stripe: a lost holder's share is retaken in pieces this size."""
 _REF = "fetch"  # who a fetch says it is (its worker id); under mutual TLS, its certificate's name
@@ -113,10 +112,11 @@ def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
     except E.ProtocolError as exc:
         raise E.ProtocolError(f"{h.name()} sent a plan that does not hold together: {exc}") from None
     last = plan.variables[-1] if plan.variables else None
-    if (last is None or last.name != tree.TREE or last.dtype != "|u1" or len(last.shape) != 1
-            or last.nbytes > tree.MAX_TREE_BYTES):
-        raise E.ProtocolError(f"{h.name()} sent a plan without its structure variable {tree.TREE!r} "
-                              f"(bytes, at most {tree.MAX_TREE_BYTES}), last")
+    if last is None or last.name != tree.TREE or last.dtype != "|u1" or len(last.shape) != 1:
+        raise E.ProtocolError(f"{h.name()} sent a plan without its structure variable {tree.TREE!r} (bytes, last)")
+    if last.nbytes > tree.MAX_TREE_BYTES:
+        raise E.ProtocolError(f"{h.name()} sent a plan whose structure takes {last.nbytes} bytes, more than "
+                              f"{tree.MAX_TREE_BYTES}; refused before allocating")
 
 
 def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout: float,
@@ -129,7 +129,7 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout
             # A holder that does not answer within the stall timeout is left out, not waited for.
             wait = max(0.1, min(deadline - time.monotonic(), stall_timeout))
             plan = h.link.get_plan(pb.WorkerRef(worker_id=ident), wait,
-                                   phase="fetch (asking for its manifest)", max_bytes=MAX_PLAN_BYTES)
+                                   phase="fetch (asking for its manifest)", max_bytes=MAX_SNAPSHOT_PLAN_BYTES)
             _check_plan(h, plan, step, max_bytes)
             h.plan = plan
         except E.CollectiveError as exc:

@@ -230,6 +230,20 @@ def test_a_plan_of_absurd_size_is_refused_before_allocating():
         pub.close()
 
 
+def test_an_oversize_plan_or_structure_is_refused_naming_the_holder(monkeypatch):
+    from collective.snapshot import fetcher
+
+    with collective.publish({"x": np.arange(4.0), "meta": {"k": "v" * 300}}, step=1, bind="127.0.0.1:0",
+                            token=TOKEN) as pub:
+        monkeypatch.setattr(fetcher, "MAX_SNAPSHOT_PLAN_BYTES", 100)  # as if the holder's plan were huge
+        with pytest.raises(collective.ProtocolError, match=rf"holder at {pub.address} sent a Plan in pieces"):
+            collective.fetch(pub.address, step=1, token=TOKEN, timeout=30)
+        monkeypatch.undo()
+        monkeypatch.setattr(tree, "MAX_TREE_BYTES", 200)
+        with pytest.raises(collective.ProtocolError, match=rf"holder at {pub.address} sent a plan whose structure takes \d+ bytes"):
+            collective.fetch(pub.address, step=1, token=TOKEN, timeout=30)
+
+
 def test_close_stops_serving_and_is_idempotent():
     state = {"x": np.arange(1000, dtype=np.int32)}
     with collective.publish(state, step=3, bind="127.0.0.1:0", token=TOKEN, copy=True) as pub:
