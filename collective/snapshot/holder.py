@@ -17,6 +17,7 @@ and the caller may change its tensors at once.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import secrets
 import socket
@@ -26,7 +27,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from collective import config
+from collective import config, dtypes
 from collective._proto import collective_pb2 as pb
 from collective.config import TlsFiles
 from collective.digest import array_digest, bytes_digest
@@ -66,8 +67,6 @@ class ScatteredArena:
         self.nbytes = nbytes
 
     def slice(self, start: int, end: int) -> memoryview:
-        import bisect
-
         i = max(0, bisect.bisect_right(self._starts, start) - 1)
         parts = []
         for off, flat in self._parts[i:]:
@@ -103,15 +102,15 @@ def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int) -> tuple[p
     arrays = _contiguous(arrays, copy)
     arrays[tree.TREE] = tree.encode(skeleton, step)
     names = list(arrays)
-    from collective import dtypes
-
     specs = [VariableSpec(n, tuple(int(d) for d in arrays[n].shape), dtypes.wire(arrays[n].dtype)) for n in names]
     offsets, total = layout(specs)
     if copy:
         arena = new_arena(total)
-        arena[:] = 0  # the padding
+        end = 0
         for n, off in zip(names, offsets, strict=True):
+            arena[end:off] = 0  # the padding: zeros, as ScatteredArena reads it (same chunk digests)
             arena[off : off + arrays[n].nbytes] = arrays[n].reshape(-1).view(np.uint8)
+            end = off + arrays[n].nbytes
         digests = [array_digest(arena[off : off + s.nbytes]) for off, s in zip(offsets, specs, strict=True)]
         chunks = None
         keep: list = [arena]
