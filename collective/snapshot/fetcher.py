@@ -28,13 +28,13 @@ import numpy as np
 from collective import dtypes
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
-from collective.digest import bytes_digest
+from collective.digest import bytes_digest, chunk_digests
 from collective.limits import MAX_SNAPSHOT_PLAN_BYTES
 from collective.plan import new_arena, validate_plan
 from collective.sizes import format_bytes
 from collective.snapshot import tree
 from collective.snapshot.holder import MODEL_PREFIX, cluster_token
-from collective.stream import Receiver, frame_table, overlapping
+from collective.stream import Receiver, differing_chunk, frame_table, overlapping
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class _Holder:
         self.plan: pb.Plan | None = None
         self.bytes = 0
         self.stripes = 0
+        self.shared = False  # its sealed copy was mapped (same host), not streamed
         self.dropped: str | None = None
 
     def name(self) -> str:
@@ -165,7 +166,7 @@ def _layout(plan: pb.Plan) -> str:
     the same offsets in the same chunks (``chunk_bytes`` is the publisher's choice)."""
     bare = pb.Plan()
     bare.CopyFrom(plan)
-    bare.chief_incarnation = ""
+    bare.chief_incarnation = bare.shm_socket = bare.shm_secret = ""  # each holder's own
     return bytes_digest(bare.SerializeToString(deterministic=True))
 
 
@@ -374,6 +375,28 @@ class _Into:
                 for v in self.plan.variables}
 
 
+def _attach(ready: list[_Holder], plan: pb.Plan, ident: str) -> np.ndarray | None:
+    """A same-host holder's sealed copy (``publish(copy=True)``), mapped copy-on-write and
+    every chunk checked against the plan, or None (another host, no copy offered, or refused:
+    then the stream). A mapping whose bytes differ names the holder and is not used."""
+    from collective.transport import shm
+
+    for h in ready:
+        if not h.plan.shm_socket:
+            continue
+        arena = shm.attach(h.plan.shm_socket, h.plan.shm_secret, ident, "", plan.total_bytes, whose=h.name())
+        if arena is None:
+            continue
+        differs = differing_chunk(plan, chunk_digests(arena, plan.chunk_bytes), plan.chunk_digests)
+        if differs is not None:
+            name = _differing(plan, arena, 0, *differs)
+            log.warning("fetch: %s shares a copy whose bytes of %r differ from its own plan; not used", h.name(), name)
+            continue
+        h.bytes, h.shared = plan.total_bytes, True
+        return arena
+    return None
+
+
 def _views(plan: pb.Plan, arena: np.ndarray) -> dict[str, np.ndarray]:
     """Every variable as a view of the received arena (zero copy)."""
     return {v.name: arena[v.offset : v.offset + v.nbytes].view(dtypes.from_wire(v.dtype)).reshape(tuple(v.shape))
@@ -382,7 +405,7 @@ def _views(plan: pb.Plan, arena: np.ndarray) -> dict[str, np.ndarray]:
 
 def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, timeout: float = 300.0,
           stall_timeout: float = 30.0, into: Mapping[str, np.ndarray] | None = None,
-          manifest: str | None = None, max_bytes: int | None = None, tls=None) -> Fetched:
+          manifest: str | None = None, max_bytes: int | None = None, tls=None, shm: bool = True) -> Fetched:
     """The state published at ``step`` by the holders at ``sources``, every byte verified.
 
     :param sources: one ``host:port`` (or several, comma-separated) or a sequence of them. The
@@ -409,6 +432,8 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     :param tls: ``TlsFiles(ca=)`` to reach holders that serve TLS (``server_name=`` when their
         certificate names another host); with ``cert=`` and ``key=`` too, mutual TLS (the
         fetch presents itself under its certificate's common name).
+    :param shm: map a same-host holder's sealed copy (``publish(copy=True)``) instead of
+        receiving the stream, when it offers one (every chunk still checked); False: the stream.
     :raises FetchError: wrong step, holders disagreeing on the manifest, no holder left.
     :raises IntegrityError: a holder's bytes differ from its own plan and no other holder is left.
     :raises AuthError: a holder refused the token. ChiefUnreachableError: unreachable holder.
@@ -433,9 +458,14 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
             raise E.FetchError(f"{', '.join(h.name() for h in ready)} publish manifest {plan.manifest_digest} "
                              f"of step {step}, not the expected {manifest}")
         scatter = _Into(plan, into) if into is not None else None
-        arena = new_arena(plan.total_bytes) if scatter is None else None
-        striper = _Striper(plan, ready, arena, scatter, stall_timeout, ident)
-        striper.run(deadline)
+        mapped = _attach(ready, plan, ident) if shm else None
+        if mapped is not None:  # verified already; with ``into``, copied out
+            arena = mapped
+            if scatter is not None:
+                scatter(mapped, 0, 0, plan.total_bytes)
+        else:
+            arena = new_arena(plan.total_bytes) if scatter is None else None
+            _Striper(plan, ready, arena, scatter, stall_timeout, ident).run(deadline)
         arrays = _views(plan, arena) if scatter is None else scatter.arrays()
         sender = ", ".join(h.name() for h in ready)
         state = tree.unflatten(tree.decode(arrays[tree.TREE], step, sender), arrays, sender)
@@ -444,7 +474,8 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
             h.link.close()
     out = Fetched(state)
     out.step, out.manifest_digest, out.total_bytes = step, plan.manifest_digest, plan.total_bytes
-    out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped} for h in ready}
+    out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped, "shared_memory": h.shared}
+                 for h in ready}
     seconds = time.monotonic() - started
     log.info("fetched step %d (%s, manifest %s) in %.2f s: %s", step, format_bytes(plan.total_bytes),
              plan.manifest_digest, seconds,

@@ -30,7 +30,7 @@ import numpy as np
 from collective import config, dtypes
 from collective._proto import collective_pb2 as pb
 from collective.config import TlsFiles
-from collective.digest import array_digest, bytes_digest
+from collective.digest import array_digest, bytes_digest, chunk_digests
 from collective.errors import AbortedError, ProtocolError, UnimplementedError, UsageError
 from collective.limits import check_ref
 from collective.model import VariableSpec
@@ -95,9 +95,22 @@ def _contiguous(arrays: dict[str, np.ndarray], copy: bool) -> dict[str, np.ndarr
     return out
 
 
+def _memfd_arena(total: int):
+    """A ``SharedArena`` (a memfd, every page faulted in) for a copy, or None where this kernel
+    or platform has none (then plain memory)."""
+    from collective.transport.shm import SharedArena
+
+    try:
+        return SharedArena(total, prefault=True)
+    except (OSError, AttributeError) as exc:  # no memfd_create (not Linux) or no memory file left
+        log.info("publish: no memory file for the copy (%s); same-host fetchers take the stream", exc)
+        return None
+
+
 def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int) -> tuple[pb.Plan, object, list]:
     """The plan of ``state`` at ``step``, the arena it is served from, and what keeps the arrays
-    alive. Every digest is computed here, once."""
+    alive (with ``copy``, its last item is the sealed ``SharedArena`` a same-host fetcher may
+    map, or None). Every digest is computed here, once."""
     skeleton, arrays = tree.flatten(state)
     arrays = _contiguous(arrays, copy)
     arrays[tree.TREE] = tree.encode(skeleton, step)
@@ -105,22 +118,36 @@ def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int) -> tuple[p
     specs = [VariableSpec(n, tuple(int(d) for d in arrays[n].shape), dtypes.wire(arrays[n].dtype)) for n in names]
     offsets, total = layout(specs)
     if copy:
-        arena = new_arena(total)
+        shared = _memfd_arena(total)
+        arena = shared.array if shared is not None else new_arena(total)
         end = 0
         for n, off in zip(names, offsets, strict=True):
             arena[end:off] = 0  # the padding: zeros, as ScatteredArena reads it (same chunk digests)
             arena[off : off + arrays[n].nbytes] = arrays[n].reshape(-1).view(np.uint8)
             end = off + arrays[n].nbytes
+        arena[end:] = 0
         digests = [array_digest(arena[off : off + s.nbytes]) for off, s in zip(offsets, specs, strict=True)]
-        chunks = None
-        keep: list = [arena]
+        chunks = chunk_digests(arena, chunk_bytes)
+        if shared is not None:
+            del arena  # the seal needs every writable view gone
+            try:
+                shared.seal()  # read-only for everyone, this process too: what was hashed stays
+            except (BufferError, OSError) as exc:
+                log.info("publish: cannot seal the copy (%s); same-host fetchers take the stream", exc)
+                keep_shared = None
+            else:
+                keep_shared = shared
+            arena = shared.array
+        else:
+            keep_shared = None
+        keep: list = [arena, shared, keep_shared]
     else:
         arena = ScatteredArena(offsets, [arrays[n] for n in names], total)
         digests = [array_digest(arrays[n]) for n in names]
         chunks = [bytes_digest(arena.slice(i, min(i + chunk_bytes, total))) for i in range(0, total, chunk_bytes)]
-        keep = [arrays]
+        keep = [arrays, None, None]
     worker = pb.WorkerInfo(rank=0, worker_id="fetcher", devices=["cpu:0"], parent=-1)
-    plan = build_plan(specs, digests, [worker], arena=arena if copy else np.empty(0, np.uint8),
+    plan = build_plan(specs, digests, [worker], arena=np.empty(0, np.uint8),
                       chunk_bytes=chunk_bytes, chief_incarnation=secrets.token_hex(8),
                       model=f"{MODEL_PREFIX}{step}", chunks=chunks)
     return plan, arena, keep
@@ -216,8 +243,9 @@ class Publication:
     stops serving (idempotent; waits up to ``CLOSE_GRACE`` s for fetches in progress); a context
     manager. ``stats()``: bytes and streams served so far."""
 
-    def __init__(self, handler: SnapshotHandler, endpoint, address: str, step: int, keep: list) -> None:
-        self._handler, self._endpoint, self._keep = handler, endpoint, keep
+    def __init__(self, handler: SnapshotHandler, endpoint, address: str, step: int, keep: list,
+                 shm_server=None) -> None:
+        self._handler, self._endpoint, self._keep, self._shm = handler, endpoint, keep, shm_server
         self.address = address
         self.step = step
         self.manifest_digest = handler.plan.manifest_digest
@@ -237,7 +265,12 @@ class Publication:
             log.warning("publication of step %d at %s: fetches still in progress after %g s are cut",
                         self.step, self.address, grace)
         self._endpoint.stop(0.5)
+        if self._shm is not None:
+            self._shm.close()  # a fetcher's mapping stays valid: the kernel frees the file after it
+        shared = self._keep[1]
         self._keep.clear()  # the caller's arrays (or the copy) are no longer referenced
+        if shared is not None:
+            shared.close()
 
     def __enter__(self) -> Publication:
         return self
@@ -268,7 +301,8 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     :param copy: False (default): the arrays are served in place, with no second copy of the
         state; the caller must not change them until ``close()`` returns (a fetcher would get
         bytes that differ from the digests, and name this holder). True: one copy is taken
-        now and the caller may change its tensors at once.
+        now (into a sealed memory file: a fetcher on this host maps it instead of receiving
+        the stream) and the caller may change its tensors at once.
     :param chunk_bytes: the unit of streaming and verification (default 4 MiB).
     :param tls: ``TlsFiles(cert=, key=)`` to serve over TLS; with ``ca=`` too, mutual TLS
         (a fetcher must present a certificate that CA signed).
@@ -283,9 +317,22 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
         raise UsageError(f"chunk_bytes={chunk_bytes}: use 1..{MAX_CHUNK_BYTES}")
     started = time.monotonic()
     plan, arena, keep = build(state, step, copy=copy, chunk_bytes=chunk_bytes)
+    shm_server = None
+    if keep[2] is not None:  # a sealed copy: a fetcher on this host maps it instead of the stream
+        from collective.transport.shm import ShmServer
+
+        shm_server = ShmServer(keep[2], lambda worker_id, incarnation: None)  # the token guarded the plan
+        plan.shm_socket, plan.shm_secret = shm_server.name, shm_server.secret
     handler = SnapshotHandler(plan, arena)
     endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder", tls=tls)
-    bound = endpoint.start(handler)
+    try:
+        bound = endpoint.start(handler)
+    except BaseException:
+        if shm_server is not None:
+            shm_server.close()
+        if keep[1] is not None:
+            keep[1].close()
+        raise
     host = advertise or bound.rpartition(":")[0].strip("[]")
     if host in ("", "0.0.0.0", "::"):
         host = socket.gethostname()  # what another host can dial; advertise= overrides it
@@ -293,4 +340,4 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     log.info("publishing step %d (%d tensors, %d bytes, manifest %s) at %s, %s, in %.2f s", step,
              len(plan.variables) - 1, plan.total_bytes, plan.manifest_digest, address,
              "copied" if copy else "served in place", time.monotonic() - started)
-    return Publication(handler, endpoint, address, step, keep)
+    return Publication(handler, endpoint, address, step, keep, shm_server)

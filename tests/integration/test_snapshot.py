@@ -103,6 +103,18 @@ def test_into_the_modules_own_tensors_no_second_copy(holders):
         collective.fetch(a, step=8, token=TOKEN, timeout=60, into={"model/0.weight": np.zeros(3, np.float32)})
 
 
+def test_a_same_host_copy_is_mapped_not_streamed_and_outlives_its_holder(holders):
+    address, published, proc = holders("--state", "big", "--mib", "8", "--copy")
+    got = collective.fetch(address, step=8, token=TOKEN, timeout=60)
+    assert got.stats[address]["shared_memory"] and got.stats[address]["stripes"] == 0
+    proc.kill()  # the mapping is this process's own now (copy-on-write of a sealed memory file)
+    _same(got, published)
+    got["block.0.weight"][:] = 0  # writable, and private: nobody else sees it
+    streamed = collective.fetch(holders("--state", "big", "--mib", "8", "--copy")[0], step=8, token=TOKEN,
+                                timeout=60, shm=False)
+    assert not any(s["shared_memory"] for s in streamed.stats.values()) and streamed.manifest_digest == published["manifest"]
+
+
 def test_striped_over_three_holders_each_serves_a_share(holders):
     started = [holders("--state", "big", "--mib", "32", "--chunk-bytes", str(1 << 20)) for _ in range(3)]
     got = collective.fetch([a for a, _, _ in started], step=8, token=TOKEN, timeout=120)
