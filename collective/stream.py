@@ -118,9 +118,21 @@ def stripe_end(plan: pb.Plan, stop: int) -> pb.Chunk:
                     end=pb.StreamEnd(total_bytes=stop, manifest_digest=plan.manifest_digest))
 
 
-def frame_table(plan: pb.Plan) -> dict[int, _ChunkFrame]:
-    """Every frame of the plan's stream by its offset (what a ``Receiver`` checks against)."""
-    return {f.start: f for f in _frames(plan)}
+@dataclass(frozen=True)
+class FrameTable:
+    """What a ``Receiver`` checks a plan's stream against: every frame by its offset, the plan's
+    instance and group keys, its variables' ends. Made once per plan (``frame_table``) and
+    shared by the receivers of its stripes."""
+
+    frames: dict[int, _ChunkFrame]
+    keys: frozenset[int]
+    groups: frozenset[int]
+    ends: list[int]
+
+
+def frame_table(plan: pb.Plan) -> FrameTable:
+    return FrameTable({f.start: f for f in _frames(plan)}, frozenset(v.instance_key for v in plan.variables),
+                      frozenset(g.group_key for g in plan.groups), sorted(v.offset + v.nbytes for v in plan.variables))
 
 
 def with_bytes(frames: Iterable[tuple[pb.Chunk, memoryview]]) -> Iterator[pb.Chunk]:
@@ -240,24 +252,24 @@ class Receiver:
     """
 
     def __init__(self, plan: pb.Plan, arena: np.ndarray, *, span: tuple[int, int] | None = None,
-                 base: int = 0, frames: dict | None = None) -> None:
-        """``frames``: the plan's ``frame_table``, made once for the many stripes of one plan."""
+                 base: int = 0, table: FrameTable | None = None) -> None:
+        """``table``: the plan's ``frame_table``, made once for the many stripes of one plan."""
         self._plan = self.plan = plan
         self._arena = arena.reshape(-1).view(np.uint8)
         self._base = base
-        self._frames = frame_table(plan) if frames is None else frames
+        self._table(frame_table(plan) if table is None else table)
         start, self._stop = span if span is not None else (0, plan.total_bytes)
         if start not in self._frames or self._stop not in self._frames or start > self._stop:
             raise ProtocolError(f"span {start}..{self._stop} does not fit the plan's chunks")
         # A stripe ends where its next chunk would begin, with a message of no bytes there.
         f = self._frames[self._stop]
         self._end = _ChunkFrame(f.start, f.start, f.group_key, (), "")
-        self._keys = {v.instance_key for v in plan.variables}
-        self._groups = {g.group_key for g in plan.groups}
-        self._ends = sorted(v.offset + v.nbytes for v in plan.variables)
         self._pos = start
         self._ended = False
         self.digests: list[str] = []  # of every chunk verified so far, in order
+
+    def _table(self, table: FrameTable) -> None:
+        self._frames, self._keys, self._groups, self._ends = table.frames, table.keys, table.groups, table.ends
 
     @property
     def bytes_received(self) -> int:
@@ -361,7 +373,7 @@ class Receiver:
             raise IntegrityError(culprit(plan, self._arena, *differs, upto=self._pos,
                                          digests=(self.digests[k], plan.chunk_digests[k])))
         self._plan = self.plan = plan
-        self._frames = frame_table(plan)
+        self._table(frame_table(plan))
 
     def _check_end(self, end: pb.StreamEnd) -> None:
         if end.total_bytes != self._stop or self._pos != self._stop:

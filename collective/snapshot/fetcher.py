@@ -211,7 +211,7 @@ class _Striper:
         self.ident = ident
         self.plan, self.holders, self.arena, self.scatter = plan, holders, arena, scatter
         self.stall_timeout = stall_timeout
-        self.frames = frame_table(plan)  # once: every stripe's Receiver checks against it
+        self.table = frame_table(plan)  # once: every stripe's Receiver checks against it
         size, total = plan.chunk_bytes, plan.total_bytes
         chunks = -(-total // size)
         per = max(1, min(-(-chunks // (4 * len(holders))), max(1, STRIPE_BYTES // size)))
@@ -297,7 +297,7 @@ class _Striper:
         total = self.plan.total_bytes
         buf = self.arena if own is None else own[: b - a]
         base = 0 if own is None else a
-        receiver = Receiver(self.plan, buf, span=span, base=base, frames=self.frames)
+        receiver = Receiver(self.plan, buf, span=span, base=base, table=self.table)
         ref = pb.WorkerRef(worker_id=self.ident, resume_from=a, stop_at=b if b < total else 0)
         try:
             h.link.receive_into(ref, receiver, self.stall_timeout)
