@@ -20,7 +20,7 @@ import collective
 from collective.digest import array_digest
 from collective.snapshot import tree
 from tests.clusters import TOKEN
-from tests.procs import Proc, wait_for_file
+from tests.procs import Proc, wait_for, wait_for_file
 
 pytestmark = pytest.mark.integration
 
@@ -127,13 +127,13 @@ def test_striped_over_three_holders_each_serves_a_share(holders):
 
 def test_a_holder_killed_mid_fetch_leaves_its_share_to_the_others(holders):
     mib = ["--state", "big", "--mib", "64", "--chunk-bytes", str(1 << 20)]
-    victim, published, victim_proc = holders(*mib, "--pace", "0.25")  # 6 chunks a stripe: 1.5 s each
+    victim, published, victim_proc = holders(*mib, "--pace", "0.4")  # 6 chunks a stripe: 2.4 s each
     others = [holders(*mib)[0] for _ in range(2)]
     result: dict = {}
     fetcher = threading.Thread(target=lambda: result.update(
         got=_catch(lambda: collective.fetch([victim, *others], step=8, token=TOKEN, timeout=120, stall_timeout=10))))
     fetcher.start()
-    time.sleep(1.0)  # the victim is inside its first stripe (it takes 1.5 s)
+    wait_for(victim_proc, "streaming")  # the victim is inside its first stripe (it takes 2.4 s)
     assert fetcher.is_alive()
     victim_proc.kill()
     fetcher.join(120)
@@ -146,22 +146,36 @@ def test_a_holder_killed_mid_fetch_leaves_its_share_to_the_others(holders):
 
 def test_a_frozen_holder_is_dropped_after_the_stall_timeout(holders):
     mib = ["--state", "big", "--mib", "32", "--chunk-bytes", str(1 << 20)]
-    frozen, published, proc = holders(*mib, "--pace", "0.25")
+    frozen, published, proc = holders(*mib, "--pace", "0.5")  # 4 chunks a stripe: 2 s each
     other, _, _ = holders(*mib)
-    threading.Timer(1.0, proc.signal, args=(signal.SIGSTOP,)).start()  # alive, connections open, silent
+    result: dict = {}
+    fetcher = threading.Thread(target=lambda: result.update(
+        got=_catch(lambda: collective.fetch([frozen, other], step=8, token=TOKEN, timeout=120, stall_timeout=3))))
+    fetcher.start()
     try:
-        got = collective.fetch([frozen, other], step=8, token=TOKEN, timeout=120, stall_timeout=3)
+        wait_for(proc, "streaming")
+        proc.signal(signal.SIGSTOP)  # inside its first stripe (2 s): alive, connections open, silent
+        fetcher.join(120)
     finally:
         proc.signal(signal.SIGCONT)
+    got = result["got"]
+    assert not isinstance(got, Exception), got
     _same(got, published)
-    assert "sent nothing for 3 s" in got.stats[frozen]["dropped"]
+    dropped = got.stats[frozen]["dropped"]
+    assert "was lost" in dropped and "3 s" in dropped, dropped
 
 
 def test_the_only_holder_killed_mid_fetch_is_one_line_naming_it(holders):
     victim, _, proc = holders("--state", "big", "--mib", "16", "--chunk-bytes", str(1 << 20), "--pace", "0.2")
-    threading.Timer(1.0, proc.kill).start()
+    result: dict = {}
+    fetcher = threading.Thread(target=lambda: result.update(
+        got=_catch(lambda: collective.fetch(victim, step=8, token=TOKEN, timeout=60, stall_timeout=10))))
+    fetcher.start()
+    wait_for(proc, "streaming")  # 16 chunks at 0.2 s: 3.2 s to go
+    proc.kill()
+    fetcher.join(60)
     with pytest.raises(collective.FetchError) as err:
-        collective.fetch(victim, step=8, token=TOKEN, timeout=60, stall_timeout=10)
+        raise result["got"]
     line = str(err.value)
     assert "\n" not in line and f"holder at {victim} was lost" in line and "no holder is left for bytes" in line
 
