@@ -357,6 +357,24 @@ def test_close_lets_a_fetch_in_progress_finish_then_refuses(monkeypatch):
         collective.fetch(pub.address, step=2, token=TOKEN, timeout=10)
 
 
+def test_a_fetch_that_outlasts_its_timeout_is_one_line_naming_what_is_missing(monkeypatch):
+    from collective.stream import Chunker
+
+    frames = Chunker.frames
+
+    def slow(self, *args, **kwargs):  # a holder that trickles: 1 s a chunk
+        for item in frames(self, *args, **kwargs):
+            time.sleep(1.0)
+            yield item
+
+    monkeypatch.setattr(Chunker, "frames", slow)
+    with collective.publish({"x": np.zeros(1 << 20)}, step=5, bind="127.0.0.1:0", token=TOKEN, chunk_bytes=1 << 20) as pub:
+        started = time.monotonic()
+        with pytest.raises(collective.DeadlineError, match=r"^fetch did not complete within 2.5 s; still missing bytes \d+\.\.\d+ \('x' \.\. '#tree'\)$"):
+            collective.fetch(pub.address, step=5, token=TOKEN, timeout=2.5, stall_timeout=30)
+        assert time.monotonic() - started < 15  # the deadline, not the 8 s the holder would take
+
+
 def _catch(fn):
     try:
         return fn()
