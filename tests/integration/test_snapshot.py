@@ -246,6 +246,20 @@ def test_a_pickle_where_json_belongs_is_refused_never_run(holders, tmp_path):
     assert not canary.exists()
 
 
+@pytest.mark.parametrize("path", ["grpc", "tcp"])
+def test_stripes_travel_over_every_data_path(monkeypatch, path):
+    monkeypatch.setenv("COLLECTIVE_DATA_PATH", path)  # FetchRaw over gRPC, or the TCP port even on one host
+    state = {f"w{i}": np.random.default_rng(i).random(100_000) for i in range(4)}
+    pubs = [collective.publish(state, step=2, bind="127.0.0.1:0", token=TOKEN, chunk_bytes=1 << 18) for _ in range(2)]
+    try:
+        got = collective.fetch([p.address for p in pubs], step=2, token=TOKEN, timeout=60)
+    finally:
+        for p in pubs:
+            p.close()
+    assert all(np.array_equal(got[k], v) for k, v in state.items())
+    assert all(s["stripes"] > 0 for s in got.stats.values()), got.stats
+
+
 def test_a_plan_of_absurd_size_is_refused_before_allocating():
     pub = collective.publish({"x": np.arange(4.0)}, step=1, bind="127.0.0.1:0", token=TOKEN)
     try:
