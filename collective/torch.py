@@ -54,46 +54,10 @@ from collective import dtypes
 from collective._api import release_freed_memory
 from collective.digest import array_digest
 from collective.errors import IntegrityError, UsageError
+from collective.tensors import from_numpy, to_numpy  # the crossing, shared with collective.snapshot
 
-__all__ = ["sync_module", "check_module", "state_arrays", "load_arrays", "module_device", "local_device"]
-
-# torch dtypes numpy has no type for: the ml_dtypes type of the same bits, and the integer
-# type of the same size through which the bits cross (torch.from_numpy knows no ml_dtypes).
-_EXTENDED = {
-    "bfloat16": ("bfloat16", np.int16),
-    "float8_e4m3fn": ("float8_e4m3fn", np.uint8),
-    "float8_e4m3fnuz": ("float8_e4m3fnuz", np.uint8),
-    "float8_e5m2": ("float8_e5m2", np.uint8),
-    "float8_e5m2fnuz": ("float8_e5m2fnuz", np.uint8),
-    "float8_e8m0fnu": ("float8_e8m0fnu", np.uint8),
-}
-_TORCH_EXTENDED = {getattr(torch, name): name for name in _EXTENDED if hasattr(torch, name)}
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """The tensor's value as a numpy array (a view for a contiguous CPU tensor; bf16/float8 as
-    their ``ml_dtypes`` type, same bits)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    name = _TORCH_EXTENDED.get(t.dtype)
-    if name is None:
-        return t.numpy()
-    bits = _EXTENDED[name][1]
-    return t.view(torch.int16 if bits is np.int16 else torch.uint8).numpy().view(dtypes.from_wire(name))
-
-
-def from_numpy(a: np.ndarray) -> torch.Tensor:
-    """A CPU tensor sharing ``a``'s memory (bf16/float8 through their integer bits)."""
-    if dtypes.is_extended(a.dtype):
-        name = a.dtype.name
-        torch_dtype = getattr(torch, name, None)
-        if torch_dtype is None:
-            raise UsageError(f"this torch {torch.__version__} has no {name} type")
-        bits = _EXTENDED[name][1]
-        return torch.from_numpy(a.view(bits)).view(torch_dtype)
-    return torch.from_numpy(a)
+__all__ = ["sync_module", "check_module", "state_arrays", "load_arrays", "module_device", "local_device",
+           "as_tensors", "load_state", "receive_targets"]
 
 
 def state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -304,3 +268,61 @@ def _sync_sharded(module: torch.nn.Module, mesh: Any, values: Any, devices: Any,
     del source, values, arrays
     release_freed_memory()
     return result
+
+
+def as_tensors(state: Any) -> Any:
+    """A fetched state (``collective.fetch``) with every numpy array a CPU tensor over the same
+    memory (``torch.from_numpy``: zero copy); dicts, lists, tuples and other leaves as they are."""
+    if isinstance(state, np.ndarray):
+        return from_numpy(state)
+    if isinstance(state, Mapping):
+        return {k: as_tensors(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        items = [as_tensors(v) for v in state]
+        return tuple(items) if isinstance(state, tuple) else items
+    return state
+
+
+def receive_targets(module: torch.nn.Module, prefix: str = "") -> dict[str, np.ndarray]:
+    """``collective.fetch(into=...)`` targets for ``module``'s own CPU tensors: name (with
+    ``prefix``, e.g. ``"model/"`` when the module's state was published under ``"model"``) ->
+    a numpy view of the tensor's memory, so the fetch writes the values straight into the
+    module (no second copy of the state). Only contiguous CPU tensors of numpy-known dtypes are
+    listed; the others arrive in the fetch's own arrays (load them with ``load_state``)."""
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if t.device.type == "cpu" and t.is_contiguous() and not _is_dtensor(t):
+            out[prefix + name] = to_numpy(t)
+    return out
+
+
+def load_state(module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, *,
+               state: Mapping, model_key: str = "model", optimizer_key: str = "optimizer") -> None:
+    """Load a fetched state into ``module`` and / or ``optimizer``, in place.
+
+    ``state`` is what ``collective.fetch`` returned for a published ``module.state_dict()``
+    (with only ``module``), an ``optimizer.state_dict()`` (with only ``optimizer``), or a dict
+    holding both under ``model_key`` and ``optimizer_key`` (``{"model": ..., "optimizer": ...}``;
+    required when both are given). The module's CPU tensors take the fetched arrays' memory
+    (``load_arrays``: zero copy, the same Parameter objects, so an optimizer built on them keeps
+    working); the optimizer loads its state through ``load_state_dict`` from zero-copy tensors.
+    """
+    if module is None and optimizer is None:
+        raise UsageError("load_state needs a module, an optimizer or both")
+    both = module is not None and optimizer is not None
+    for obj, key in ((module, model_key), (optimizer, optimizer_key)):
+        if obj is None:
+            continue
+        part = state.get(key) if (both or key in state and _is_nested(state)) else state
+        if not isinstance(part, Mapping):
+            raise UsageError(f"the fetched state has no {key!r} entry for the {type(obj).__name__}; "
+                             f"publish {{{model_key!r}: model.state_dict(), {optimizer_key!r}: optimizer.state_dict()}}")
+        if obj is module:
+            load_arrays(module, part)
+        else:
+            optimizer.load_state_dict(as_tensors(part))
+
+
+def _is_nested(state: Mapping) -> bool:
+    """Whether ``state`` holds several states by key rather than being one module's tensors."""
+    return any(isinstance(v, Mapping) for v in state.values())

@@ -16,7 +16,7 @@ from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
 from collective.config import TlsFiles
 from collective.logs import printable
-from collective.plan import from_pieces, to_pieces
+from collective.plan import MAX_PIECED_BYTES, from_pieces, to_pieces
 from collective.transport.api import ChiefLink
 from collective.transport.grpc.tls import channel_credentials
 from collective.transport.grpc.wire import (
@@ -96,6 +96,7 @@ class GrpcChiefLink(ChiefLink):
         self._active: set = set()
         self._interrupted: E.CollectiveError | None = None
         self.retry_window = 0.0  # set by the worker to its heartbeat lease
+        self._said_path = False
 
     def _open(self, purpose: str) -> grpc.Channel:
         # A local subchannel pool keeps the two channels from sharing one connection.
@@ -244,9 +245,10 @@ class GrpcChiefLink(ChiefLink):
                     continue
                 raise self._error(exc, "join", timeout) from None
 
-    def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
-        pieces = self._unary(_Collected(self._stub.GetPlan), ref, "join (waiting for the plan)", timeout, retry=True)
-        return from_pieces(pb.Plan, pieces, f"{self.name} at {self.address}")
+    def get_plan(self, ref: pb.WorkerRef, timeout: float, *, phase: str = "join (waiting for the plan)",
+                 max_bytes: int = MAX_PIECED_BYTES) -> pb.Plan:
+        pieces = self._unary(_Collected(self._stub.GetPlan), ref, phase, timeout, retry=True)
+        return from_pieces(pb.Plan, pieces, f"{self.name} at {self.address}", max_bytes=max_bytes)
 
     def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
         return self._unary(self._stub.AwaitPrepared, ref, "waiting for every worker to prepare", timeout, retry=True)
@@ -324,8 +326,10 @@ class GrpcChiefLink(ChiefLink):
                 f"{self.name} at {self.address} unreachable during receive: data port {port}: {exc}"
                 f"{self._tls_hint(str(exc))}"
             ) from None
-        log.info("receiving from %s at %s over its raw data path (%s)", self.name, self.address,
-                 "unix socket, same host" if sock.family == socket.AF_UNIX else f"TCP port {port}")
+        # Once per link at INFO: a fetch striped over many streams says it once, not per stripe.
+        log.log(logging.DEBUG if self._said_path else logging.INFO, "receiving from %s at %s over its raw data path (%s)",
+                self.name, self.address, "unix socket, same host" if sock.family == socket.AF_UNIX else f"TCP port {port}")
+        self._said_path = True
         try:
             rawtcp.receive(
                 sock, ref, self._token, receiver, stall_timeout=stall_timeout,
