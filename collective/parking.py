@@ -66,6 +66,12 @@ def mode(name: str | None):
         _local.mode = previous
 
 
+def retrying() -> bool:
+    """Whether this thread is the Parker's, asking a parked call again: no news from its
+    caller (a frozen worker's parked calls must not count as signs of life)."""
+    return getattr(_local, "retry", False)
+
+
 def poll(fn: Callable, *args):
     """``fn(*args)`` in poll mode: its result, or ``NotYet``."""
     with mode("poll"):
@@ -116,6 +122,7 @@ class Parker:
             self._parked.pop(key, None)
 
     def _run(self) -> None:
+        _local.retry = True
         while not self._closed:
             with self._lock:
                 nearest = min((d for _, d, _ in self._parked.values()), default=None)
