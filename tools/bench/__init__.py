@@ -67,6 +67,7 @@ from pathlib import Path
 from collective.errors import UsageError
 from collective.sizes import parse_size  # noqa: F401 - the bench's size parser, for its tests
 from tools.bench.runners import EmulatedRunner, LocalRunner, mpi_problem, torch_gloo_problem
+from tools.bench.scale import add_scale_options
 from tools.bench.spec import (
     DEFAULT_RATE,
     DEFAULT_REPEAT,
@@ -336,6 +337,10 @@ def _human(n: int) -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     """``collective bench``: run, then print the table (or one JSON line with --json)."""
+    if getattr(args, "what", None) == "scale":
+        from tools.bench.scale import run_scale
+
+        return run_scale(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
     if getattr(args, "from_file", False):
         from tools.bench.fromfile import run_from_file
 
@@ -375,6 +380,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Time the broadcast phase (first byte sent until every worker is ready) for each "
                     "configuration, median of --repeat runs; with --peers also MPI_Bcast (mpi4py) and "
                     "gloo (torch) moving the same bytes to the same number of receivers.")
+    p.add_argument("what", nargs="?", choices=["scale"],
+                   help="scale: one chief and many workers, K per process (tools/bench/scale.py): round and "
+                        "join-storm seconds, the chief's threads, peak RSS and status latency, plan bytes, "
+                        "frozen-worker detection (default --workers 1024)")
     p.add_argument("--workers", action="append", metavar="N",
                    help=f"worker count(s): repeatable or a comma list such as 2,4,8 (default {DEFAULT_WORKERS})")
     p.add_argument("--size", default=DEFAULT_SIZE, metavar="BYTES",
@@ -418,4 +427,5 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --from-file: serve this checkpoint instead of writing one")
     p.add_argument("--drop-caches", action="store_true",
                    help="with --from-file: drop the page cache before every run (root), so every read is cold")
+    add_scale_options(p)
     return p
