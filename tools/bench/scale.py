@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,7 +195,7 @@ def scale_round(workers: int, per_process: int, tmp: Path, *, variables: int = 1
         plan = re.search(r"plan of (\d+) bytes", log)
         return {"workers": workers, "per_process": per_process, "ok": code == 0 and outs == [0] * len(outs)
                 and len(digests) == 1 and sum(r.get("started", 0) for r in results) == workers,
-                "chief_exit": code, "digests": sorted(digests), "round_s": round_s, "admitted_s": admitted,
+                "chief_exit": code, "started": sum(r.get("started", 0) for r in results), "digests": sorted(digests), "round_s": round_s, "admitted_s": admitted,
                 "chief_threads": watch.threads, "chief_threads_end": watch.threads_end, "chief_rss_mib": watch.hwm / MiB, "status_max_s": watch.status_max,
                 "plan_bytes": int(plan.group(1)) if plan else None,
                 "errors": [e for r in results for e in r.get("errors", [])][:5]}
@@ -290,7 +291,7 @@ def run_scale(args, say) -> int:
     frozen-worker round; a table, or one JSON line with --json."""
     import tempfile
 
-    from collective.errors import UsageError
+    from collective.errors import AbortedError, UsageError
     from tools.bench.spec import _positive, parse_workers
 
     counts = parse_workers(args.workers) if args.workers else [1024]
@@ -301,16 +302,19 @@ def run_scale(args, say) -> int:
         raise UsageError(f"--lease {args.lease!r} is not a number of seconds") from None
     rows = []
     for n in counts:
-        with tempfile.TemporaryDirectory(prefix="bench-scale-") as d:
-            say(f"{n} workers, {per_process} per process: a round")
-            row = scale_round(n, per_process, Path(d, "round"), relay=args.relay, lease=lease)
-            if not row["ok"]:
-                raise RuntimeError(f"bench scale: the round of {n} workers did not complete: {row['errors'][:2]}")
-            if not args.no_freeze:
-                say(f"{n} workers: one frozen (SIGSTOP) once joined")
-                row["frozen_detect_s"] = frozen_round(n, per_process, Path(d, "frozen"), lease=lease, relay=args.relay)
-            row["lease_s"] = lease
-            row[f"plan_{PLAN_VARIABLES}_bytes"] = plan_bytes(n, PLAN_VARIABLES)
+        d = Path(tempfile.mkdtemp(prefix="bench-scale-"))  # kept when a round fails: its logs say why
+        say(f"{n} workers, {per_process} per process: a round (logs in {d})")
+        row = scale_round(n, per_process, d / "round", relay=args.relay, lease=lease)
+        if not row["ok"]:
+            first = row["errors"][0] if row["errors"] else f"the chief exited {row['chief_exit']}"
+            raise AbortedError(f"bench scale: the round of {n} workers did not complete ({row['started']}"
+                               f" started); first: {first[:300]}; logs in {d}")
+        if not args.no_freeze:
+            say(f"{n} workers: one frozen (SIGSTOP) once joined")
+            row["frozen_detect_s"] = frozen_round(n, per_process, d / "frozen", lease=lease, relay=args.relay)
+        row["lease_s"] = lease
+        row[f"plan_{PLAN_VARIABLES}_bytes"] = plan_bytes(n, PLAN_VARIABLES)
+        shutil.rmtree(d, ignore_errors=True)
         rows.append(row)
     if args.json:
         print(json.dumps({"scale": rows}), flush=True)
