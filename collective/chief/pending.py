@@ -28,7 +28,7 @@ class PendingChief:
     (then every call goes to it) or ``refuse(error)`` (then every call raises ``error``)."""
 
     def __init__(self, num_workers: int) -> None:
-        self.num_workers = num_workers  # the server sizes its thread pool from it
+        self.num_workers = num_workers  # how many joins may be held while the model loads
         self._cond = parking.Condition()  # a join held while the model loads is parked, not a thread
         self._service = None
         self._error: E.CollectiveError | None = None
@@ -89,7 +89,7 @@ class PendingChief:
 
     def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
         # At most one held join per worker slot (and a few retries): more joins than the round
-        # has workers cannot all be honest, and each held one takes a server thread.
+        # has workers cannot all be honest, and each held one is a parked call (collective.parking).
         with self._cond:
             hold = HOLD if self._held < self.num_workers + 2 else 0.0
             self._held += 1
