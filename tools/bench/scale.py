@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from collective.errors import AbortedError
 from tools.bench.spec import write_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,6 +75,7 @@ class _Procs:
         with open(self.tmp / f"{name}.log", "w") as log:
             p = subprocess.Popen([*(["nice", "-n", str(nice)] if nice else []), sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=self.env, cwd=ROOT, start_new_session=True)
+        p.run_dir = str(self.tmp)  # for the line a failed wait ends in
         self.procs.append(p)
         return p
 
@@ -86,13 +88,18 @@ class _Procs:
                 p.wait(10)
 
 
+def proc_dir(proc: subprocess.Popen | None) -> str:
+    return getattr(proc, "run_dir", "the run directory")
+
+
 def _until(predicate, what: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
     end = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > end:
-            raise TimeoutError(f"bench scale: no {what} within {timeout:g} s")
+            raise AbortedError(f"bench scale: no {what} within {timeout:g} s; logs in {proc_dir(proc)}")
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"bench scale: the chief exited ({proc.returncode}) before {what}")
+            raise AbortedError(f"bench scale: the chief exited ({proc.returncode}) before {what}; "
+                               f"logs in {proc_dir(proc)}")
         time.sleep(0.02)
 
 
@@ -291,7 +298,7 @@ def run_scale(args, say) -> int:
     frozen-worker round; a table, or one JSON line with --json."""
     import tempfile
 
-    from collective.errors import AbortedError, UsageError
+    from collective.errors import UsageError
     from tools.bench.spec import _positive, parse_workers
 
     counts = parse_workers(args.workers) if args.workers else [1024]
