@@ -156,7 +156,7 @@ def run_chief(
     api: bool = False,
 ) -> tuple[Any, tuple[VariableStore, str] | None]:
     """One round as ``python -m collective.chief`` runs it: the chief's round (``run_round``)
-    driven over gRPC, with a thread pool sized from the worker count, the join and ready
+    driven over gRPC (an asyncio server: its threads do not grow with the workers), the join and ready
     deadlines supervised. ``devices``: the chief trains too and holds replicas there. SIGTERM /
     SIGINT fail the round (handlers installed only on the main thread, restored after). Returns
     (service, (store, digest) or None); raises the round's error.
@@ -288,7 +288,7 @@ def serve(
     ``trains``: hold verified replicas of the values on ``devices`` too (default: when
     ``devices`` is given or the cluster convention makes the chief a training process).
     ``on_listening(address, port)`` is called once the server listens (``bind`` port 0 picks
-    one). The gRPC thread pool is sized from the worker count; the join and ready deadlines are
+    one). The gRPC server's threads do not grow with the worker count; the join and ready deadlines are
     enforced; on the main thread SIGTERM and SIGINT abort the round (handlers restored after).
     ``shards``: each training rank receives a part of the model, not a replica: ``"dim0"``
     (torch's ``Shard(0)`` of every variable) or a mapping name -> ``"dim0"`` / ``"all"`` / rank(s)

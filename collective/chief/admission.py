@@ -14,6 +14,7 @@ import hmac
 import logging
 import time
 
+from collective import parking
 from collective._proto import collective_pb2 as pb
 from collective.chief.members import Member, Phase
 from collective.errors import (
@@ -79,7 +80,8 @@ class Admission:
         if m.phase == "lost":
             raise AbortedError(f"{m.name()} was declared lost ({m.lost_reason}); a restarted process may rejoin",
                                culprit=m.worker_id)
-        m.last_seen = time.monotonic()
+        if not parking.retrying():  # a parked call asked again is no sign of life (collective.parking)
+            m.last_seen = time.monotonic()
         return m
 
     def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:

@@ -10,10 +10,10 @@ and then blaming an unreachable chief.
 
 from __future__ import annotations
 
-import threading
 import time
 
 from collective import errors as E
+from collective import parking
 from collective._proto import collective_pb2 as pb
 
 # How long a join is held while the model loads; under the client's 5 s per-try deadline, so
@@ -28,8 +28,8 @@ class PendingChief:
     (then every call goes to it) or ``refuse(error)`` (then every call raises ``error``)."""
 
     def __init__(self, num_workers: int) -> None:
-        self.num_workers = num_workers  # the server sizes its thread pool from it
-        self._cond = threading.Condition()
+        self.num_workers = num_workers  # how many joins may be held while the model loads
+        self._cond = parking.Condition()  # a join held while the model loads is parked, not a thread
         self._service = None
         self._error: E.CollectiveError | None = None
         self._told: set[str] = set()
@@ -76,7 +76,7 @@ class PendingChief:
     def _target(self, hold: float = 0.0):
         """The round's service, waiting up to ``hold`` s for it; else raise why there is none."""
         with self._cond:
-            self._cond.wait_for(lambda: self._service is not None or self._error is not None, hold)
+            parking.wait_for(self._cond, lambda: self._service is not None or self._error is not None, hold)
             if self._service is not None:
                 return self._service
             if self._error is not None:
@@ -89,7 +89,7 @@ class PendingChief:
 
     def join(self, req: pb.JoinRequest, peer: str) -> pb.JoinReply:
         # At most one held join per worker slot (and a few retries): more joins than the round
-        # has workers cannot all be honest, and each held one takes a server thread.
+        # has workers cannot all be honest, and each held one is a parked call (collective.parking).
         with self._cond:
             hold = HOLD if self._held < self.num_workers + 2 else 0.0
             self._held += 1

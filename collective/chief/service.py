@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from collective import logs
+from collective import logs, parking
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
 from collective.chief.admission import Admission, not_its_secret
@@ -112,7 +112,8 @@ class ChiefService(Admission):
         self._arena = ChiefArena(source, ranks=num_workers, trains=self._local is not None, chunk_bytes=chunk_bytes,
                                  shm=shm, from_file=from_file, shards=shards, max_bytes=max_model_bytes)
         self.materialize_seconds = time.monotonic() - t0
-        self._cond = threading.Condition(threading.RLock())  # reentrant: fail() may run under it
+        # reentrant: fail() may run under it; a parking.Condition, so a server may park the calls that wait on it
+        self._cond = parking.Condition(threading.RLock())
         self._arena.serve(self._shm_admit)
         self._members: dict[str, Member] = {}
         # Comparing a declaration takes time and memory in proportion to it (100,000 variables:
@@ -204,7 +205,8 @@ class ChiefService(Admission):
             self._cond.notify_all()
 
     def _wait(self, predicate, timeout: float) -> bool:
-        return self._cond.wait_for(predicate, timeout=max(0.0, timeout))
+        # Blocks, or in a server's poll mode raises parking.NotYet: the caller parks, holding no thread.
+        return parking.wait_for(self._cond, predicate, timeout)
 
     # --- ChiefHandler --------------------------------------------------------------------
 

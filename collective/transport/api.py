@@ -28,8 +28,9 @@ from collective.errors import CollectiveError
 class ChiefHandler(Protocol):
     """What the chief does for each request. Every method is thread-safe; waits are bounded.
 
-    ``num_workers``: how many workers it serves; a server sizes its threads from it, since
-    every worker holds a few long calls at once (``collective.transport.grpc.pool_size``).
+    ``num_workers``: how many workers it serves. A method with a ``timeout`` may wait for the
+    round: it waits with ``collective.parking.wait_for``, so a server can park it (no thread
+    per waiting call; ``collective.transport.grpc.servicer``).
     """
 
     num_workers: int

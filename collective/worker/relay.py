@@ -50,7 +50,7 @@ def host_towards(chief: str) -> str:
 class RelayHandler:
     """The ChiefHandler of a worker's relay server. Thread-safe; every wait is bounded."""
 
-    num_workers = 0  # sizes the server: the few children of a tree or chain fit its spare threads
+    num_workers = 0  # the few children of a tree or chain: their streams fit the server's pool
 
     def __init__(self, stall_timeout: float) -> None:
         self._cond = threading.Condition()

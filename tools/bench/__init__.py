@@ -70,6 +70,7 @@ from pathlib import Path
 from collective.errors import UsageError
 from collective.sizes import parse_size  # noqa: F401 - the bench's size parser, for its tests
 from tools.bench.runners import EmulatedRunner, LocalRunner, mpi_problem, torch_gloo_problem
+from tools.bench.scale import add_scale_options
 from tools.bench.spec import (
     DEFAULT_RATE,
     DEFAULT_REPEAT,
@@ -340,12 +341,15 @@ def _human(n: int) -> str:
 def run_bench(args: argparse.Namespace) -> int:
     """``collective bench``: run, then print the table (or one JSON line with --json)."""
     what = getattr(args, "what", None)
-    if what is not None:
-        if what != "sim":
-            raise UsageError(f"collective bench {what!r}: the only mode is 'sim' (or none, to run the benchmark)")
+    say = lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True)  # noqa: E731
+    if what == "sim":
         from tools.bench.simreport import run_sim
 
-        return run_sim(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
+        return run_sim(args, say)
+    if what == "scale":
+        from tools.bench.scale import run_scale
+
+        return run_scale(args, say)
     if getattr(args, "from_file", False):
         from tools.bench.fromfile import run_from_file
 
@@ -385,9 +389,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Time the broadcast phase (first byte sent until every worker is ready) for each "
                     "configuration, median of --repeat runs; with --peers also MPI_Bcast (mpi4py) and "
                     "gloo (torch) moving the same bytes to the same number of receivers.")
-    p.add_argument("what", nargs="?", metavar="sim",
+    p.add_argument("what", nargs="?", choices=["sim", "scale"],
                    help="sim: fit the simulator (tools/bench/sim.py) to the emulated runs and project every "
-                        "topology to 64, 1,024 and 10,000 hosts (tools/bench/simreport.py); no byte is sent")
+                        "topology to 64, 1,024 and 10,000 hosts (tools/bench/simreport.py); no byte is sent. "
+                        "scale: one chief and many workers, K per process (tools/bench/scale.py): round and "
+                        "join-storm seconds, the chief's threads, peak RSS and status latency, plan bytes, "
+                        "frozen-worker detection (default --workers 1024)")
     p.add_argument("--svg", default=None, metavar="FILE.svg",
                    help="with sim: draw time / (S/B) against hosts, one line per topology, the emulated runs as points")
     p.add_argument("--workers", action="append", metavar="N",
@@ -433,4 +440,5 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --from-file: serve this checkpoint instead of writing one")
     p.add_argument("--drop-caches", action="store_true",
                    help="with --from-file: drop the page cache before every run (root), so every read is cold")
+    add_scale_options(p)
     return p

@@ -19,10 +19,12 @@ from __future__ import annotations
 from collective.config import TlsFiles
 
 # The modules, in the order they build on each other: wire (names, limits, frames, errors),
-# tls, admission (the token interceptor), server (servicer, endpoint), client (the link).
+# tls, admission (the token and body deadline), servicer (asyncio, the pool), server (the endpoint),
+# client (the link).
 from collective.transport.grpc.admission import BODY_TIMEOUT, RefusalLog
 from collective.transport.grpc.client import GrpcChiefLink
-from collective.transport.grpc.server import CALLS_PER_WORKER, GrpcEndpoint, is_loopback, pool_size
+from collective.transport.grpc.server import GrpcEndpoint, is_loopback
+from collective.transport.grpc.servicer import POOL_THREADS
 from collective.transport.grpc.tls import (
     RELAY_NAME,
     channel_credentials,
@@ -47,9 +49,9 @@ from collective.transport.grpc.wire import (
 )
 
 __all__ = [
-    "BODY_TIMEOUT", "CALLS_PER_WORKER", "CLIENT_OPTIONS", "DATA_PATH", "ERROR_KEY", "MAX_MESSAGE",
+    "BODY_TIMEOUT", "CLIENT_OPTIONS", "DATA_PATH", "ERROR_KEY", "MAX_MESSAGE",
     "RAW_FETCH", "RELAY_NAME", "SERVER_OPTIONS", "SERVICE", "TOKEN_HEADER", "GrpcChiefLink", "GrpcEndpoint",
-    "RefusalLog", "TlsFiles", "frame", "is_loopback", "peer_identities", "pool_size", "relay_client_tls",
+    "RefusalLog", "TlsFiles", "frame", "is_loopback", "peer_identities", "POOL_THREADS", "relay_client_tls",
     "relay_server_tls", "self_signed_certificate", "split_frame", "status_code", "server_credentials",
     "channel_credentials",
 ]

@@ -2,33 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from collective.errors import ProtocolError
 from collective.logs import printable
-from collective.transport.grpc.wire import SERVICE, TOKEN_HEADER
+from collective.transport.grpc.wire import TOKEN_HEADER
 
 log = logging.getLogger(__name__)
 
 
 # --- admission -----------------------------------------------------------------------------
 
-# A pool thread must never wait on a peer. gRPC Python hands a call to a pool thread as soon as
-# its headers arrive, and a unary handler's thread then waits for the request body; so a peer
-# that sends headers and no body holds a thread for as long as it likes, and 4N+8 such calls
-# take every thread of the chief. Hence every Collective RPC is admitted here, in the server's
-# own polling thread, from its headers alone: a call without the right token gets a handler
-# that never reads its body (refused at once, its body never decoded); an admitted call reads
-# its one request under a deadline (BODY_TIMEOUT: a member sends it with the headers), after
-# which the call is cancelled and its thread is free again. A client stream (ReportReady's
-# pieces) reads each of its messages under the same deadline, so it cannot hold a thread either;
+# A peer must never hold the server for long. The server is asyncio (``servicer.py``): a call
+# waiting for its body holds no thread, but it holds memory and a slot, so every Collective RPC
+# is admitted here from its headers alone: a call without the right token is refused at once,
+# its body never read or decoded; an admitted call reads its one request under a deadline
+# (BODY_TIMEOUT: a member sends it with the headers), after which the call is cut (CANCELLED).
+# A client stream (ReportReady's pieces) reads each of its messages under the same deadline;
 # what it may send in all is the servicer's to bound (from its first message, which names it).
 BODY_TIMEOUT = 10.0
 REFUSAL_WINDOW = 10.0
@@ -81,78 +79,38 @@ class RefusalLog:
 
 
 class _BodyWatch:
-    """Cancels admitted calls whose request has not arrived within ``timeout`` s (one thread).
+    """Reads a call's request (or each message of a client stream) under ``timeout`` s; a call
+    whose request does not come is cut with CANCELLED and one refusal line."""
 
-    At most ``max_waiting`` calls wait for a request at once, each holding a pool thread: one
-    more cuts the one that has waited longest. So calls that never send their request, however
-    many, leave the rest of the pool to everyone else (a member's request arrives with its
-    headers, so only a silent call is ever the oldest for long)."""
-
-    def __init__(self, timeout: float, refusals: RefusalLog, max_waiting: int = 1 << 30) -> None:
+    def __init__(self, timeout: float, refusals: RefusalLog) -> None:
         self.timeout = timeout
-        self.max_waiting = max(1, max_waiting)
         self._refusals = refusals
-        self._cond = threading.Condition()
-        self._waiting: dict[int, tuple[float, object, str]] = {}
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="rpc-body-watch", daemon=True)
-        self._thread.start()
 
-    def messages(self, requests: Iterator, context, method: str, decode) -> Iterator:
-        """A client stream's messages, decoded, each read under the deadline; ends early when
-        the call is cancelled. An undecodable message is one refusal line and a ProtocolError
-        (INVALID_ARGUMENT at the servicer's boundary), never a traceback."""
-        while (raw := self.read(requests, context, method)) is not None:
+    async def messages(self, requests, context, method: str, decode) -> AsyncIterator:
+        """A client stream's messages, decoded, each read under the deadline. An undecodable
+        message is one refusal line and a ProtocolError (INVALID_ARGUMENT at the servicer's
+        boundary), never a traceback."""
+        requests = requests.__aiter__()
+        while (raw := await self.read(requests, context, method)) is not None:
             try:
                 yield decode(raw) if decode is not None else raw
             except DecodeError:
                 self._refusals.refused(context.peer(), method, "an undecodable request")
                 raise ProtocolError(f"{method}: a message of the request stream is not a valid message") from None
 
-    def read(self, requests: Iterator, context, method: str):
-        """The call's one request, or None once the call is over without one."""
-        key = id(context)
-        with self._cond:
-            self._waiting[key] = (time.monotonic() + self.timeout, context, method)
-            oldest = None
-            if len(self._waiting) > self.max_waiting:
-                oldest = self._waiting.pop(next(iter(self._waiting)))
-            self._cond.notify()
-        if oldest is not None:
-            _, other, other_method = oldest
-            self._refusals.refused(other.peer(), other_method, f"more than {self.max_waiting} calls were "
-                                   f"waiting for their request; the one that had waited longest was cut")
-            other.cancel()
+    async def read(self, requests, context, method: str):
+        """The call's next request, or None at the end of its stream; past the deadline the call is cut."""
         try:
-            return next(requests, None)
-        except grpc.RpcError:  # cancelled: by the peer, or by us for its missing body
+            return await asyncio.wait_for(requests.__anext__(), self.timeout)
+        except StopAsyncIteration:
             return None
-        finally:
-            with self._cond:
-                self._waiting.pop(key, None)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                late = [(k, c, m) for k, (t, c, m) in self._waiting.items() if t <= now]
-                for key, _, _ in late:
-                    del self._waiting[key]
-                if not late:
-                    nxt = min((t for t, _, _ in self._waiting.values()), default=now + 3600.0)
-                    self._cond.wait(max(nxt - now, 0.01))
-                    continue
-            for _, context, method in late:
-                self._refusals.refused(context.peer(), method, f"no request within {self.timeout:g} s of its headers")
-                context.cancel()
+        except TimeoutError:
+            reason = f"no request within {self.timeout:g} s of its headers"
+            self._refusals.refused(context.peer(), method, reason)
+            await context.abort(grpc.StatusCode.CANCELLED, f"{method} cut: {reason}")
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(2.0)
+        pass
 
 
 LARGE_REQUEST = 1 << 20  # a request past this is decoded alone, its fields counted first
@@ -191,17 +149,19 @@ def top_level_fields(raw: bytes, limit: int) -> int:
     return count
 
 
-class _Admission(grpc.ServerInterceptor):
-    """Admits every Collective RPC from its headers (see BODY_TIMEOUT above).
+class _Admission:
+    """Admits every Collective RPC from its headers (see BODY_TIMEOUT above): wraps each method's
+    handler (``wrap``) so it runs only once admitted.
 
     Without the right ``token`` (when there is one) the call gets UNAUTHENTICATED at once and its
     body is never read or decoded (constant-time comparison; the log names the peer, rate-limited
     by ``RefusalLog``, never the token). An admitted call reads and decodes its request itself:
-    an undecodable one gets INVALID_ARGUMENT and a log line, not a traceback.
+    an undecodable one gets INVALID_ARGUMENT and a log line, not a traceback. ``offload(fn, *args)``
+    runs a large decode off the event loop.
     """
 
     def __init__(self, token: str | None, refusals: RefusalLog, body: _BodyWatch,
-                 fields: dict[str, Callable[[], int]] | None = None) -> None:
+                 fields: dict[str, Callable[[], int]] | None = None, offload=None) -> None:
         self._token = token.encode() if token else None
         # method -> the most top-level fields its request may have, asked per call: a chief that
         # bound its port first learns its model's size later
@@ -209,27 +169,18 @@ class _Admission(grpc.ServerInterceptor):
         self._large = threading.Lock()
         self._refusals = refusals
         self._body = body
+        self._offload = offload
 
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or not details.method.startswith(f"/{SERVICE}/"):
-            return handler  # the health service answers without a token
-        method = details.method.rsplit("/", 1)[-1]
-        if self._token is not None:
-            given = dict(details.invocation_metadata).get(TOKEN_HEADER, "")
-            if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._token):
-                reason = "no cluster token" if not given else "a wrong cluster token"
-                return self._refuse(handler, method, reason)
-        return self._admit(handler, method)
-
-    def _refuse(self, handler, method: str, reason: str):
-        def refuse(requests, context):
-            self._refusals.refused(context.peer(), method, reason)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} refused: {reason}")
-
-        if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(refuse, None, handler.response_serializer)
-        return grpc.stream_unary_rpc_method_handler(refuse, None, handler.response_serializer)
+    async def _refused(self, context, method: str) -> bool:
+        if self._token is None:
+            return False
+        given = dict(context.invocation_metadata() or ()).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._token):
+            return False
+        reason = "no cluster token" if not given else "a wrong cluster token"
+        self._refusals.refused(context.peer(), method, reason)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} refused: {reason}")
+        return True
 
     def _decode(self, decode, raw: bytes, method: str):
         """``raw`` decoded. A decoded message takes far more memory than its bytes (16 MiB of
@@ -246,32 +197,43 @@ class _Admission(grpc.ServerInterceptor):
                                     f"(entries of its repeated fields count one each); the limit is {limit}")
             return decode(raw)
 
-    def _admit(self, handler, method: str):
-        behavior = handler.unary_stream or handler.unary_unary
-        decode = handler.request_deserializer
+    async def _request(self, requests, context, method: str, decode):
+        raw = await self._body.read(requests.__aiter__(), context, method)
+        if raw is None:
+            await context.abort(grpc.StatusCode.CANCELLED, f"{method}: the call ended before its request arrived")
+        try:
+            if len(raw) > LARGE_REQUEST and self._offload is not None:
+                return await self._offload(self._decode, decode, raw, method)
+            return self._decode(decode, raw, method)
+        except DecodeError:
+            self._refusals.refused(context.peer(), method, "an undecodable request")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
+        except ProtocolError as exc:
+            self._refusals.refused(context.peer(), method, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-        def admitted(requests, context):
-            raw = self._body.read(requests, context, method)
-            if raw is None:
-                context.abort(grpc.StatusCode.CANCELLED, f"{method}: the call ended before its request arrived")
-            try:
-                request = self._decode(decode, raw, method)
-            except DecodeError:
-                self._refusals.refused(context.peer(), method, "an undecodable request")
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
-            except ProtocolError as exc:
-                self._refusals.refused(context.peer(), method, str(exc))
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return behavior(request, context)
+    def wrap(self, method: str, behavior, decode, serialize, *, request_streaming: bool = False,
+             response_streaming: bool = False):
+        """The handler of ``method``: ``behavior(request, context)`` (a coroutine, or an async
+        generator with ``response_streaming``; with ``request_streaming`` it gets the decoded
+        messages instead of one request), behind the token and the body deadline."""
+        if request_streaming:
+            async def admitted_stream(requests, context):
+                if not await self._refused(context, method):
+                    return await behavior(self._body.messages(requests, context, method, decode), context)
 
-        if handler.request_streaming:
-            if handler.response_streaming:
-                raise TypeError(f"{method}: bidirectional streams are not admitted")  # the service has none
+            return grpc.stream_unary_rpc_method_handler(admitted_stream, None, serialize)
+        if response_streaming:
+            async def admitted_responses(requests, context):
+                if not await self._refused(context, method):
+                    request = await self._request(requests, context, method, decode)
+                    async for response in behavior(request, context):
+                        yield response
 
-            def admitted_stream(requests, context):
-                return handler.stream_unary(self._body.messages(requests, context, method, decode), context)
+            return grpc.stream_stream_rpc_method_handler(admitted_responses, None, serialize)
 
-            return grpc.stream_unary_rpc_method_handler(admitted_stream, None, handler.response_serializer)
-        if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(admitted, None, handler.response_serializer)
-        return grpc.stream_unary_rpc_method_handler(admitted, None, handler.response_serializer)
+        async def admitted(requests, context):
+            if not await self._refused(context, method):
+                return await behavior(await self._request(requests, context, method, decode), context)
+
+        return grpc.stream_unary_rpc_method_handler(admitted, None, serialize)

@@ -160,7 +160,9 @@ class GrpcChiefLink(ChiefLink):
         return cls(f"{self.name} at {self.address} ended the stream: {details}")  # a relay is not the chief
 
     def _tls_hint(self, details: str) -> str:
-        low = details.lower()
+        # "tcp handshaker shutdown": the TCP connect outlived the try (a chief swamped by a join
+        # storm), no TLS refusal; a retry reaches it
+        low = details.lower().replace("tcp handshaker", "tcp connect")
         if self.tls is None and ("ssl" in low or "handshake" in low or "socket closed" in low):
             return "; if the chief uses TLS, pass --tls-ca (and --tls-cert/--tls-key for mutual TLS)"
         if self.tls is not None and any(w in low for w in ("ssl", "handshake", "certificate", "socket closed")):
