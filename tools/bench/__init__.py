@@ -340,6 +340,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from tools.bench.fromfile import run_from_file
 
         return run_from_file(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
+    if getattr(args, "recovery", False):
+        from tools.bench.recovery import run_recovery
+
+        return run_recovery(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
     settings = settings_from_args(args)
     if settings.plot is not None:
         _check_plot_available()
@@ -413,6 +417,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="instead: a sharded safetensors checkpoint of --size served by a copying chief and by "
                         "--from-file to --workers local workers: read, broadcast and to-ready seconds, the chief's "
                         "peak RSS (tools/bench/fromfile.py)")
+    p.add_argument("--recovery", action="store_true",
+                   help="instead: a restarted torchft replica takes a --size state dict of --variables tensors from "
+                        "live holders: torchft's HTTPTransport (num_chunks 0, 8) and PGTransport (gloo) against "
+                        "collective.torchft.Transport from 1 and 3 holders; seconds and peak RSS (tools/bench/recovery.py)")
     p.add_argument("--files", default="4", metavar="F", help="with --from-file: files of the generated checkpoint (default 4)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="with --from-file: serve this checkpoint instead of writing one")

@@ -1,0 +1,160 @@
+"""torchft recovery through verified snapshots: a ``CheckpointTransport`` on ``collective.publish``
+and ``collective.fetch``.
+
+::
+
+    import collective.torchft
+    manager = torchft.Manager(..., checkpoint_transport=collective.torchft.Transport(token=TOKEN))
+
+torchft's ``Manager`` asks every replica group for ``metadata()`` at each quorum and hands the
+healthy group's string to a recovering one (also at step 0, ``init_sync``). Here that string is
+the holder's ``host:port``, never the token. ``send_checkpoint`` publishes the manager's state
+dict at ``step`` (tensors as raw bytes with their chunk digests, non-tensor leaves as JSON, never
+pickle); ``recv_checkpoint`` fetches it from the address, verifies every chunk against the
+holder's plan and returns the nested state dict with CPU tensors (``torch.from_numpy``: the
+received memory, no second copy). A state dict that holds anything but tensors and JSON values
+is refused (``UsageError`` naming the key) before a byte moves.
+
+Tensors are served in place (``copy=False``, torchft's own contract): torchft calls
+``disallow_checkpoint()`` before it mutates the state again, and the publication closes there.
+Pass ``copy=True`` to serve a private copy instead (the caller may then mutate at once, at the
+cost of a second copy of the state).
+
+This module imports torchft (and torch); ``import collective`` never does.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from torchft.checkpointing.transport import CheckpointTransport
+
+import collective
+from collective.errors import TransportError, UsageError
+from collective.torch import from_numpy
+
+__all__ = ["Transport"]
+
+# One holder address, as metadata() gives it: host (a name, IPv4, or [IPv6]) and port.
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+# While the holder has not published yet (its quorum thread is a little behind ours), its port
+# refuses connections: try again this often, within the recovery's timeout.
+_RETRY_SECONDS = 0.1
+
+
+def _seconds(timeout: float | timedelta) -> float:
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+def parse_metadata(metadata: str) -> list[str]:
+    """The holder addresses in a metadata string (``host:port[,host:port...]``); anything else
+    (torchft's HTTPTransport gives ``http://...``) is a one-line ``UsageError``."""
+    sources = [s.strip() for s in str(metadata).split(",") if s.strip()]
+    bad = [s for s in sources if not _ADDRESS.match(s)]
+    if not sources or bad:
+        raise UsageError(f"checkpoint metadata {metadata!r} is not a collective holder address (host:port): "
+                         "every replica group must use collective.torchft.Transport")
+    return sources
+
+
+def to_torch(state: Any) -> Any:
+    """A fetched nested state (numpy arrays, JSON leaves) with every array made a CPU tensor."""
+    if isinstance(state, dict):
+        return {k: to_torch(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [to_torch(v) for v in state]
+    if hasattr(state, "dtype") and hasattr(state, "shape"):
+        return from_numpy(state)
+    return state
+
+
+class Transport(CheckpointTransport[dict]):
+    """torchft's checkpoint transport over ``collective.publish`` / ``collective.fetch``.
+
+    ``token``: the cluster token every holder and fetcher share (None: none asked; only on a
+    trusted network). ``timeout``: a fetch's whole deadline unless torchft passes its own;
+    ``stall_timeout``: how long a holder may send nothing before it counts as lost. ``bind``:
+    where this process serves its snapshot (``host:port``; port 0 picks one, once, at the first
+    ``metadata()``: torchft hands that address around before anything is published).
+    ``advertise``: the host name or address the other groups reach this one by (default: this
+    machine's host name, as torchft's HTTPTransport does). ``copy``: serve a private copy.
+    """
+
+    def __init__(self, *, token: str | None = None, timeout: float | timedelta = 300.0,
+                 stall_timeout: float = 30.0, bind: str = "0.0.0.0:0", advertise: str | None = None,
+                 copy: bool = False) -> None:
+        self._token, self._timeout, self._stall = token, _seconds(timeout), float(stall_timeout)
+        self._bind, self._advertise, self._copy = bind, advertise, copy
+        self._lock = threading.Lock()  # torchft's quorum thread publishes; its main thread disallows
+        self._publication: Any = None
+        self._address: str | None = None
+
+    def metadata(self) -> str:
+        """This process's holder address, fixed at the first call (a port is chosen then)."""
+        with self._lock:
+            if self._address is None:
+                host, _, port = self._bind.rpartition(":")
+                if int(port) == 0:
+                    port = str(_free_port(host))
+                    self._bind = f"{host}:{port}"
+                self._address = f"{self._advertise or socket.gethostname()}:{port}"
+            return self._address
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: timedelta) -> None:
+        """Publish ``state_dict`` at ``step`` at the metadata address (replacing an earlier one);
+        returns once it is served, before any receiver is done."""
+        address = self.metadata()
+        with self._lock:
+            self._close()
+            self._publication = collective.publish(state_dict, step=step, token=self._token, bind=self._bind,
+                                                   advertise=address.rpartition(":")[0], copy=self._copy)
+
+    def disallow_checkpoint(self) -> None:
+        """torchft is about to mutate the state: stop serving it."""
+        with self._lock:
+            self._close()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict:
+        """Fetch the state at ``step`` from the holder(s) in ``metadata``, every chunk verified;
+        a holder that sends other bytes, another step or no snapshot at all is a one-line
+        ``CollectiveError`` naming it. Nothing received is ever unpickled or executed."""
+        sources = parse_metadata(metadata)
+        seconds = min(self._timeout, _seconds(timeout)) if timeout else self._timeout
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                state = collective.fetch(sources, step=step, token=self._token,
+                                         timeout=max(deadline - time.monotonic(), 0.1),
+                                         stall_timeout=self._stall)
+                break
+            except TransportError:
+                # Only "nobody listens yet": the holder's quorum thread publishes a moment after
+                # it gave out its address. Any other refusal (bytes, step, token) is final.
+                if time.monotonic() + _RETRY_SECONDS >= deadline:
+                    raise
+                time.sleep(_RETRY_SECONDS)
+        return to_torch(state)
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._publication is not None:
+            publication, self._publication = self._publication, None
+            publication.close()
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now, for the publication to bind later (SO_REUSEADDR both times)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host.strip("[]") or "0.0.0.0", 0))
+        return s.getsockname()[1]
+
