@@ -16,6 +16,8 @@ The Python API (every call reads the same environment as the command line: ``COL
 * ``create_variable`` / ``Synchronization`` / ``Aggregation`` / ``VariableSpec`` - variables
   with TensorFlow's semantics.
 * ``load_model`` - a preset, spec, ``.npz`` or ``.safetensors`` file as a model source.
+* ``publish`` / ``fetch`` - serve a training state at a step; fetch it from one or several
+  holders, striped and verified chunk by chunk (``Publication``, ``FetchError``).
 * ``local_rank`` - this process's index on its host (torchrun, mpirun, srun, ``COLLECTIVE_*``).
 * ``Timeouts``, ``TlsFiles`` - settings; ``CollectiveError`` and its subclasses - the errors.
 
@@ -43,6 +45,7 @@ from collective.errors import (
     CollectiveError,
     DeadlineError,
     DivergenceError,
+    FetchError,
     FrozenError,
     IntegrityError,
     InvalidVariableError,
@@ -63,6 +66,7 @@ if TYPE_CHECKING:
     from collective._api import join, serve, sync
     from collective.checks import check
     from collective.replicas import SyncResult
+    from collective.snapshot import Publication, fetch, publish
     from collective.sources import load_source as load_model
     from collective.transport.grpc import TlsFiles
 
@@ -99,6 +103,10 @@ __all__ = [
     "AlreadyExistsError",
     "PreconditionError",
     "ResourceExhaustedError",
+    "publish",
+    "fetch",
+    "Publication",
+    "FetchError",
 ]
 
 # Loaded on first use: each pulls in numpy-heavy or transport modules (grpc) that a plain
@@ -111,6 +119,9 @@ _LAZY = {
     "SyncResult": ("collective.replicas", "SyncResult"),
     "load_model": ("collective.sources", "load_source"),
     "TlsFiles": ("collective.transport.grpc", "TlsFiles"),
+    "publish": ("collective.snapshot", "publish"),
+    "fetch": ("collective.snapshot", "fetch"),
+    "Publication": ("collective.snapshot", "Publication"),
 }
 
 

@@ -134,6 +134,11 @@ class RelayError(TransportError):
     """The worker this one receives from (its relay parent) failed or went silent."""
 
 
+class FetchError(TransportError):
+    """``collective.fetch`` could not complete: no holder serves the step, the holders disagree
+    on its manifest, or every holder of some bytes was lost."""
+
+
 class UnimplementedError(ProtocolError):
     """A server was asked for a call it does not serve (e.g. a control call sent to a relay)."""
 

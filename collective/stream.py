@@ -78,15 +78,20 @@ class Chunker:
         """Yield the stream's messages; the last one carries the stream end."""
         return with_bytes(self.frames())
 
-    def frames(self, start: int = 0, landed=None) -> Iterator[tuple[pb.Chunk, memoryview]]:
+    def frames(self, start: int = 0, landed=None, stop: int = 0) -> Iterator[tuple[pb.Chunk, memoryview]]:
         """Each message without its bytes, and a view of those bytes in the arena; from the
         message at offset ``start`` (a receiver resuming: ``WorkerRef.resume_from``) on.
         ``landed(end)``: returns once the arena holds every byte below ``end`` (a relay's, as
-        its own stream arrives), called before each message is made.
+        its own stream arrives), called before each message is made. ``stop`` (a chunk boundary
+        below the arena's end; 0: none): end there with a stripe's end message
+        (``stripe_end``), for a receiver of one stripe (``Receiver(span=...)``).
 
         For transports that send the bytes themselves without a copy (MPI's Bcast).
         """
         for msg, first, end in frame_messages(self._plan):
+            if stop and first >= stop:
+                yield stripe_end(self._plan, stop), memoryview(b"")
+                return
             if first >= start:
                 if landed is not None:
                     landed(end)
@@ -103,6 +108,14 @@ class Chunker:
         if digest is None:
             digest = self._hashed[i] = bytes_digest(data)
         return digest
+
+
+def stripe_end(plan: pb.Plan, stop: int) -> pb.Chunk:
+    """The end message of the stripe of a stream that stops at ``stop``: its ``total_bytes`` is
+    ``stop``, what a ``Receiver`` of that span expects."""
+    group_key = plan.groups[0].group_key if plan.groups else 0
+    return pb.Chunk(offset=stop, group_key=group_key,
+                    end=pb.StreamEnd(total_bytes=stop, manifest_digest=plan.manifest_digest))
 
 
 def with_bytes(frames: Iterable[tuple[pb.Chunk, memoryview]]) -> Iterator[pb.Chunk]:
@@ -146,7 +159,7 @@ def new_arena(nbytes: int) -> np.ndarray:
 
 def culprit(
     plan: pb.Plan, arena: np.ndarray, start: int, end: int, *, upto: int | None = None,
-    replica: tuple[int, str] | None = None, digests: tuple[str, str] | None = None,
+    replica: tuple[int, str] | None = None, digests: tuple[str, str] | None = None, base: int = 0,
 ) -> str:
     """Why the bytes ``start..end`` of ``arena`` differ from the chief's, naming the variable.
 
@@ -156,16 +169,17 @@ def culprit(
     as the owner of the differing bytes. Only the padding between variables is left otherwise.
     ``replica`` (index, device): the arena holds that replica of every variable, not bytes just
     received. ``digests`` (got, chief's) of the whole range are quoted when no variable could be
-    hashed on its own.
+    hashed on its own. ``base``: ``arena`` holds the plan's arena from that offset on (a
+    stripe's buffer); a variable that begins before it cannot be hashed either.
     """
     upto = plan.total_bytes if upto is None else upto
     flat = arena.reshape(-1).view(np.uint8)
     partial = []
     for v in overlapping(plan, start, end):
-        if v.offset + v.nbytes > upto:
+        if v.offset + v.nbytes > upto or v.offset < base:
             partial.append(v)
             continue
-        got = bytes_digest(memoryview(flat[v.offset : v.offset + v.nbytes]))
+        got = bytes_digest(memoryview(flat[v.offset - base : v.offset + v.nbytes - base]))
         if got != v.digest and replica is not None:
             name = replica_name(v.name, replica[0])
             return f"variable {v.name!r}: replica {name!r} on {replica[1]} has digest {got}, the chief's is {v.digest}"
@@ -211,16 +225,28 @@ class Receiver:
     IntegrityError (naming the variable) for a chunk whose bytes differ from the chief's. Every
     chunk is hashed once, whatever the number of variables it fuses. ``finish`` raises
     IntegrityError unless the stream ended properly with every byte verified.
+
+    ``span`` (start, stop; chunk boundaries): receive one stripe of the stream, from ``start``
+    to ``stop``, which ends with ``stripe_end`` (several senders' stripes of one arena). ``base``:
+    ``arena`` holds the bytes from that offset of the plan's arena on (a stripe's own buffer).
     """
 
-    def __init__(self, plan: pb.Plan, arena: np.ndarray) -> None:
+    def __init__(self, plan: pb.Plan, arena: np.ndarray, *, span: tuple[int, int] | None = None,
+                 base: int = 0) -> None:
         self._plan = self.plan = plan
         self._arena = arena.reshape(-1).view(np.uint8)
+        self._base = base
         self._frames = {f.start: f for f in _frames(plan)}
+        start, self._stop = span if span is not None else (0, plan.total_bytes)
+        if start not in self._frames or self._stop not in self._frames or start > self._stop:
+            raise ProtocolError(f"span {start}..{self._stop} does not fit the plan's chunks")
+        if self._stop < plan.total_bytes:  # the stripe ends where its next chunk would begin
+            f = self._frames[self._stop]
+            self._frames[self._stop] = _ChunkFrame(f.start, f.start, f.group_key, (), "")
         self._keys = {v.instance_key for v in plan.variables}
         self._groups = {g.group_key for g in plan.groups}
         self._ends = sorted(v.offset + v.nbytes for v in plan.variables)
-        self._pos = 0
+        self._pos = start
         self._ended = False
         self.digests: list[str] = []  # of every chunk verified so far, in order
 
@@ -244,7 +270,7 @@ class Receiver:
             raise ProtocolError(
                 f"chunk of {nbytes} bytes at offset {offset} does not fit the plan (the stream stands at {self._pos})"
             )
-        return self._arena[frame.start : frame.end]
+        return self._arena[frame.start - self._base : frame.end - self._base]
 
     def span(self, start: int, end: int) -> np.ndarray:
         """Where several consecutive chunks' bytes go, for one large in-place write.
@@ -254,7 +280,7 @@ class Receiver:
         """
         if start != self._pos or not (end == self._plan.total_bytes or end in self._frames) or end < start:
             raise ProtocolError(f"span {start}..{end} does not fit the plan (the stream stands at {self._pos})")
-        return self._arena[start:end]
+        return self._arena[start - self._base : end - self._base]
 
     def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
         """Check one message and write its bytes (already written with ``placed``)."""
@@ -279,7 +305,7 @@ class Receiver:
                 f"the plan puts {list(frame.instance_keys)[:8]} there"
             )
         if chunk.data and not placed:
-            self._arena[frame.start : frame.end] = np.frombuffer(chunk.data, dtype=np.uint8)
+            self._arena[frame.start - self._base : frame.end - self._base] = np.frombuffer(chunk.data, dtype=np.uint8)
         if frame.end > frame.start:
             self._check_chunk(chunk, frame)
         elif chunk.digest:
@@ -293,7 +319,7 @@ class Receiver:
 
         A provisional plan (``digests_follow``) has no chunk digests yet: the bytes are checked
         against the trailer, and against the chief's digests once they come (``complete``)."""
-        got = bytes_digest(memoryview(self._arena[frame.start : frame.end]))
+        got = bytes_digest(memoryview(self._arena[frame.start - self._base : frame.end - self._base]))
         if not frame.digest:
             if not chunk.digest:
                 raise ProtocolError(f"chunk at offset {chunk.offset} has no digest trailer; the plan's digests "
@@ -304,7 +330,8 @@ class Receiver:
                                      f"{got} differs from its trailer {chunk.digest}")
         elif got != frame.digest:
             raise IntegrityError(
-                culprit(self._plan, self._arena, frame.start, frame.end, upto=frame.end, digests=(got, frame.digest))
+                culprit(self._plan, self._arena, frame.start, frame.end, upto=frame.end, digests=(got, frame.digest),
+                        base=self._base)
             )
         elif chunk.digest != frame.digest:
             raise IntegrityError(
@@ -325,10 +352,10 @@ class Receiver:
         self._frames = {f.start: f for f in _frames(plan)}
 
     def _check_end(self, end: pb.StreamEnd) -> None:
-        if end.total_bytes != self._plan.total_bytes or self._pos != self._plan.total_bytes:
+        if end.total_bytes != self._stop or self._pos != self._stop:
             raise IntegrityError(
                 f"stream end claims {end.total_bytes} bytes after {self._pos} received; "
-                f"the plan has {self._plan.total_bytes}"
+                f"the plan has {self._stop}"
             )
         # An empty one: the sender's plan or this one is provisional (``digests_follow``).
         if end.manifest_digest and self._plan.manifest_digest and end.manifest_digest != self._plan.manifest_digest:
@@ -338,7 +365,7 @@ class Receiver:
     def finish(self) -> None:
         """Raise IntegrityError unless the whole stream arrived, verified, with its end message."""
         if not self._ended:
-            if self._pos == self._plan.total_bytes:
+            if self._pos == self._stop:
                 raise IntegrityError(
                     f"stream ended without its end message (total and manifest digest) after all "
                     f"{self._pos} bytes; a stream that does not end properly is never taken as complete"
@@ -346,6 +373,6 @@ class Receiver:
             first = next((v.name for v in self._plan.variables if v.offset + v.nbytes > self._pos), "-")
             missing = len(self._ends) - self.variables_verified
             raise IntegrityError(
-                f"stream ended early: {self._pos} of {self._plan.total_bytes} bytes, "
+                f"stream ended early: {self._pos} of {self._stop} bytes, "
                 f"{missing} variable(s) unverified (first: {first})"
             )

@@ -54,46 +54,9 @@ from collective import dtypes
 from collective._api import release_freed_memory
 from collective.digest import array_digest
 from collective.errors import IntegrityError, UsageError
+from collective.tensors import from_numpy, to_numpy  # the crossing, shared with collective.snapshot
 
 __all__ = ["sync_module", "check_module", "state_arrays", "load_arrays", "module_device", "local_device"]
-
-# torch dtypes numpy has no type for: the ml_dtypes type of the same bits, and the integer
-# type of the same size through which the bits cross (torch.from_numpy knows no ml_dtypes).
-_EXTENDED = {
-    "bfloat16": ("bfloat16", np.int16),
-    "float8_e4m3fn": ("float8_e4m3fn", np.uint8),
-    "float8_e4m3fnuz": ("float8_e4m3fnuz", np.uint8),
-    "float8_e5m2": ("float8_e5m2", np.uint8),
-    "float8_e5m2fnuz": ("float8_e5m2fnuz", np.uint8),
-    "float8_e8m0fnu": ("float8_e8m0fnu", np.uint8),
-}
-_TORCH_EXTENDED = {getattr(torch, name): name for name in _EXTENDED if hasattr(torch, name)}
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """The tensor's value as a numpy array (a view for a contiguous CPU tensor; bf16/float8 as
-    their ``ml_dtypes`` type, same bits)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    name = _TORCH_EXTENDED.get(t.dtype)
-    if name is None:
-        return t.numpy()
-    bits = _EXTENDED[name][1]
-    return t.view(torch.int16 if bits is np.int16 else torch.uint8).numpy().view(dtypes.from_wire(name))
-
-
-def from_numpy(a: np.ndarray) -> torch.Tensor:
-    """A CPU tensor sharing ``a``'s memory (bf16/float8 through their integer bits)."""
-    if dtypes.is_extended(a.dtype):
-        name = a.dtype.name
-        torch_dtype = getattr(torch, name, None)
-        if torch_dtype is None:
-            raise UsageError(f"this torch {torch.__version__} has no {name} type")
-        bits = _EXTENDED[name][1]
-        return torch.from_numpy(a.view(bits)).view(torch_dtype)
-    return torch.from_numpy(a)
 
 
 def state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:

@@ -167,18 +167,20 @@ class Piece(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., worker: _Optional[_Union[WorkerRef, _Mapping]] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "resume_from", "want_digests", "secret")
+    __slots__ = ("worker_id", "incarnation", "resume_from", "want_digests", "secret", "stop_at")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     WANT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    STOP_AT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     resume_from: int
     want_digests: bool
     secret: str
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ..., want_digests: _Optional[bool] = ..., secret: _Optional[str] = ...) -> None: ...
+    stop_at: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ..., want_digests: _Optional[bool] = ..., secret: _Optional[str] = ..., stop_at: _Optional[int] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("total_bytes", "manifest_digest")

@@ -20,7 +20,7 @@ PACKAGES = ("collective",)
 # Lowest first. A name covers the module and everything under it.
 LAYERS: list[tuple[str, ...]] = [
     # What every layer may use: errors, units, digests, logging, the wire types.
-    ("collective.errors", "collective.dtypes", "collective.digest", "collective.sizes", "collective.logs",
+    ("collective.errors", "collective.dtypes", "collective.tensors", "collective.digest", "collective.sizes", "collective.logs",
      "collective.entry", "collective.keys", "collective.limits", "collective.status", "collective.logmerge", "collective.rundir", "collective._proto",
      "collective._protogen"),
     # Settings: timeouts, TLS files, COLLECTIVE_* and the clusters' own variables.
@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Round runners: the local launcher and the MPI round.
     ("collective.launch", "collective.mpi"),
     # The public Python API.
-    ("collective._api", "collective.checks", "collective"),
+    ("collective._api", "collective.checks", "collective.snapshot", "collective"),
     # Framework hand-offs, on top of the API.
     ("collective.torch", "collective.jax", "collective.tf"),
     # Command lines and tools.

@@ -16,7 +16,7 @@ from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
 from collective.config import TlsFiles
 from collective.logs import printable
-from collective.plan import from_pieces, to_pieces
+from collective.plan import MAX_PIECED_BYTES, from_pieces, to_pieces
 from collective.transport.api import ChiefLink
 from collective.transport.grpc.tls import channel_credentials
 from collective.transport.grpc.wire import (
@@ -240,9 +240,10 @@ class GrpcChiefLink(ChiefLink):
                     continue
                 raise self._error(exc, "join", timeout) from None
 
-    def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
-        pieces = self._unary(_Collected(self._stub.GetPlan), ref, "join (waiting for the plan)", timeout, retry=True)
-        return from_pieces(pb.Plan, pieces, f"{self.name} at {self.address}")
+    def get_plan(self, ref: pb.WorkerRef, timeout: float, *, phase: str = "join (waiting for the plan)",
+                 max_bytes: int = MAX_PIECED_BYTES) -> pb.Plan:
+        pieces = self._unary(_Collected(self._stub.GetPlan), ref, phase, timeout, retry=True)
+        return from_pieces(pb.Plan, pieces, f"{self.name} at {self.address}", max_bytes=max_bytes)
 
     def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
         return self._unary(self._stub.AwaitPrepared, ref, "waiting for every worker to prepare", timeout, retry=True)

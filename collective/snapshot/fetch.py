@@ -1,0 +1,371 @@
+"""``fetch``: a published state from one or several holders, striped, every chunk verified.
+
+1. Each holder is asked for its plan (GetPlan, in pieces, at most ``MAX_PLAN_BYTES``). A plan is
+   checked before anything is allocated: ``validate_plan``, its step (``Plan.model``), its size
+   against ``max_bytes``, its skeleton variable's size. The holders of the requested step whose
+   manifest digests agree are used together; holders that disagree fail the fetch, naming both
+   sides (one of them lies, and digests alone cannot say which).
+2. The arena's chunks are cut into stripes, taken in turn by one thread per holder: each stripe
+   is one data stream (``WorkerRef.resume_from`` .. ``stop_at``) received in place by a
+   ``Receiver`` of that span, so every chunk is checked against the plan's digest as it lands.
+   A holder whose stream breaks, stalls for ``stall_timeout`` or sends bytes that differ from
+   its plan is dropped; what it had not delivered goes back to the queue for the others.
+3. The skeleton variable is decoded (JSON only) and the state rebuilt: tensor leaves are numpy
+   views of the one received arena, or the caller's ``into`` arrays.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from collective import dtypes
+from collective import errors as E
+from collective._proto import collective_pb2 as pb
+from collective.digest import bytes_digest
+from collective.plan import new_arena, validate_plan
+from collective.sizes import format_bytes
+from collective.snapshot import tree
+from collective.snapshot.publish import MODEL_PREFIX, cluster_token
+from collective.stream import Receiver, overlapping
+
+log = logging.getLogger(__name__)
+
+MAX_PLAN_BYTES = 256 << 20
+"""The largest plan a holder may send (100,000 tensors and 1 TiB of chunk digests fit)."""
+STRIPE_BYTES = 64 << 20
+"""At most this much in one stripe: a lost holder's share is retaken in pieces this size."""
+_REF = "fetch"
+
+
+class Fetched(dict):
+    """The fetched state (a dict, as published), with ``step``, ``manifest_digest`` and
+    ``stats``: holder address -> bytes it delivered, stripes, and why it was dropped (if it was)."""
+
+    step: int
+    manifest_digest: str
+    stats: dict
+
+
+class _Holder:
+    def __init__(self, address: str, link) -> None:
+        self.address, self.link = address, link
+        self.plan: pb.Plan | None = None
+        self.bytes = 0
+        self.stripes = 0
+        self.dropped: str | None = None
+
+    def name(self) -> str:
+        return f"holder at {self.address}"
+
+
+def _sources(sources: str | Sequence[str]) -> list[str]:
+    items = [sources] if isinstance(sources, str) else list(sources)
+    out = [a.strip() for item in items for a in str(item).split(",") if a.strip()]
+    if not out:
+        raise E.UsageError("fetch needs at least one holder address (host:port)")
+    return list(dict.fromkeys(out))
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 40
+
+
+def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
+    """The plan of holder ``h`` is one a fetch can take: consistent, of ``step``, not larger
+    than ``max_bytes``, with a skeleton variable. Raises naming the holder."""
+    if not plan.model.startswith(MODEL_PREFIX):
+        raise E.ProtocolError(f"{h.name()} is not a publication (it serves {plan.model[:80]!r})")
+    got = plan.model.removeprefix(MODEL_PREFIX)
+    if got != str(step):
+        raise E.FetchError(f"{h.name()} publishes step {got[:40]}, not step {step}")
+    if plan.total_bytes > max_bytes:
+        raise E.ResourceExhaustedError(f"{h.name()} publishes {format_bytes(plan.total_bytes)}, more than "
+                                       f"max_bytes={format_bytes(max_bytes)}; refused before allocating")
+    try:
+        validate_plan(plan)
+    except E.ProtocolError as exc:
+        raise E.ProtocolError(f"{h.name()} sent a plan that does not hold together: {exc}") from None
+    last = plan.variables[-1] if plan.variables else None
+    if (last is None or last.name != tree.TREE or last.dtype != "|u1" or len(last.shape) != 1
+            or last.nbytes > tree.MAX_TREE_BYTES):
+        raise E.ProtocolError(f"{h.name()} sent a plan without its structure variable {tree.TREE!r} "
+                              f"(bytes, at most {tree.MAX_TREE_BYTES}), last")
+
+
+def _ask_plans(holders: list[_Holder], step: int, deadline: float, max_bytes: int) -> list[_Holder]:
+    """Each holder's plan, in parallel; the holders of ``step`` that agree on its manifest."""
+    errors: dict[str, E.CollectiveError] = {}
+
+    def ask(h: _Holder) -> None:
+        try:
+            plan = h.link.get_plan(pb.WorkerRef(worker_id=_REF), max(0.1, deadline - time.monotonic()),
+                                   phase="fetch (asking for its manifest)", max_bytes=MAX_PLAN_BYTES)
+            _check_plan(h, plan, step, max_bytes)
+            h.plan = plan
+        except E.CollectiveError as exc:
+            errors[h.address] = exc
+
+    threads = [threading.Thread(target=ask, args=(h,), name="fetch-plan", daemon=True) for h in holders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+    ready = [h for h in holders if h.plan is not None]
+    for h in holders:
+        if h.plan is None and h.address not in errors:
+            errors[h.address] = E.DeadlineError(f"{h.name()} did not answer with its manifest in time")
+    if not ready:
+        if len(errors) == 1:
+            raise next(iter(errors.values()))
+        raise E.FetchError(f"no holder serves step {step}: " + "; ".join(_one_line(e) for e in errors.values()))
+    for exc in errors.values():
+        log.warning("fetch of step %d: %s; fetching from the other holders", step, _one_line(exc))
+    groups = collections.defaultdict(list)
+    for h in ready:
+        groups[h.plan.manifest_digest].append(h.address)
+    if len(groups) > 1:
+        sides = "; ".join(f"{', '.join(a)} publish manifest {d}" for d, a in groups.items())
+        raise E.FetchError(f"holders disagree on the manifest of step {step}: {sides}; compare them "
+                         f"(collective.check) before trusting any")
+    return ready
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def _differing(plan: pb.Plan, buf: np.ndarray, base: int, start: int, end: int) -> str:
+    """The variable whose bytes in ``start..end`` differ from its digest: the first one held
+    whole in ``buf`` (bytes from ``base`` on) that does, else the first only partly held."""
+    partial = None
+    for v in overlapping(plan, start, end):
+        lo, hi = v.offset - base, v.offset + v.nbytes - base
+        if lo < 0 or hi > buf.size:
+            partial = partial or v.name
+        elif bytes_digest(memoryview(buf[lo:hi])) != v.digest:
+            return v.name
+    return partial or "the padding between variables"
+
+
+class _Striper:
+    """The stripes of one fetch, the threads that take them (one per holder) and the outcome."""
+
+    def __init__(self, plan: pb.Plan, holders: list[_Holder], arena: np.ndarray | None, scatter,
+                 stall_timeout: float) -> None:
+        self.plan, self.holders, self.arena, self.scatter = plan, holders, arena, scatter
+        self.stall_timeout = stall_timeout
+        size, total = plan.chunk_bytes, plan.total_bytes
+        chunks = -(-total // size)
+        per = max(1, min(-(-chunks // (4 * len(holders))), max(1, STRIPE_BYTES // size)))
+        self.queue = collections.deque((i * size, min((i + per) * size, total)) for i in range(0, chunks, per))
+        self.left = len(self.queue)
+        self.cond = threading.Condition()
+        self.failure: BaseException | None = None
+        self.bad: list[str] = []
+
+    def run(self, deadline: float) -> None:
+        threads = [threading.Thread(target=self._take, args=(h,), name="fetch-stripes", daemon=True)
+                   for h in self.holders]
+        for t in threads:
+            t.start()
+        with self.cond:
+            while self.left and self.failure is None and time.monotonic() < deadline:
+                if not any(t.is_alive() for t in threads):
+                    break
+                self.cond.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            done, failure = not self.left, self.failure
+        if not done:
+            why = failure or E.DeadlineError("the fetch did not complete in time")
+            with self.cond:
+                self.failure = self.failure or why  # the threads waiting for a stripe stop
+            for h in self.holders:
+                h.link.interrupt(why if isinstance(why, E.CollectiveError) else E.AbortedError(str(why)))
+            for t in threads:
+                t.join(5.0)
+            if failure is not None:
+                raise failure
+            raise self._missing(deadline)
+        for t in threads:
+            t.join(5.0)
+
+    def _missing(self, deadline: float) -> E.CollectiveError:
+        """Why stripes are left: every holder dropped, or the deadline."""
+        with self.cond:
+            left = sorted(self.queue)
+        if left:
+            a = left[0][0]
+            names = overlapping(self.plan, a, left[-1][1])
+            what = (f"bytes {a}..{left[-1][1]} ({names[0].name!r}" + (f" .. {names[-1].name!r})" if len(names) > 1 else ")")
+                    if names else f"bytes {a}..{left[-1][1]}")
+        else:
+            what = "stripes in progress"
+        dropped = [f"{h.name()} {h.dropped}" for h in self.holders if h.dropped]
+        if time.monotonic() >= deadline:
+            return E.DeadlineError(f"fetch did not complete in time; still missing {what}"
+                                   + (f" ({'; '.join(dropped)})" if dropped else ""))
+        if self.bad and len(self.bad) == len(dropped):
+            return E.IntegrityError("; ".join(self.bad) + f"; no other holder is left for {what}")
+        return E.FetchError("; ".join(dropped) + f"; no holder is left for {what}")
+
+    def _next(self) -> tuple[int, int] | None:
+        """The next stripe to take; None once none is left (or the fetch has failed). While the
+        queue is empty, another holder's stripe may come back (it is dropped): wait for that."""
+        with self.cond:
+            while self.failure is None and self.left:
+                if self.queue:
+                    return self.queue.popleft()
+                self.cond.wait(0.5)
+            return None
+
+    def _take(self, h: _Holder) -> None:
+        try:
+            while (span := self._next()) is not None:
+                if not self._receive(h, span):
+                    return
+        except BaseException as exc:  # a bug here must end the fetch, not hang it
+            with self.cond:
+                self.failure = self.failure or exc
+                self.cond.notify_all()
+        finally:
+            with self.cond:
+                self.cond.notify_all()
+
+    def _receive(self, h: _Holder, span: tuple[int, int]) -> bool:
+        a, b = span
+        total = self.plan.total_bytes
+        buf = self.arena if self.arena is not None else new_arena(b - a)
+        base = 0 if self.arena is not None else a
+        receiver = Receiver(self.plan, buf, span=span, base=base)
+        ref = pb.WorkerRef(worker_id=_REF, resume_from=a, stop_at=b if b < total else 0)
+        try:
+            h.link.receive_into(ref, receiver, self.stall_timeout)
+            receiver.finish()
+        except E.CollectiveError as exc:
+            pos = receiver.bytes_received  # every chunk below it was verified
+            if pos >= b and not isinstance(exc, E.IntegrityError):  # only the stripe's end message was lost
+                return self._done(h, buf, base, a, b)
+            if isinstance(exc, E.IntegrityError):
+                name = _differing(self.plan, buf, base, pos, min(pos + self.plan.chunk_bytes, b))
+                reason = f"sent bytes of {name!r} that differ from its own plan"
+                with self.cond:
+                    self.bad.append(f"{h.name()} {reason}")
+            else:
+                reason = f"was lost ({_one_line(exc)})"
+            log.warning("fetch: %s %s; its stripe %d..%d goes to the other holders", h.name(), reason, pos, b)
+            self._landed(h, buf, base, a, pos)
+            with self.cond:
+                h.dropped = reason
+                self.queue.appendleft((pos, b))
+                self.cond.notify_all()
+            return False
+        return self._done(h, buf, base, a, b)
+
+    def _done(self, h: _Holder, buf: np.ndarray, base: int, a: int, b: int) -> bool:
+        self._landed(h, buf, base, a, b)
+        with self.cond:
+            h.stripes += 1
+            self.left -= 1
+            self.cond.notify_all()
+        return True
+
+    def _landed(self, h: _Holder, buf: np.ndarray, base: int, a: int, b: int) -> None:
+        """Bytes ``a..b`` are verified: count them for ``h`` and move them to ``into``'s arrays."""
+        if b <= a:
+            return
+        if self.scatter is not None:
+            self.scatter(buf, base, a, b)
+        with self.cond:
+            h.bytes += b - a
+
+
+class _Into:
+    """Where each variable's bytes go when the caller gave ``into`` arrays: those arrays, or one
+    of the fetch's own (the others, and the skeleton). Each stripe is received into a buffer of
+    its own and copied out once verified, so the fetch holds the state once plus a stripe per
+    holder."""
+
+    def __init__(self, plan: pb.Plan, into: Mapping[str, np.ndarray]) -> None:
+        names = {v.name: v for v in plan.variables}
+        self.targets: dict[str, np.ndarray] = {}
+        for name, a in into.items():
+            v = names.get(name)
+            if v is None or name == tree.TREE:
+                raise E.UsageError(f"into[{name!r}]: the snapshot has no tensor of that name")
+            want = (tuple(v.shape), dtypes.from_wire(v.dtype))
+            if not isinstance(a, np.ndarray) or (a.shape, a.dtype) != want:
+                got = (a.shape, a.dtype) if isinstance(a, np.ndarray) else type(a).__name__
+                raise E.UsageError(f"into[{name!r}] is {got}; the snapshot's tensor is {want[0]} {want[1]}")
+            if not (a.flags.c_contiguous and a.flags.writeable):
+                raise E.UsageError(f"into[{name!r}] must be a writable C-contiguous array")
+            self.targets[name] = a
+        self.plan = plan
+        self.flat = {v.name: (self.targets[v.name] if v.name in self.targets
+                              else np.empty(v.shape, dtypes.from_wire(v.dtype))).reshape(-1).view(np.uint8)
+                     for v in plan.variables}
+
+    def __call__(self, buf: np.ndarray, base: int, a: int, b: int) -> None:
+        for v in overlapping(self.plan, a, b):
+            lo, hi = max(a, v.offset), min(b, v.offset + v.nbytes)
+            self.flat[v.name][lo - v.offset : hi - v.offset] = buf[lo - base : hi - base]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {v.name: self.targets.get(v.name, self.flat[v.name].view(dtypes.from_wire(v.dtype)).reshape(tuple(v.shape)))
+                for v in self.plan.variables}
+
+
+def _views(plan: pb.Plan, arena: np.ndarray) -> dict[str, np.ndarray]:
+    """Every variable as a view of the received arena (zero copy)."""
+    return {v.name: arena[v.offset : v.offset + v.nbytes].view(dtypes.from_wire(v.dtype)).reshape(tuple(v.shape))
+            for v in plan.variables}
+
+
+def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, timeout: float = 300.0,
+          stall_timeout: float = 30.0, into: Mapping[str, np.ndarray] | None = None,
+          manifest: str | None = None, max_bytes: int | None = None) -> Fetched:
+    """The state published at ``step`` by the holders at ``sources``; see ``collective.snapshot``."""
+    from collective.transport.grpc import GrpcChiefLink
+
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise E.UsageError(f"step must be an integer >= 0, not {step!r}")
+    if not (timeout > 0 and stall_timeout > 0):
+        raise E.UsageError("timeout and stall_timeout must be > 0 seconds")
+    addresses = _sources(sources)
+    started = time.monotonic()
+    deadline = started + timeout
+    token = cluster_token(token)
+    holders = [_Holder(a, GrpcChiefLink(a, token=token, name="holder")) for a in addresses]
+    try:
+        ready = _ask_plans(holders, step, deadline, max_bytes if max_bytes is not None else _memory_bytes())
+        plan = ready[0].plan
+        if manifest is not None and plan.manifest_digest != manifest:
+            raise E.FetchError(f"{', '.join(h.name() for h in ready)} publish manifest {plan.manifest_digest} "
+                             f"of step {step}, not the expected {manifest}")
+        scatter = _Into(plan, into) if into is not None else None
+        arena = new_arena(plan.total_bytes) if scatter is None else None
+        striper = _Striper(plan, ready, arena, scatter, stall_timeout)
+        striper.run(deadline)
+        arrays = _views(plan, arena) if scatter is None else scatter.arrays()
+        sender = ", ".join(h.name() for h in ready)
+        state = tree.unflatten(tree.decode(arrays[tree.TREE], step, sender), arrays, sender)
+    finally:
+        for h in holders:
+            h.link.close()
+    out = Fetched(state)
+    out.step, out.manifest_digest = step, plan.manifest_digest
+    out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped} for h in ready}
+    seconds = time.monotonic() - started
+    log.info("fetched step %d (%s, manifest %s) in %.2f s: %s", step, format_bytes(plan.total_bytes),
+             plan.manifest_digest, seconds,
+             ", ".join(f"{a} {format_bytes(s['bytes'])}" + (f" (dropped: {s['dropped']})" if s["dropped"] else "")
+                       for a, s in out.stats.items()))
+    return out

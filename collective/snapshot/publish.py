@@ -1,0 +1,262 @@
+"""``publish``: serve a state (tensors + JSON values) at one step to whoever fetches it.
+
+The state becomes a plan like a chief's (``collective.plan.build_plan``: the tensors and the
+skeleton variable laid out in one arena, each variable's digest, every chunk's digest, the
+manifest digest, computed once here) and is served by a ``GrpcEndpoint`` like a chief's: GetPlan
+answers the plan in pieces, the data stream goes over the raw data port (an abstract unix socket
+on the same host, TCP otherwise) or FetchRaw, cut by the same ``Chunker``; the cluster token
+guards every call (the endpoint's interceptor, the data port's hello). The only addition is the
+stripe: a fetcher may ask for the chunks from ``WorkerRef.resume_from`` to ``WorkerRef.stop_at``
+only, so several holders each serve a part (``collective.snapshot.fetch``).
+
+``copy=False`` (default): nothing is copied; the chunks are read from the caller's own arrays
+(``ScatteredArena``), so they must not change until ``close()`` returns (a fetcher would get
+bytes that differ from the digests and name this holder). ``copy=True``: one arena holds a copy,
+and the caller may change its tensors at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from collective import config
+from collective._proto import collective_pb2 as pb
+from collective.digest import array_digest, bytes_digest
+from collective.errors import AbortedError, ProtocolError, UnimplementedError, UsageError
+from collective.limits import check_ref
+from collective.model import VariableSpec
+from collective.plan import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, build_plan, layout, new_arena
+from collective.snapshot import tree
+from collective.stream import Chunker, with_bytes
+
+log = logging.getLogger(__name__)
+
+CLOSE_GRACE = 10.0
+"""How long ``close()`` waits for fetches in progress before it cuts them."""
+
+MODEL_PREFIX = "snapshot step "
+"""A publication's ``Plan.model``: this and the step, which a fetcher reads before any byte."""
+
+
+def cluster_token(token: str | None) -> str | None:
+    """``token``, else the cluster token every other call of the project reads (COLLECTIVE_TOKEN)."""
+    return token if token is not None else config.env_default("token")
+
+
+class ScatteredArena:
+    """The plan's arena without a copy: each variable's bytes where the caller holds them, at
+    its offset of the layout; the padding between them reads as zeros. ``slice`` is what a
+    ``Chunker`` sends: a view of one array when the range lies in it, else the range gathered
+    into a buffer of its own (at most one chunk)."""
+
+    def __init__(self, offsets: list[int], arrays: list[np.ndarray], nbytes: int) -> None:
+        self._parts = [(off, a.reshape(-1).view(np.uint8)) for off, a in zip(offsets, arrays, strict=True) if a.nbytes]
+        self._starts = [off for off, _ in self._parts]
+        self.nbytes = nbytes
+
+    def slice(self, start: int, end: int) -> memoryview:
+        import bisect
+
+        i = max(0, bisect.bisect_right(self._starts, start) - 1)
+        parts = []
+        for off, flat in self._parts[i:]:
+            if off >= end:
+                break
+            a, b = max(start, off), min(end, off + flat.size)
+            if a < b:
+                parts.append((a, b, flat[a - off : b - off]))
+        if len(parts) == 1 and parts[0][:2] == (start, end):
+            return memoryview(parts[0][2])
+        out = np.zeros(end - start, dtype=np.uint8)
+        for a, b, view in parts:
+            out[a - start : b - start] = view
+        return memoryview(out)
+
+
+def _contiguous(arrays: dict[str, np.ndarray], copy: bool) -> dict[str, np.ndarray]:
+    """Arrays the arena can read in place: a non-contiguous one is copied (and says so)."""
+    out = {}
+    for name, a in arrays.items():
+        if not a.flags.c_contiguous:
+            if not copy:
+                log.info("publish: %r is not contiguous; serving a contiguous copy of it", name)
+            a = np.ascontiguousarray(a)
+        out[name] = a
+    return out
+
+
+def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int) -> tuple[pb.Plan, object, list]:
+    """The plan of ``state`` at ``step``, the arena it is served from, and what keeps the arrays
+    alive. Every digest is computed here, once."""
+    skeleton, arrays = tree.flatten(state)
+    arrays = _contiguous(arrays, copy)
+    arrays[tree.TREE] = tree.encode(skeleton, step)
+    names = list(arrays)
+    from collective import dtypes
+
+    specs = [VariableSpec(n, tuple(int(d) for d in arrays[n].shape), dtypes.wire(arrays[n].dtype)) for n in names]
+    offsets, total = layout(specs)
+    if copy:
+        arena = new_arena(total)
+        arena[:] = 0  # the padding
+        for n, off in zip(names, offsets, strict=True):
+            arena[off : off + arrays[n].nbytes] = arrays[n].reshape(-1).view(np.uint8)
+        digests = [array_digest(arena[off : off + s.nbytes]) for off, s in zip(offsets, specs, strict=True)]
+        chunks = None
+        keep: list = [arena]
+    else:
+        arena = ScatteredArena(offsets, [arrays[n] for n in names], total)
+        digests = [array_digest(arrays[n]) for n in names]
+        chunks = [bytes_digest(arena.slice(i, min(i + chunk_bytes, total))) for i in range(0, total, chunk_bytes)]
+        keep = [arrays]
+    worker = pb.WorkerInfo(rank=0, worker_id="fetcher", devices=["cpu:0"], parent=-1)
+    plan = build_plan(specs, digests, [worker], arena=arena if copy else np.empty(0, np.uint8),
+                      chunk_bytes=chunk_bytes, chief_incarnation=secrets.token_hex(8),
+                      model=f"{MODEL_PREFIX}{step}", chunks=chunks)
+    return plan, arena, keep
+
+
+class SnapshotHandler:
+    """The ``ChiefHandler`` of a publication: its plan and its data stream, whole or a stripe;
+    every other call of a round is refused. Counts what it served and the streams in progress."""
+
+    num_workers = 8  # sizes the endpoint's thread pool: 4 calls for each of 8 fetchers at once
+
+    def __init__(self, plan: pb.Plan, arena) -> None:
+        self.plan = plan
+        self.specs = plan.variables
+        self._chunker = Chunker(plan, arena)
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+        self.bytes_served = 0
+        self.streams_served = 0
+
+    def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
+        check_ref(ref)
+        self._refuse_if_closed()
+        return self.plan
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise AbortedError(f"this holder no longer publishes step {self.plan.model.removeprefix(MODEL_PREFIX)} "
+                               f"(closed)")
+
+    def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
+        """The stream (``Chunker.frames``) from ``resume_from`` to ``stop_at`` (0: the end)."""
+        ref = refs[0]
+        check_ref(ref)
+        size, total = self.plan.chunk_bytes, self.plan.total_bytes
+        start, stop = ref.resume_from, ref.stop_at
+        if start % size or start > total or stop % size or (stop and not start < stop < total):
+            raise ProtocolError(f"stripe {start}..{stop or total} is not a range of chunks of this "
+                                f"{total}-byte snapshot ({size}-byte chunks)")
+        with self._cond:
+            self._refuse_if_closed()
+            self._active += 1
+        try:
+            for msg, data in self._chunker.frames(start, stop=stop):
+                yield msg, data
+                with self._cond:
+                    self.bytes_served += len(data)
+        finally:
+            with self._cond:
+                self._active -= 1
+                self.streams_served += 1
+                self._cond.notify_all()
+
+    def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
+        return with_bytes(self.stream_views([ref]))
+
+    def lost(self, ref: pb.WorkerRef, reason: str) -> None:
+        log.info("a fetch of this publication ended early: %s", reason)
+
+    def status(self) -> pb.StatusReply:
+        return pb.StatusReply(phase="publishing" if not self._closed else "closed")
+
+    def close(self, grace: float) -> bool:
+        """Refuse new fetches; wait up to ``grace`` s for those in progress. True if none is left."""
+        deadline = time.monotonic() + grace
+        with self._cond:
+            self._closed = True
+            while self._active and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            return not self._active
+
+    def _round_only(self, *args, **kwargs):
+        raise UnimplementedError("this is a publication (collective.publish): it serves its plan and its "
+                                 "data stream to collective.fetch, not a round")
+
+    join = await_prepared = report_ready = await_start = report_failure = heartbeat = _round_only
+    await_outcome = ready_bytes = _round_only
+
+
+class Publication:
+    """A state served at one step (``publish``). ``address`` is what fetchers dial; ``close()``
+    stops serving (idempotent; waits up to ``CLOSE_GRACE`` s for fetches in progress); a context
+    manager. ``stats()``: bytes and streams served so far."""
+
+    def __init__(self, handler: SnapshotHandler, endpoint, address: str, step: int, keep: list) -> None:
+        self._handler, self._endpoint, self._keep = handler, endpoint, keep
+        self.address = address
+        self.step = step
+        self.manifest_digest = handler.plan.manifest_digest
+        self.total_bytes = handler.plan.total_bytes
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def stats(self) -> dict[str, int]:
+        return {"bytes_served": self._handler.bytes_served, "streams_served": self._handler.streams_served}
+
+    def close(self, grace: float = CLOSE_GRACE) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not self._handler.close(grace):
+            log.warning("publication of step %d at %s: fetches still in progress after %g s are cut",
+                        self.step, self.address, grace)
+        self._endpoint.stop(0.5)
+        self._keep.clear()  # the caller's arrays (or the copy) are no longer referenced
+
+    def __enter__(self) -> Publication:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "serving"
+        return f"Publication(step={self.step}, address={self.address!r}, {self.total_bytes} bytes, {state})"
+
+
+def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = "0.0.0.0:0",
+            advertise: str | None = None, copy: bool = False, chunk_bytes: int | None = None) -> Publication:
+    """Serve ``state`` at ``step`` until ``close()``; see ``collective.snapshot``."""
+    from collective.transport.grpc import GrpcEndpoint
+
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise UsageError(f"step must be an integer >= 0, not {step!r}")
+    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise UsageError(f"chunk_bytes={chunk_bytes}: use 1..{MAX_CHUNK_BYTES}")
+    started = time.monotonic()
+    plan, arena, keep = build(state, step, copy=copy, chunk_bytes=chunk_bytes)
+    handler = SnapshotHandler(plan, arena)
+    endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder")
+    bound = endpoint.start(handler)
+    host = advertise or bound.rpartition(":")[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()  # what another host can dial; advertise= overrides it
+    address = f"[{host}]:{endpoint.port}" if ":" in host else f"{host}:{endpoint.port}"
+    log.info("publishing step %d (%d tensors, %d bytes, manifest %s) at %s, %s, in %.2f s", step,
+             len(plan.variables) - 1, plan.total_bytes, plan.manifest_digest, address,
+             "copied" if copy else "served in place", time.monotonic() - started)
+    return Publication(handler, endpoint, address, step, keep)
