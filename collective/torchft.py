@@ -25,26 +25,34 @@ This module imports torchft (and torch); ``import collective`` never does.
 
 from __future__ import annotations
 
+import logging
+import random
 import re
 import socket
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torchft.checkpointing.transport import CheckpointTransport
 
 import collective
-from collective.errors import TransportError, UsageError
-from collective.torch import from_numpy
+from collective import tensors
+from collective.errors import ChiefUnreachableError, UsageError
+from collective.tensors import from_numpy
 
 __all__ = ["Transport"]
+
+log = logging.getLogger(__name__)
 
 # One holder address, as metadata() gives it: host (a name, IPv4, or [IPv6]) and port.
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 # While the holder has not published yet (its quorum thread is a little behind ours), its port
 # refuses connections: try again this often, within the recovery's timeout.
 _RETRY_SECONDS = 0.1
+# Ports chosen at the first metadata() come from here up to the ephemeral range (_free_port).
+_PORT_FLOOR = 20000
 
 
 def _seconds(timeout: float | timedelta) -> float:
@@ -60,6 +68,18 @@ def parse_metadata(metadata: str) -> list[str]:
         raise UsageError(f"checkpoint metadata {metadata!r} is not a collective holder address (host:port): "
                          "every replica group must use collective.torchft.Transport")
     return sources
+
+
+def _on_cpu(state: Any) -> Any:
+    """``state`` with every device tensor copied to the host (as torchft's HTTPTransport does);
+    CPU tensors stay themselves, served in place."""
+    if isinstance(state, dict):
+        return {k: _on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_on_cpu(v) for v in state)
+    if tensors.is_tensor(state) and state.device.type != "cpu":
+        return state.detach().cpu()
+    return state
 
 
 def to_torch(state: Any) -> Any:
@@ -81,8 +101,8 @@ class Transport(CheckpointTransport[dict]):
     ``stall_timeout``: how long a holder may send nothing before it counts as lost. ``bind``:
     where this process serves its snapshot (``host:port``; port 0 picks one, once, at the first
     ``metadata()``: torchft hands that address around before anything is published).
-    ``advertise``: the host name or address the other groups reach this one by (default: this
-    machine's host name, as torchft's HTTPTransport does). ``copy``: serve a private copy.
+    ``advertise``: the host name or address the other groups reach this one by (default: the
+    bind host, or this machine's host name for a wildcard bind, as torchft's HTTPTransport does). ``copy``: serve a private copy.
     """
 
     def __init__(self, *, token: str | None = None, timeout: float | timedelta = 300.0,
@@ -93,6 +113,7 @@ class Transport(CheckpointTransport[dict]):
         self._lock = threading.Lock()  # torchft's quorum thread publishes; its main thread disallows
         self._publication: Any = None
         self._address: str | None = None
+        self._chosen = False  # whether metadata() chose the port (bind port 0)
 
     def metadata(self) -> str:
         """This process's holder address, fixed at the first call (a port is chosen then)."""
@@ -101,8 +122,11 @@ class Transport(CheckpointTransport[dict]):
                 host, _, port = self._bind.rpartition(":")
                 if int(port) == 0:
                     port = str(_free_port(host))
-                    self._bind = f"{host}:{port}"
-                self._address = f"{self._advertise or socket.gethostname()}:{port}"
+                    self._bind, self._chosen = f"{host}:{port}", True
+                advertised = self._advertise or host.strip("[]")
+                if advertised in ("", "0.0.0.0", "::"):
+                    advertised = socket.gethostname()  # what another host can dial, as publish does
+                self._address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"
             return self._address
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: timedelta) -> None:
@@ -111,8 +135,25 @@ class Transport(CheckpointTransport[dict]):
         address = self.metadata()
         with self._lock:
             self._close()
-            self._publication = collective.publish(state_dict, step=step, token=self._token, bind=self._bind,
-                                                   advertise=address.rpartition(":")[0], copy=self._copy)
+            try:
+                self._publish(state_dict, step, address)
+            except UsageError:
+                if not self._chosen:
+                    raise
+                # The port chosen at metadata() was taken since: choose another. This recovery
+                # then fails (the fetcher has the old address); the next quorum hands out this one.
+                log.warning("port %s taken since it was chosen; publishing step %d on another", address, step)
+                self._address, self._bind = None, f"{self._bind.rpartition(':')[0]}:0"
+                self._lock.release()
+                try:
+                    address = self.metadata()
+                finally:
+                    self._lock.acquire()
+                self._publish(state_dict, step, address)
+
+    def _publish(self, state_dict: dict, step: int, address: str) -> None:
+        self._publication = collective.publish(_on_cpu(state_dict), step=step, token=self._token, bind=self._bind,
+                                               advertise=address.rpartition(":")[0].strip("[]"), copy=self._copy)
 
     def disallow_checkpoint(self) -> None:
         """torchft is about to mutate the state: stop serving it."""
@@ -132,7 +173,7 @@ class Transport(CheckpointTransport[dict]):
                                          timeout=max(deadline - time.monotonic(), 0.1),
                                          stall_timeout=self._stall)
                 break
-            except TransportError:
+            except ChiefUnreachableError:
                 # Only "nobody listens yet": the holder's quorum thread publishes a moment after
                 # it gave out its address. Any other refusal (bytes, step, token) is final.
                 if time.monotonic() + _RETRY_SECONDS >= deadline:
@@ -151,10 +192,29 @@ class Transport(CheckpointTransport[dict]):
 
 
 def _free_port(host: str) -> int:
-    """A port free on ``host`` now, for the publication to bind later (SO_REUSEADDR both times)."""
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host.strip("[]") or "0.0.0.0", 0))
-        return s.getsockname()[1]
+    """A port free on ``host`` now, for the publication to bind later (SO_REUSEADDR both times).
 
+    Taken below the kernel's ephemeral range: a port from that range (what binding port 0 gives)
+    may be handed to some outgoing connection before the publication binds it; one below it is
+    only ever taken by a server binding it on purpose."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(_PORT_FLOOR, low)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host.strip("[]") or "0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise UsageError(f"no free port on {host or '0.0.0.0'} in {_PORT_FLOOR}..{low - 1} to publish on; "
+                     "pass bind='host:port' to collective.torchft.Transport")
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return low if low > _PORT_FLOOR + 1000 else 32768

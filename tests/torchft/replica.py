@@ -13,6 +13,7 @@ there. A recovery that the transport refused prints
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -56,7 +57,32 @@ def make_transport(kind: str):
         return HTTPTransport(timeout=TIMEOUT, num_chunks=0)
     import collective.torchft
 
-    return collective.torchft.Transport(token=os.environ.get("COLLECTIVE_TEST_TOKEN"), timeout=TIMEOUT)
+    # Its publish / fetch lines ("publishing step N", "fetched step N ... from ...") show the
+    # test that the recovery went through it.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+    logging.getLogger("collective").addHandler(handler)
+    logging.getLogger("collective").setLevel(logging.INFO)
+    cls = collective.torchft.Transport
+    if os.environ.get("COLLECTIVE_TEST_HOSTILE") == "bytes":
+        cls = _changes_served_bytes()
+    return cls(token=os.environ.get("COLLECTIVE_TEST_TOKEN"), timeout=TIMEOUT, bind="127.0.0.1:0")
+
+
+def _changes_served_bytes():
+    """A test-only hostile holder: it publishes, then changes the tensors it serves in place, so
+    every byte it sends of them differs from the digests of its own plan."""
+    import collective.torchft
+
+    class ChangesServedBytes(collective.torchft.Transport):
+        def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+            super().send_checkpoint(dst_ranks, step, state_dict, timeout)
+            with torch.no_grad():
+                for t in state_dict["user"]["default"]["model"].values():
+                    t.add_(1.0)
+            print("hostile holder: served tensors changed after publishing", flush=True)
+
+    return ChangesServedBytes
 
 
 def stop_step(path: Path | None) -> int | None:

@@ -267,6 +267,16 @@ def _path(c: Candidate, settings: Settings) -> str:
     return {"tcp": "net-tcp", "grpc": "net-grpc"}.get(settings.data_path or "", "network")
 
 
+def aligned(rows: list[list[str]]) -> list[str]:
+    """The rows (the first one the head) as text columns: the first left-aligned, the others
+    right-aligned, a rule under the head."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
 def table(results: Sequence[Result], link_seconds: float | None) -> str:
     best_peer: dict[int, float] = {}
     for r in results:
@@ -285,10 +295,7 @@ def table(results: Sequence[Result], link_seconds: float | None) -> str:
         if link_seconds is not None:
             row.append(f"{r.seconds / link_seconds:.2f}")
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
-             for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = aligned(rows)
     if link_seconds is not None:
         lines.append(f"S/B (one link carrying the model once): {link_seconds:.4f} s")
     for path in dict.fromkeys(r.path for r in results):

@@ -108,9 +108,9 @@ def holder(args: argparse.Namespace) -> int:
     state = build_state(args.size, args.variables)
     print(f"digest {state_digest(state)}", flush=True)
     if args.kind == "pg":
+        import torch
         from torch.distributed import TCPStore
         from torchft.checkpointing.pg_transport import PGTransport
-        import torch
 
         store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=LIFETIME))
@@ -217,8 +217,9 @@ def run_once(place: _Place, c: Candidate, size: int, variables: int) -> dict:
 
 
 def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
-    def med(xs: list[float]) -> float:
-        return statistics.median(xs)
+    from tools.bench import aligned
+
+    med = statistics.median
 
     torchft = [med(r.seconds) for r in rows if r.candidate.kind != "collective"]
     best = min(torchft) if torchft else None
@@ -237,10 +238,7 @@ def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
         if link_seconds:
             line.append(f"{s / link_seconds:.2f}")
         out.append(line)
-    widths = [max(len(x[i]) for x in out) for i in range(len(head))]
-    text = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths, strict=True)))
-            for row in out]
-    text.insert(1, "  ".join("-" * w for w in widths))
+    text = aligned(out)
     text.append(f"state: {size / MiB:.0f} MiB; seconds: the recovering process's recv_checkpoint call alone; "
                 "RSS: that process's ru_maxrss (peak) and before the call (torch and torchft imported)")
     if link_seconds:
