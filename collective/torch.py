@@ -56,7 +56,8 @@ from collective.digest import array_digest
 from collective.errors import IntegrityError, UsageError
 from collective.tensors import from_numpy, to_numpy  # the crossing, shared with collective.snapshot
 
-__all__ = ["sync_module", "check_module", "state_arrays", "load_arrays", "module_device", "local_device"]
+__all__ = ["sync_module", "check_module", "state_arrays", "load_arrays", "module_device", "local_device",
+           "as_tensors", "load_state"]
 
 
 def state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -267,3 +268,48 @@ def _sync_sharded(module: torch.nn.Module, mesh: Any, values: Any, devices: Any,
     del source, values, arrays
     release_freed_memory()
     return result
+
+
+def as_tensors(state: Any) -> Any:
+    """A fetched state (``collective.fetch``) with every numpy array a CPU tensor over the same
+    memory (``torch.from_numpy``: zero copy); dicts, lists, tuples and other leaves as they are."""
+    if isinstance(state, np.ndarray):
+        return from_numpy(state)
+    if isinstance(state, Mapping):
+        return {k: as_tensors(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        items = [as_tensors(v) for v in state]
+        return tuple(items) if isinstance(state, tuple) else items
+    return state
+
+
+def load_state(module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, *,
+               state: Mapping, model_key: str = "model", optimizer_key: str = "optimizer") -> None:
+    """Load a fetched state into ``module`` and / or ``optimizer``, in place.
+
+    ``state`` is what ``collective.fetch`` returned for a published ``module.state_dict()``
+    (with only ``module``), an ``optimizer.state_dict()`` (with only ``optimizer``), or a dict
+    holding both under ``model_key`` and ``optimizer_key`` (``{"model": ..., "optimizer": ...}``;
+    required when both are given). The module's CPU tensors take the fetched arrays' memory
+    (``load_arrays``: zero copy, the same Parameter objects, so an optimizer built on them keeps
+    working); the optimizer loads its state through ``load_state_dict`` from zero-copy tensors.
+    """
+    if module is None and optimizer is None:
+        raise UsageError("load_state needs a module, an optimizer or both")
+    both = module is not None and optimizer is not None
+    for obj, key in ((module, model_key), (optimizer, optimizer_key)):
+        if obj is None:
+            continue
+        part = state.get(key) if (both or key in state and _is_nested(state)) else state
+        if not isinstance(part, Mapping):
+            raise UsageError(f"the fetched state has no {key!r} entry for the {type(obj).__name__}; "
+                             f"publish {{{model_key!r}: model.state_dict(), {optimizer_key!r}: optimizer.state_dict()}}")
+        if obj is module:
+            load_arrays(module, part)
+        else:
+            optimizer.load_state_dict(as_tensors(part))
+
+
+def _is_nested(state: Mapping) -> bool:
+    """Whether ``state`` holds several states by key rather than being one module's tensors."""
+    return any(isinstance(v, Mapping) for v in state.values())

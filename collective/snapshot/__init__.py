@@ -30,7 +30,7 @@ The docs' page "Publish and fetch" says what is verified and what is not.
 """
 
 from collective.errors import FetchError
-from collective.snapshot.fetch import Fetched, fetch
-from collective.snapshot.publish import Publication, publish
+from collective.snapshot.fetcher import Fetched, fetch
+from collective.snapshot.holder import Publication, publish
 
 __all__ = ["publish", "fetch", "Publication", "Fetched", "FetchError"]

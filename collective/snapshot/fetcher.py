@@ -32,7 +32,7 @@ from collective.digest import bytes_digest
 from collective.plan import new_arena, validate_plan
 from collective.sizes import format_bytes
 from collective.snapshot import tree
-from collective.snapshot.publish import MODEL_PREFIX, cluster_token
+from collective.snapshot.holder import MODEL_PREFIX, cluster_token
 from collective.stream import Receiver, overlapping
 
 log = logging.getLogger(__name__)
@@ -45,11 +45,13 @@ _REF = "fetch"
 
 
 class Fetched(dict):
-    """The fetched state (a dict, as published), with ``step``, ``manifest_digest`` and
-    ``stats``: holder address -> bytes it delivered, stripes, and why it was dropped (if it was)."""
+    """The fetched state (a dict, as published), with ``step``, ``manifest_digest``,
+    ``total_bytes`` (the arena's) and ``stats``: holder address -> bytes it delivered, stripes,
+    and why it was dropped (if it was)."""
 
     step: int
     manifest_digest: str
+    total_bytes: int
     stats: dict
 
 
@@ -102,13 +104,16 @@ def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
                               f"(bytes, at most {tree.MAX_TREE_BYTES}), last")
 
 
-def _ask_plans(holders: list[_Holder], step: int, deadline: float, max_bytes: int) -> list[_Holder]:
+def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout: float,
+               max_bytes: int) -> list[_Holder]:
     """Each holder's plan, in parallel; the holders of ``step`` that agree on its manifest."""
     errors: dict[str, E.CollectiveError] = {}
 
     def ask(h: _Holder) -> None:
         try:
-            plan = h.link.get_plan(pb.WorkerRef(worker_id=_REF), max(0.1, deadline - time.monotonic()),
+            # A holder that does not answer within the stall timeout is left out, not waited for.
+            wait = max(0.1, min(deadline - time.monotonic(), stall_timeout))
+            plan = h.link.get_plan(pb.WorkerRef(worker_id=_REF), wait,
                                    phase="fetch (asking for its manifest)", max_bytes=MAX_PLAN_BYTES)
             _check_plan(h, plan, step, max_bytes)
             h.plan = plan
@@ -119,7 +124,7 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, max_bytes: in
     for t in threads:
         t.start()
     for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        t.join(max(0.0, min(deadline - time.monotonic(), stall_timeout)) + 1.0)
     ready = [h for h in holders if h.plan is not None]
     for h in holders:
         if h.plan is None and h.address not in errors:
@@ -332,7 +337,33 @@ def _views(plan: pb.Plan, arena: np.ndarray) -> dict[str, np.ndarray]:
 def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, timeout: float = 300.0,
           stall_timeout: float = 30.0, into: Mapping[str, np.ndarray] | None = None,
           manifest: str | None = None, max_bytes: int | None = None) -> Fetched:
-    """The state published at ``step`` by the holders at ``sources``; see ``collective.snapshot``."""
+    """The state published at ``step`` by the holders at ``sources``, every byte verified.
+
+    :param sources: one ``host:port`` (or several, comma-separated) or a sequence of them. The
+        holders of ``step`` whose manifests agree share the work: the chunks are striped over
+        them, and a holder lost (connection cut, process killed, silent for
+        ``stall_timeout``) or sending bytes that differ from its own plan is dropped and its
+        share retaken from the others.
+    :param step: the step wanted; a holder of another step is refused.
+    :param token: the cluster token (default ``COLLECTIVE_TOKEN``).
+    :param timeout: seconds for the whole fetch.
+    :param stall_timeout: seconds a holder may send nothing before it counts as lost.
+    :param into: name -> preallocated writable C-contiguous numpy array of that tensor's shape
+        and dtype: those tensors are received into them (each stripe lands in a buffer of its
+        own and is copied out once verified), so a recovering process need not hold the state
+        twice. The result's leaves are those very arrays.
+    :param manifest: the manifest digest the state must have (from a source trusted more than
+        the holders: what catches a holder that lies consistently in its own plan).
+    :param max_bytes: the largest state accepted (default: this machine's memory); a plan that
+        claims more is refused before anything is allocated.
+    :return: a ``Fetched`` dict: the state as published, tensors as numpy arrays (views of one
+        received arena, zero copy) and JSON values for the rest; ``.step``,
+        ``.manifest_digest``, ``.total_bytes`` and ``.stats`` (per holder: bytes delivered,
+        stripes, why it was dropped).
+    :raises FetchError: wrong step, holders disagreeing on the manifest, no holder left.
+    :raises IntegrityError: a holder's bytes differ from its own plan and no other holder is left.
+    :raises AuthError: a holder refused the token. ChiefUnreachableError: unreachable holder.
+    """
     from collective.transport.grpc import GrpcChiefLink
 
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -345,7 +376,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     token = cluster_token(token)
     holders = [_Holder(a, GrpcChiefLink(a, token=token, name="holder")) for a in addresses]
     try:
-        ready = _ask_plans(holders, step, deadline, max_bytes if max_bytes is not None else _memory_bytes())
+        ready = _ask_plans(holders, step, deadline, stall_timeout, max_bytes if max_bytes is not None else _memory_bytes())
         plan = ready[0].plan
         if manifest is not None and plan.manifest_digest != manifest:
             raise E.FetchError(f"{', '.join(h.name() for h in ready)} publish manifest {plan.manifest_digest} "
@@ -361,7 +392,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
         for h in holders:
             h.link.close()
     out = Fetched(state)
-    out.step, out.manifest_digest = step, plan.manifest_digest
+    out.step, out.manifest_digest, out.total_bytes = step, plan.manifest_digest, plan.total_bytes
     out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped} for h in ready}
     seconds = time.monotonic() - started
     log.info("fetched step %d (%s, manifest %s) in %.2f s: %s", step, format_bytes(plan.total_bytes),

@@ -239,7 +239,25 @@ class Publication:
 
 def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = "0.0.0.0:0",
             advertise: str | None = None, copy: bool = False, chunk_bytes: int | None = None) -> Publication:
-    """Serve ``state`` at ``step`` until ``close()``; see ``collective.snapshot``."""
+    """Serve ``state`` at ``step`` to ``collective.fetch`` until ``close()``.
+
+    :param state: a mapping name -> array (numpy array or CPU torch tensor), or a nested
+        ``state_dict`` / optimizer ``state_dict()``: dicts (str or int keys), lists and tuples
+        nesting tensors and JSON values (int, float, bool, None, str). Tensors travel as raw
+        bytes, the rest as JSON; anything else is a UsageError naming its key path. Nothing is
+        pickled.
+    :param step: the training step this state is; a fetch names the step it wants.
+    :param token: the cluster token every call must present (default ``COLLECTIVE_TOKEN``).
+    :param bind: ``HOST:PORT`` to listen on (port 0: a free one).
+    :param advertise: the host fetchers dial (default: the bound host, or this host's name
+        when bound to every address).
+    :param copy: False (default): the arrays are served in place, with no second copy of the
+        state; the caller must not change them until ``close()`` returns (a fetcher would get
+        bytes that differ from the digests, and name this holder). True: one copy is taken
+        now and the caller may change its tensors at once.
+    :param chunk_bytes: the unit of streaming and verification (default 4 MiB).
+    :return: the ``Publication`` (``address``, ``step``, ``manifest_digest``, ``close()``).
+    """
     from collective.transport.grpc import GrpcEndpoint
 
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
