@@ -40,7 +40,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 import collective
 from collective import tensors
 from collective.errors import ChiefUnreachableError, UsageError
-from collective.tensors import from_numpy
+from collective.torch import as_tensors
 
 __all__ = ["Transport"]
 
@@ -79,17 +79,6 @@ def _on_cpu(state: Any) -> Any:
         return type(state)(_on_cpu(v) for v in state)
     if tensors.is_tensor(state) and state.device.type != "cpu":
         return state.detach().cpu()
-    return state
-
-
-def to_torch(state: Any) -> Any:
-    """A fetched nested state (numpy arrays, JSON leaves) with every array made a CPU tensor."""
-    if isinstance(state, dict):
-        return {k: to_torch(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [to_torch(v) for v in state]
-    if hasattr(state, "dtype") and hasattr(state, "shape"):
-        return from_numpy(state)
     return state
 
 
@@ -179,7 +168,7 @@ class Transport(CheckpointTransport[dict]):
                 if time.monotonic() + _RETRY_SECONDS >= deadline:
                     raise
                 time.sleep(_RETRY_SECONDS)
-        return to_torch(state)
+        return as_tensors(state)
 
     def shutdown(self, wait: bool = True) -> None:
         with self._lock:
