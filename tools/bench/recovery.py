@@ -254,8 +254,15 @@ def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
 
 
 def run_recovery(args: argparse.Namespace, say: Callable[[str], None]) -> int:
-    size, variables = parse_size(args.size), int(args.variables)
-    repeat = int(args.repeat)
+    from tools.bench.spec import _positive
+
+    size, variables = parse_size(args.size), _positive(args.variables, "--variables")
+    repeat = _positive(args.repeat, "--repeat")
+    for module in ("torch", "torchft"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise UsageError(f"--recovery needs {module}: pip install -e '.[torch,torchft]' (make test installs both)") from None
     if size % (4 * variables):
         raise UsageError(f"--size {args.size} is not a multiple of 4 x --variables {variables}")
     rate = (args.rate or "200mbit") if args.emulate_hosts else None
@@ -278,7 +285,7 @@ def run_recovery(args: argparse.Namespace, say: Callable[[str], None]) -> int:
                     f"peak RSS {result['peak_mib']:.0f} MiB (before {result['base_mib']:.0f})")
     finally:
         place.close()
-    print(table(rows, size, link_seconds), flush=True)
+    print(table(rows, size, link_seconds), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
         print(json.dumps({"results": [{"name": r.candidate.name, "holders": r.candidate.holders, "bytes": size,
                                        "seconds": round(statistics.median(r.seconds), 6),
