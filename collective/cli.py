@@ -79,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only this phase (join, broadcast, receive, verify, ready, start, started, failed)")
     lg.add_argument("--json", action="store_true", help="one JSON object per line")
 
+    fe = sub.add_parser("fetch", help="fetch a training state published at a step (collective.publish) into a file")
+    fe.add_argument("--from", dest="sources", required=True, metavar="ADDR[,ADDR]",
+                    help="the holders' HOST:PORT, comma-separated: the fetch is striped over them")
+    fe.add_argument("--step", type=int, required=True, help="the step to fetch")
+    fe.add_argument("--out", required=True, help="FILE.safetensors (the non-tensor values in its __metadata__) "
+                    "or FILE.npz (tensors only)")
+    add_option(fe, "token", help="the cluster token", default=None)
+    fe.add_argument("--timeout", type=positive_float, default=300.0, help="seconds for the whole fetch")
+    fe.add_argument("--stall-timeout", type=positive_float, default=30.0,
+                    help="seconds a holder may send nothing before its share goes to the others")
+    add_tls_options(fe, worker=True)
+
     bench = _bench_tools()
     if bench is not None:
         bench.add_bench_parser(sub)
@@ -99,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         args = build_parser().parse_args(argv)
-        command = {"launch": _launch, "status": _status, "logs": _logs, "doctor": _doctor, "bench": _bench}[args.command]
+        command = {"launch": _launch, "status": _status, "logs": _logs, "doctor": _doctor, "bench": _bench,
+                   "fetch": _fetch}[args.command]
         if args.command in ("launch", "bench"):  # these show log lines of their own and of processes they run
             logs.configure("launch")
             return command(args)
@@ -185,6 +198,35 @@ def _doctor(args: argparse.Namespace) -> int:
 
     return doctor_command(args.chief, token=args.token, timeout=args.timeout, as_json=args.json,
                           tls=tls_from_args(args))
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    """``collective fetch``: the state into a file; one line saying what came from where."""
+    import time
+
+    from collective.snapshot import fetch, tree
+    from collective.sources import save_npz, save_safetensors
+
+    out = Path(args.out)
+    if out.suffix not in (".safetensors", ".npz"):
+        raise UsageError(f"--out {args.out}: write a .safetensors or a .npz file")
+    started = time.monotonic()
+    from collective.config import tls_from_args
+
+    tls = tls_from_args(args)
+    got = fetch(args.sources, step=args.step, token=args.token, timeout=args.timeout, stall_timeout=args.stall_timeout,
+                tls=tls if tls.enabled else None)
+    skeleton, arrays = tree.flatten(got)  # names as published (key paths), no copy
+    if out.suffix == ".npz":
+        save_npz(out, arrays)
+    else:
+        save_safetensors(out, arrays, {"collective.step": str(got.step), "collective.manifest": got.manifest_digest,
+                                       "collective.structure": json.dumps(skeleton)})
+    holders = ", ".join(f"{a} {s['bytes'] >> 20} MiB" for a, s in got.stats.items())
+    print(f"fetched step {got.step} ({len(arrays)} tensor{'' if len(arrays) == 1 else 's'}, "
+          f"{got.total_bytes / 2**20:.1f} MiB, manifest "
+          f"{got.manifest_digest}) in {time.monotonic() - started:.2f} s from {holders} -> {out}")
+    return 0
 
 
 def _status(args: argparse.Namespace) -> int:

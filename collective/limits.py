@@ -28,6 +28,11 @@ MAX_MODE_CHARS = 64  # a declared dtype, synchronization or aggregation
 MAX_RELAY_CERT_BYTES = 64 << 10  # a PEM certificate is a few KiB
 MAX_ERROR_CHARS = 4000  # an error's message as sent back to a peer, cut (``logs.printable``) where it is sent
 MAX_CULPRIT_CHARS = 300  # the culprit named beside it
+# A published state's holder, as its fetcher sees it (collective.snapshot): refused before
+# anything is allocated for it.
+MAX_SNAPSHOT_PLAN_BYTES = 256 << 20  # its plan: 100,000 tensors and 1 TiB of chunk digests fit
+MAX_SNAPSHOT_TREE_BYTES = 64 << 20  # its structure (JSON): a few MiB for 100,000 tensors with long names
+MAX_SNAPSHOT_TREE_DEPTH = 64  # the structure's nesting (a state_dict is 3 or 4 levels deep)
 
 
 def declared_limit(model_variables: int) -> int:

@@ -88,7 +88,7 @@ class Chunker:
 
         For transports that send the bytes themselves without a copy (MPI's Bcast).
         """
-        for msg, first, end in frame_messages(self._plan):
+        for msg, first, end in frame_messages(self._plan, self._frames, start):
             if stop and first >= stop:
                 yield stripe_end(self._plan, stop), memoryview(b"")
                 return
@@ -118,6 +118,23 @@ def stripe_end(plan: pb.Plan, stop: int) -> pb.Chunk:
                     end=pb.StreamEnd(total_bytes=stop, manifest_digest=plan.manifest_digest))
 
 
+@dataclass(frozen=True)
+class FrameTable:
+    """What a ``Receiver`` checks a plan's stream against: every frame by its offset, the plan's
+    instance and group keys, its variables' ends. Made once per plan (``frame_table``) and
+    shared by the receivers of its stripes."""
+
+    frames: dict[int, _ChunkFrame]
+    keys: frozenset[int]
+    groups: frozenset[int]
+    ends: list[int]
+
+
+def frame_table(plan: pb.Plan) -> FrameTable:
+    return FrameTable({f.start: f for f in _frames(plan)}, frozenset(v.instance_key for v in plan.variables),
+                      frozenset(g.group_key for g in plan.groups), sorted(v.offset + v.nbytes for v in plan.variables))
+
+
 def with_bytes(frames: Iterable[tuple[pb.Chunk, memoryview]]) -> Iterator[pb.Chunk]:
     """Whole messages from (message without bytes, view of the bytes) pairs: one copy each."""
     for msg, data in frames:
@@ -125,15 +142,18 @@ def with_bytes(frames: Iterable[tuple[pb.Chunk, memoryview]]) -> Iterator[pb.Chu
         yield msg
 
 
-def frame_messages(plan: pb.Plan) -> Iterator[tuple[pb.Chunk, int, int]]:
+def frame_messages(plan: pb.Plan, frames: list[_ChunkFrame] | None = None,
+                   start: int = 0) -> Iterator[tuple[pb.Chunk, int, int]]:
     """Every message of a plan's stream without its bytes, with the arena range it covers.
 
     Both ends can derive them from the plan alone, so a transport that moves the bytes in large
     collective calls (MPI) need not send them: the receiver still checks every trailer.
     """
-    frames = _frames(plan)
+    frames = _frames(plan) if frames is None else frames  # ``frames``: the plan's, made once
     last = len(frames) - 1
-    for i, f in enumerate(frames):
+    # One frame per chunk, then the end: from the chunk holding ``start`` on (a stripe, a resume).
+    for i in range(min(start // plan.chunk_bytes, last) if start else 0, last + 1):
+        f = frames[i]
         msg = pb.Chunk(offset=f.start, group_key=f.group_key, instance_keys=f.instance_keys, digest=f.digest)
         if i == last:
             msg.end.total_bytes = plan.total_bytes
@@ -232,23 +252,24 @@ class Receiver:
     """
 
     def __init__(self, plan: pb.Plan, arena: np.ndarray, *, span: tuple[int, int] | None = None,
-                 base: int = 0) -> None:
+                 base: int = 0, table: FrameTable | None = None) -> None:
+        """``table``: the plan's ``frame_table``, made once for the many stripes of one plan."""
         self._plan = self.plan = plan
         self._arena = arena.reshape(-1).view(np.uint8)
         self._base = base
-        self._frames = {f.start: f for f in _frames(plan)}
+        self._table(frame_table(plan) if table is None else table)
         start, self._stop = span if span is not None else (0, plan.total_bytes)
         if start not in self._frames or self._stop not in self._frames or start > self._stop:
             raise ProtocolError(f"span {start}..{self._stop} does not fit the plan's chunks")
-        if self._stop < plan.total_bytes:  # the stripe ends where its next chunk would begin
-            f = self._frames[self._stop]
-            self._frames[self._stop] = _ChunkFrame(f.start, f.start, f.group_key, (), "")
-        self._keys = {v.instance_key for v in plan.variables}
-        self._groups = {g.group_key for g in plan.groups}
-        self._ends = sorted(v.offset + v.nbytes for v in plan.variables)
+        # A stripe ends where its next chunk would begin, with a message of no bytes there.
+        f = self._frames[self._stop]
+        self._end = _ChunkFrame(f.start, f.start, f.group_key, (), "")
         self._pos = start
         self._ended = False
         self.digests: list[str] = []  # of every chunk verified so far, in order
+
+    def _table(self, table: FrameTable) -> None:
+        self._frames, self._keys, self._groups, self._ends = table.frames, table.keys, table.groups, table.ends
 
     @property
     def bytes_received(self) -> int:
@@ -265,12 +286,15 @@ class Receiver:
         Raises ProtocolError unless ``offset`` is where the stream stands and ``nbytes`` is the
         plan's length for that chunk; then call ``accept(meta, placed=True)``.
         """
-        frame = self._frames.get(offset)
+        frame = self._frame(offset)
         if offset != self._pos or frame is None or nbytes != frame.end - frame.start:
             raise ProtocolError(
                 f"chunk of {nbytes} bytes at offset {offset} does not fit the plan (the stream stands at {self._pos})"
             )
         return self._arena[frame.start - self._base : frame.end - self._base]
+
+    def _frame(self, offset: int) -> _ChunkFrame | None:
+        return self._end if offset == self._stop else self._frames.get(offset)
 
     def span(self, start: int, end: int) -> np.ndarray:
         """Where several consecutive chunks' bytes go, for one large in-place write.
@@ -288,7 +312,7 @@ class Receiver:
             raise ProtocolError("message received after the end of the stream")
         if chunk.group_key not in self._groups and (chunk.data or chunk.instance_keys):
             raise ProtocolError(f"chunk at offset {chunk.offset} has group key {chunk.group_key}, not in the plan")
-        frame = self._frames.get(chunk.offset)
+        frame = self._frame(chunk.offset)
         if chunk.offset != self._pos or frame is None:
             raise ProtocolError(f"chunk at offset {chunk.offset} arrived where offset {self._pos} was expected")
         if not placed and len(chunk.data) != frame.end - frame.start:
@@ -349,7 +373,7 @@ class Receiver:
             raise IntegrityError(culprit(plan, self._arena, *differs, upto=self._pos,
                                          digests=(self.digests[k], plan.chunk_digests[k])))
         self._plan = self.plan = plan
-        self._frames = {f.start: f for f in _frames(plan)}
+        self._table(frame_table(plan))
 
     def _check_end(self, end: pb.StreamEnd) -> None:
         if end.total_bytes != self._stop or self._pos != self._stop:

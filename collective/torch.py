@@ -57,7 +57,7 @@ from collective.errors import IntegrityError, UsageError
 from collective.tensors import from_numpy, to_numpy  # the crossing, shared with collective.snapshot
 
 __all__ = ["sync_module", "check_module", "state_arrays", "load_arrays", "module_device", "local_device",
-           "as_tensors", "load_state"]
+           "as_tensors", "load_state", "receive_targets"]
 
 
 def state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -281,6 +281,19 @@ def as_tensors(state: Any) -> Any:
         items = [as_tensors(v) for v in state]
         return tuple(items) if isinstance(state, tuple) else items
     return state
+
+
+def receive_targets(module: torch.nn.Module, prefix: str = "") -> dict[str, np.ndarray]:
+    """``collective.fetch(into=...)`` targets for ``module``'s own CPU tensors: name (with
+    ``prefix``, e.g. ``"model/"`` when the module's state was published under ``"model"``) ->
+    a numpy view of the tensor's memory, so the fetch writes the values straight into the
+    module (no second copy of the state). Only contiguous CPU tensors of numpy-known dtypes are
+    listed; the others arrive in the fetch's own arrays (load them with ``load_state``)."""
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if t.device.type == "cpu" and t.is_contiguous() and not _is_dtensor(t):
+            out[prefix + name] = to_numpy(t)
+    return out
 
 
 def load_state(module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, *,

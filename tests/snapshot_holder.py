@@ -82,6 +82,7 @@ def main() -> None:
         def paced(self, *args, **kwargs):
             for item in frames(self, *args, **kwargs):
                 time.sleep(a.pace)
+                print("streaming", flush=True)  # the test acts once a stripe is under way
                 yield item
 
         Chunker.frames = paced

@@ -75,6 +75,7 @@ COMMANDS: tuple[tuple[str, str, Callable[[], argparse.ArgumentParser]], ...] = (
     ("status", "collective status", _subcommand("status")),
     ("logs", "collective logs", _subcommand("logs")),
     ("doctor", "collective doctor", _subcommand("doctor")),
+    ("fetch", "collective fetch", _subcommand("fetch")),
     ("bench", "collective bench (from a checkout)", _subcommand("bench")),
 )
 

@@ -7,15 +7,16 @@
     pub.close()
 
 ``publish(state, *, step, token=None, bind="0.0.0.0:0", advertise=None, copy=False,
-chunk_bytes=None) -> Publication``: ``state`` is a mapping name -> array (numpy array or CPU
+chunk_bytes=None, tls=None) -> Publication``: ``state`` is a mapping name -> array (numpy array or CPU
 torch tensor), or a nested ``state_dict`` / optimizer ``state_dict()``; tensors are served as
 raw bytes, other leaves (int, float, bool, None, str and lists / dicts / tuples of them) as
 JSON; anything else is a UsageError naming its key path. Nothing is pickled. Every digest is
 computed once, here. ``copy=False`` serves the caller's arrays in place: do not change them
-until ``close()`` returns. ``copy=True`` serves a copy, and the caller may change them at once.
+until ``close()`` returns. ``copy=True`` serves a copy (a sealed memory file, which a fetcher
+on the same host maps instead of streaming), and the caller may change them at once.
 
 ``fetch(sources, *, step, token=None, timeout=300.0, stall_timeout=30.0, into=None,
-manifest=None, max_bytes=None) -> Fetched`` (a dict): the state as published, tensors as numpy
+manifest=None, max_bytes=None, tls=None, shm=True) -> Fetched`` (a dict): the state as published, tensors as numpy
 arrays (views of one received arena, or the caller's ``into`` arrays: name -> preallocated
 writable array of the tensor's shape and dtype, so a recovering process holds the state once),
 other leaves as their JSON values. Several sources: the holders of ``step`` whose manifests

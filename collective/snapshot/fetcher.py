@@ -1,6 +1,6 @@
 """``fetch``: a published state from one or several holders, striped, every chunk verified.
 
-1. Each holder is asked for its plan (GetPlan, in pieces, at most ``MAX_PLAN_BYTES``). A plan is
+1. Each holder is asked for its plan (GetPlan, in pieces, at most ``limits.MAX_SNAPSHOT_PLAN_BYTES``). A plan is
    checked before anything is allocated: ``validate_plan``, its step (``Plan.model``), its size
    against ``max_bytes``, its skeleton variable's size. The holders of the requested step whose
    manifest digests agree are used together; holders that disagree fail the fetch, naming both
@@ -28,20 +28,34 @@ import numpy as np
 from collective import dtypes
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
-from collective.digest import bytes_digest
+from collective.digest import bytes_digest, chunk_digests
+from collective.limits import MAX_SNAPSHOT_PLAN_BYTES
 from collective.plan import new_arena, validate_plan
 from collective.sizes import format_bytes
 from collective.snapshot import tree
 from collective.snapshot.holder import MODEL_PREFIX, cluster_token
-from collective.stream import Receiver, overlapping
+from collective.stream import Receiver, differing_chunk, frame_table, overlapping
 
 log = logging.getLogger(__name__)
 
-MAX_PLAN_BYTES = 256 << 20
-"""The largest plan a holder may send (100,000 tensors and 1 TiB of chunk digests fit)."""
 STRIPE_BYTES = 64 << 20
 """At most this much in one stripe: a lost holder's share is retaken in pieces this size."""
-_REF = "fetch"
+_REF = "fetch"  # who a fetch says it is (its worker id); under mutual TLS, its certificate's name
+
+
+def _identity(tls) -> str:
+    """The worker id a fetch presents: its certificate's common name under mutual TLS (the
+    holder admits only a caller its certificate names), else ``fetch``."""
+    if tls is None or not tls.mutual:
+        return _REF
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(tls.read("cert"))
+    except ValueError as exc:
+        raise E.UsageError(f"tls cert {tls.cert or '(in memory)'}: not a PEM certificate ({exc})") from None
+    names = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)
+    return str(names[0].value) if names else _REF
 
 
 class Fetched(dict):
@@ -61,6 +75,7 @@ class _Holder:
         self.plan: pb.Plan | None = None
         self.bytes = 0
         self.stripes = 0
+        self.shared = False  # its sealed copy was mapped (same host), not streamed
         self.dropped: str | None = None
 
     def name(self) -> str:
@@ -98,14 +113,15 @@ def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
     except E.ProtocolError as exc:
         raise E.ProtocolError(f"{h.name()} sent a plan that does not hold together: {exc}") from None
     last = plan.variables[-1] if plan.variables else None
-    if (last is None or last.name != tree.TREE or last.dtype != "|u1" or len(last.shape) != 1
-            or last.nbytes > tree.MAX_TREE_BYTES):
-        raise E.ProtocolError(f"{h.name()} sent a plan without its structure variable {tree.TREE!r} "
-                              f"(bytes, at most {tree.MAX_TREE_BYTES}), last")
+    if last is None or last.name != tree.TREE or last.dtype != "|u1" or len(last.shape) != 1:
+        raise E.ProtocolError(f"{h.name()} sent a plan without its structure variable {tree.TREE!r} (bytes, last)")
+    if last.nbytes > tree.MAX_TREE_BYTES:
+        raise E.ProtocolError(f"{h.name()} sent a plan whose structure takes {last.nbytes} bytes, more than "
+                              f"{tree.MAX_TREE_BYTES}; refused before allocating")
 
 
 def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout: float,
-               max_bytes: int) -> list[_Holder]:
+               max_bytes: int, ident: str) -> list[_Holder]:
     """Each holder's plan, in parallel; the holders of ``step`` that agree on its manifest."""
     errors: dict[str, E.CollectiveError] = {}
 
@@ -113,8 +129,8 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout
         try:
             # A holder that does not answer within the stall timeout is left out, not waited for.
             wait = max(0.1, min(deadline - time.monotonic(), stall_timeout))
-            plan = h.link.get_plan(pb.WorkerRef(worker_id=_REF), wait,
-                                   phase="fetch (asking for its manifest)", max_bytes=MAX_PLAN_BYTES)
+            plan = h.link.get_plan(pb.WorkerRef(worker_id=ident), wait,
+                                   phase="fetch (asking for its manifest)", max_bytes=MAX_SNAPSHOT_PLAN_BYTES)
             _check_plan(h, plan, step, max_bytes)
             h.plan = plan
         except E.CollectiveError as exc:
@@ -142,7 +158,32 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout
         sides = "; ".join(f"{', '.join(a)} publish manifest {d}" for d, a in groups.items())
         raise E.FetchError(f"holders disagree on the manifest of step {step}: {sides}; compare them "
                          f"(collective.check) before trusting any")
-    return ready
+    return _same_layout(ready)
+
+
+def _layout(plan: pb.Plan) -> str:
+    """What stripes from several holders need in common beyond the manifest: the same bytes at
+    the same offsets in the same chunks (``chunk_bytes`` is the publisher's choice)."""
+    bare = pb.Plan()
+    bare.CopyFrom(plan)
+    bare.chief_incarnation = bare.shm_socket = bare.shm_secret = ""  # each holder's own
+    return bytes_digest(bare.SerializeToString(deterministic=True))
+
+
+def _same_layout(ready: list[_Holder]) -> list[_Holder]:
+    """The most holders whose plans lay the state out alike (the first such group on a tie);
+    the others, of the same manifest but other chunks, are left out with a warning (their
+    stripes would be checked against another plan's chunk digests, and blamed wrongly)."""
+    groups = collections.defaultdict(list)
+    for h in ready:
+        groups[_layout(h.plan)].append(h)
+    best = max(groups.values(), key=len)
+    for h in ready:
+        if h not in best:
+            log.warning("fetch: %s publishes the same manifest in other chunks (%d-byte chunks, %d bytes); "
+                        "left out, striping over %d holder(s) of one layout", h.name(), h.plan.chunk_bytes,
+                        h.plan.total_bytes, len(best))
+    return best
 
 
 def _one_line(exc: Exception) -> str:
@@ -166,13 +207,16 @@ class _Striper:
     """The stripes of one fetch, the threads that take them (one per holder) and the outcome."""
 
     def __init__(self, plan: pb.Plan, holders: list[_Holder], arena: np.ndarray | None, scatter,
-                 stall_timeout: float) -> None:
+                 stall_timeout: float, ident: str) -> None:
+        self.ident = ident
         self.plan, self.holders, self.arena, self.scatter = plan, holders, arena, scatter
         self.stall_timeout = stall_timeout
+        self.table = frame_table(plan)  # once: every stripe's Receiver checks against it
         size, total = plan.chunk_bytes, plan.total_bytes
         chunks = -(-total // size)
         per = max(1, min(-(-chunks // (4 * len(holders))), max(1, STRIPE_BYTES // size)))
         self.queue = collections.deque((i * size, min((i + per) * size, total)) for i in range(0, chunks, per))
+        self.stripe_bytes = per * size
         self.left = len(self.queue)
         self.cond = threading.Condition()
         self.failure: BaseException | None = None
@@ -233,9 +277,12 @@ class _Striper:
             return None
 
     def _take(self, h: _Holder) -> None:
+        # With ``into``, each holder's thread receives its stripes into one buffer of its own,
+        # made once (its pages faulted in once), and copies each out once verified.
+        own = new_arena(min(self.stripe_bytes, self.plan.total_bytes)) if self.arena is None else None
         try:
             while (span := self._next()) is not None:
-                if not self._receive(h, span):
+                if not self._receive(h, span, own):
                     return
         except BaseException as exc:  # a bug here must end the fetch, not hang it
             with self.cond:
@@ -245,13 +292,13 @@ class _Striper:
             with self.cond:
                 self.cond.notify_all()
 
-    def _receive(self, h: _Holder, span: tuple[int, int]) -> bool:
+    def _receive(self, h: _Holder, span: tuple[int, int], own: np.ndarray | None) -> bool:
         a, b = span
         total = self.plan.total_bytes
-        buf = self.arena if self.arena is not None else new_arena(b - a)
-        base = 0 if self.arena is not None else a
-        receiver = Receiver(self.plan, buf, span=span, base=base)
-        ref = pb.WorkerRef(worker_id=_REF, resume_from=a, stop_at=b if b < total else 0)
+        buf = self.arena if own is None else own[: b - a]
+        base = 0 if own is None else a
+        receiver = Receiver(self.plan, buf, span=span, base=base, table=self.table)
+        ref = pb.WorkerRef(worker_id=self.ident, resume_from=a, stop_at=b if b < total else 0)
         try:
             h.link.receive_into(ref, receiver, self.stall_timeout)
             receiver.finish()
@@ -328,6 +375,28 @@ class _Into:
                 for v in self.plan.variables}
 
 
+def _attach(ready: list[_Holder], plan: pb.Plan, ident: str) -> np.ndarray | None:
+    """A same-host holder's sealed copy (``publish(copy=True)``), mapped copy-on-write and
+    every chunk checked against the plan, or None (another host, no copy offered, or refused:
+    then the stream). A mapping whose bytes differ names the holder and is not used."""
+    from collective.transport import shm
+
+    for h in ready:
+        if not h.plan.shm_socket:
+            continue
+        arena = shm.attach(h.plan.shm_socket, h.plan.shm_secret, ident, "", plan.total_bytes, whose=h.name())
+        if arena is None:
+            continue
+        differs = differing_chunk(plan, chunk_digests(arena, plan.chunk_bytes), plan.chunk_digests)
+        if differs is not None:
+            name = _differing(plan, arena, 0, *differs)
+            log.warning("fetch: %s shares a copy whose bytes of %r differ from its own plan; not used", h.name(), name)
+            continue
+        h.bytes, h.shared = plan.total_bytes, True
+        return arena
+    return None
+
+
 def _views(plan: pb.Plan, arena: np.ndarray) -> dict[str, np.ndarray]:
     """Every variable as a view of the received arena (zero copy)."""
     return {v.name: arena[v.offset : v.offset + v.nbytes].view(dtypes.from_wire(v.dtype)).reshape(tuple(v.shape))
@@ -336,7 +405,7 @@ def _views(plan: pb.Plan, arena: np.ndarray) -> dict[str, np.ndarray]:
 
 def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, timeout: float = 300.0,
           stall_timeout: float = 30.0, into: Mapping[str, np.ndarray] | None = None,
-          manifest: str | None = None, max_bytes: int | None = None) -> Fetched:
+          manifest: str | None = None, max_bytes: int | None = None, tls=None, shm: bool = True) -> Fetched:
     """The state published at ``step`` by the holders at ``sources``, every byte verified.
 
     :param sources: one ``host:port`` (or several, comma-separated) or a sequence of them. The
@@ -360,6 +429,11 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
         received arena, zero copy) and JSON values for the rest; ``.step``,
         ``.manifest_digest``, ``.total_bytes`` and ``.stats`` (per holder: bytes delivered,
         stripes, why it was dropped).
+    :param tls: ``TlsFiles(ca=)`` to reach holders that serve TLS (``server_name=`` when their
+        certificate names another host); with ``cert=`` and ``key=`` too, mutual TLS (the
+        fetch presents itself under its certificate's common name).
+    :param shm: map a same-host holder's sealed copy (``publish(copy=True)``) instead of
+        receiving the stream, when it offers one (every chunk still checked); False: the stream.
     :raises FetchError: wrong step, holders disagreeing on the manifest, no holder left.
     :raises IntegrityError: a holder's bytes differ from its own plan and no other holder is left.
     :raises AuthError: a holder refused the token. ChiefUnreachableError: unreachable holder.
@@ -374,17 +448,24 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     started = time.monotonic()
     deadline = started + timeout
     token = cluster_token(token)
-    holders = [_Holder(a, GrpcChiefLink(a, token=token, name="holder")) for a in addresses]
+    ident = _identity(tls)
+    holders = [_Holder(a, GrpcChiefLink(a, token=token, name="holder", tls=tls)) for a in addresses]
     try:
-        ready = _ask_plans(holders, step, deadline, stall_timeout, max_bytes if max_bytes is not None else _memory_bytes())
+        ready = _ask_plans(holders, step, deadline, stall_timeout,
+                           max_bytes if max_bytes is not None else _memory_bytes(), ident)
         plan = ready[0].plan
         if manifest is not None and plan.manifest_digest != manifest:
             raise E.FetchError(f"{', '.join(h.name() for h in ready)} publish manifest {plan.manifest_digest} "
                              f"of step {step}, not the expected {manifest}")
         scatter = _Into(plan, into) if into is not None else None
-        arena = new_arena(plan.total_bytes) if scatter is None else None
-        striper = _Striper(plan, ready, arena, scatter, stall_timeout)
-        striper.run(deadline)
+        mapped = _attach(ready, plan, ident) if shm else None
+        if mapped is not None:  # verified already; with ``into``, copied out
+            arena = mapped
+            if scatter is not None:
+                scatter(mapped, 0, 0, plan.total_bytes)
+        else:
+            arena = new_arena(plan.total_bytes) if scatter is None else None
+            _Striper(plan, ready, arena, scatter, stall_timeout, ident).run(deadline)
         arrays = _views(plan, arena) if scatter is None else scatter.arrays()
         sender = ", ".join(h.name() for h in ready)
         state = tree.unflatten(tree.decode(arrays[tree.TREE], step, sender), arrays, sender)
@@ -393,7 +474,8 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
             h.link.close()
     out = Fetched(state)
     out.step, out.manifest_digest, out.total_bytes = step, plan.manifest_digest, plan.total_bytes
-    out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped} for h in ready}
+    out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped, "shared_memory": h.shared}
+                 for h in ready}
     seconds = time.monotonic() - started
     log.info("fetched step %d (%s, manifest %s) in %.2f s: %s", step, format_bytes(plan.total_bytes),
              plan.manifest_digest, seconds,

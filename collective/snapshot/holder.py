@@ -17,6 +17,7 @@ and the caller may change its tensors at once.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import secrets
 import socket
@@ -26,9 +27,10 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from collective import config
+from collective import config, dtypes
 from collective._proto import collective_pb2 as pb
-from collective.digest import array_digest, bytes_digest
+from collective.config import TlsFiles
+from collective.digest import array_digest, bytes_digest, chunk_digests
 from collective.errors import AbortedError, ProtocolError, UnimplementedError, UsageError
 from collective.limits import check_ref
 from collective.model import VariableSpec
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 
 CLOSE_GRACE = 10.0
 """How long ``close()`` waits for fetches in progress before it cuts them."""
+QUIET = 0.5
+"""A fetch in progress opens its next stripe's stream within this of the last one's end (or of
+asking for the plan): ``close()`` waits until nothing has happened for this long."""
 
 MODEL_PREFIX = "snapshot step "
 """A publication's ``Plan.model``: this and the step, which a fetcher reads before any byte."""
@@ -62,8 +67,6 @@ class ScatteredArena:
         self.nbytes = nbytes
 
     def slice(self, start: int, end: int) -> memoryview:
-        import bisect
-
         i = max(0, bisect.bisect_right(self._starts, start) - 1)
         parts = []
         for off, flat in self._parts[i:]:
@@ -92,32 +95,59 @@ def _contiguous(arrays: dict[str, np.ndarray], copy: bool) -> dict[str, np.ndarr
     return out
 
 
+def _memfd_arena(total: int):
+    """A ``SharedArena`` (a memfd, every page faulted in) for a copy, or None where this kernel
+    or platform has none (then plain memory)."""
+    from collective.transport.shm import SharedArena
+
+    try:
+        return SharedArena(total, prefault=True)
+    except (OSError, AttributeError) as exc:  # no memfd_create (not Linux) or no memory file left
+        log.info("publish: no memory file for the copy (%s); same-host fetchers take the stream", exc)
+        return None
+
+
 def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int) -> tuple[pb.Plan, object, list]:
     """The plan of ``state`` at ``step``, the arena it is served from, and what keeps the arrays
-    alive. Every digest is computed here, once."""
+    alive (with ``copy``, its last item is the sealed ``SharedArena`` a same-host fetcher may
+    map, or None). Every digest is computed here, once."""
     skeleton, arrays = tree.flatten(state)
     arrays = _contiguous(arrays, copy)
     arrays[tree.TREE] = tree.encode(skeleton, step)
     names = list(arrays)
-    from collective import dtypes
-
     specs = [VariableSpec(n, tuple(int(d) for d in arrays[n].shape), dtypes.wire(arrays[n].dtype)) for n in names]
     offsets, total = layout(specs)
     if copy:
-        arena = new_arena(total)
-        arena[:] = 0  # the padding
+        shared = _memfd_arena(total)
+        arena = shared.array if shared is not None else new_arena(total)
+        end = 0
         for n, off in zip(names, offsets, strict=True):
+            arena[end:off] = 0  # the padding: zeros, as ScatteredArena reads it (same chunk digests)
             arena[off : off + arrays[n].nbytes] = arrays[n].reshape(-1).view(np.uint8)
+            end = off + arrays[n].nbytes
+        arena[end:] = 0
         digests = [array_digest(arena[off : off + s.nbytes]) for off, s in zip(offsets, specs, strict=True)]
-        chunks = None
-        keep: list = [arena]
+        chunks = chunk_digests(arena, chunk_bytes)
+        if shared is not None:
+            del arena  # the seal needs every writable view gone
+            try:
+                shared.seal()  # read-only for everyone, this process too: what was hashed stays
+            except (BufferError, OSError) as exc:
+                log.info("publish: cannot seal the copy (%s); same-host fetchers take the stream", exc)
+                keep_shared = None
+            else:
+                keep_shared = shared
+            arena = shared.array
+        else:
+            keep_shared = None
+        keep: list = [arena, shared, keep_shared]
     else:
         arena = ScatteredArena(offsets, [arrays[n] for n in names], total)
         digests = [array_digest(arrays[n]) for n in names]
         chunks = [bytes_digest(arena.slice(i, min(i + chunk_bytes, total))) for i in range(0, total, chunk_bytes)]
-        keep = [arrays]
+        keep = [arrays, None, None]
     worker = pb.WorkerInfo(rank=0, worker_id="fetcher", devices=["cpu:0"], parent=-1)
-    plan = build_plan(specs, digests, [worker], arena=arena if copy else np.empty(0, np.uint8),
+    plan = build_plan(specs, digests, [worker], arena=np.empty(0, np.uint8),
                       chunk_bytes=chunk_bytes, chief_incarnation=secrets.token_hex(8),
                       model=f"{MODEL_PREFIX}{step}", chunks=chunks)
     return plan, arena, keep
@@ -135,17 +165,21 @@ class SnapshotHandler:
         self._chunker = Chunker(plan, arena)
         self._cond = threading.Condition()
         self._active = 0
-        self._closed = False
+        self._closing = False  # no new fetch (GetPlan refused); those in progress go on
+        self._closed = False  # no stream either
+        self._last = 0.0  # monotonic time of the last plan asked for or stream ended
         self.bytes_served = 0
         self.streams_served = 0
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
         check_ref(ref)
-        self._refuse_if_closed()
+        with self._cond:
+            self._refuse_if_closed(self._closing)
+            self._last = time.monotonic()
         return self.plan
 
-    def _refuse_if_closed(self) -> None:
-        if self._closed:
+    def _refuse_if_closed(self, closed: bool) -> None:
+        if closed:
             raise AbortedError(f"this holder no longer publishes step {self.plan.model.removeprefix(MODEL_PREFIX)} "
                                f"(closed)")
 
@@ -159,7 +193,7 @@ class SnapshotHandler:
             raise ProtocolError(f"stripe {start}..{stop or total} is not a range of chunks of this "
                                 f"{total}-byte snapshot ({size}-byte chunks)")
         with self._cond:
-            self._refuse_if_closed()
+            self._refuse_if_closed(self._closed)
             self._active += 1
         try:
             for msg, data in self._chunker.frames(start, stop=stop):
@@ -170,6 +204,7 @@ class SnapshotHandler:
             with self._cond:
                 self._active -= 1
                 self.streams_served += 1
+                self._last = time.monotonic()
                 self._cond.notify_all()
 
     def fetch(self, ref: pb.WorkerRef) -> Iterator[pb.Chunk]:
@@ -179,15 +214,20 @@ class SnapshotHandler:
         log.info("a fetch of this publication ended early: %s", reason)
 
     def status(self) -> pb.StatusReply:
-        return pb.StatusReply(phase="publishing" if not self._closed else "closed")
+        return pb.StatusReply(phase="publishing" if not self._closing else "closed")
 
     def close(self, grace: float) -> bool:
-        """Refuse new fetches; wait up to ``grace`` s for those in progress. True if none is left."""
+        """Refuse new fetches; wait up to ``grace`` s for those in progress (streams active, or
+        one ended or a plan asked for within ``QUIET`` s: the fetch's next stripe may follow),
+        then refuse every stream. True if none was left in progress."""
         deadline = time.monotonic() + grace
         with self._cond:
+            self._closing = True
+            while (now := time.monotonic()) < deadline:
+                if not self._active and now - self._last >= QUIET:
+                    break
+                self._cond.wait(min(deadline - now, QUIET))
             self._closed = True
-            while self._active and time.monotonic() < deadline:
-                self._cond.wait(deadline - time.monotonic())
             return not self._active
 
     def _round_only(self, *args, **kwargs):
@@ -203,8 +243,9 @@ class Publication:
     stops serving (idempotent; waits up to ``CLOSE_GRACE`` s for fetches in progress); a context
     manager. ``stats()``: bytes and streams served so far."""
 
-    def __init__(self, handler: SnapshotHandler, endpoint, address: str, step: int, keep: list) -> None:
-        self._handler, self._endpoint, self._keep = handler, endpoint, keep
+    def __init__(self, handler: SnapshotHandler, endpoint, address: str, step: int, keep: list,
+                 shm_server=None) -> None:
+        self._handler, self._endpoint, self._keep, self._shm = handler, endpoint, keep, shm_server
         self.address = address
         self.step = step
         self.manifest_digest = handler.plan.manifest_digest
@@ -224,7 +265,12 @@ class Publication:
             log.warning("publication of step %d at %s: fetches still in progress after %g s are cut",
                         self.step, self.address, grace)
         self._endpoint.stop(0.5)
+        if self._shm is not None:
+            self._shm.close()  # a fetcher's mapping stays valid: the kernel frees the file after it
+        shared = self._keep[1]
         self._keep.clear()  # the caller's arrays (or the copy) are no longer referenced
+        if shared is not None:
+            shared.close()
 
     def __enter__(self) -> Publication:
         return self
@@ -238,7 +284,8 @@ class Publication:
 
 
 def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = "0.0.0.0:0",
-            advertise: str | None = None, copy: bool = False, chunk_bytes: int | None = None) -> Publication:
+            advertise: str | None = None, copy: bool = False, chunk_bytes: int | None = None,
+            tls: TlsFiles | None = None) -> Publication:
     """Serve ``state`` at ``step`` to ``collective.fetch`` until ``close()``.
 
     :param state: a mapping name -> array (numpy array or CPU torch tensor), or a nested
@@ -254,8 +301,11 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     :param copy: False (default): the arrays are served in place, with no second copy of the
         state; the caller must not change them until ``close()`` returns (a fetcher would get
         bytes that differ from the digests, and name this holder). True: one copy is taken
-        now and the caller may change its tensors at once.
+        now (into a sealed memory file: a fetcher on this host maps it instead of receiving
+        the stream) and the caller may change its tensors at once.
     :param chunk_bytes: the unit of streaming and verification (default 4 MiB).
+    :param tls: ``TlsFiles(cert=, key=)`` to serve over TLS; with ``ca=`` too, mutual TLS
+        (a fetcher must present a certificate that CA signed).
     :return: the ``Publication`` (``address``, ``step``, ``manifest_digest``, ``close()``).
     """
     from collective.transport.grpc import GrpcEndpoint
@@ -267,9 +317,22 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
         raise UsageError(f"chunk_bytes={chunk_bytes}: use 1..{MAX_CHUNK_BYTES}")
     started = time.monotonic()
     plan, arena, keep = build(state, step, copy=copy, chunk_bytes=chunk_bytes)
+    shm_server = None
+    if keep[2] is not None:  # a sealed copy: a fetcher on this host maps it instead of the stream
+        from collective.transport.shm import ShmServer
+
+        shm_server = ShmServer(keep[2], lambda worker_id, incarnation: None)  # the token guarded the plan
+        plan.shm_socket, plan.shm_secret = shm_server.name, shm_server.secret
     handler = SnapshotHandler(plan, arena)
-    endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder")
-    bound = endpoint.start(handler)
+    endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder", tls=tls)
+    try:
+        bound = endpoint.start(handler)
+    except BaseException:
+        if shm_server is not None:
+            shm_server.close()
+        if keep[1] is not None:
+            keep[1].close()
+        raise
     host = advertise or bound.rpartition(":")[0].strip("[]")
     if host in ("", "0.0.0.0", "::"):
         host = socket.gethostname()  # what another host can dial; advertise= overrides it
@@ -277,4 +340,4 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     log.info("publishing step %d (%d tensors, %d bytes, manifest %s) at %s, %s, in %.2f s", step,
              len(plan.variables) - 1, plan.total_bytes, plan.manifest_digest, address,
              "copied" if copy else "served in place", time.monotonic() - started)
-    return Publication(handler, endpoint, address, step, keep)
+    return Publication(handler, endpoint, address, step, keep, shm_server)

@@ -31,13 +31,14 @@ import numpy as np
 
 from collective import dtypes, tensors
 from collective.errors import ProtocolError, UsageError
+from collective.limits import MAX_SNAPSHOT_TREE_BYTES, MAX_SNAPSHOT_TREE_DEPTH
 
 TREE = "#tree"
 """The plan variable that holds the skeleton (a key path of that name is refused)."""
 
 FORMAT = 1
-MAX_TREE_DEPTH = 64
-MAX_TREE_BYTES = 64 << 20  # a skeleton of 100,000 tensors with long names is a few MiB
+MAX_TREE_DEPTH = MAX_SNAPSHOT_TREE_DEPTH
+MAX_TREE_BYTES = MAX_SNAPSHOT_TREE_BYTES
 _KINDS = set("biufc")
 
 

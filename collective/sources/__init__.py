@@ -49,7 +49,12 @@ from collective.sources._common import (
     not_regular,
 )
 from collective.sources.npz import NPZ_DTYPES_MEMBER, NpzSource, save_npz
-from collective.sources.safetensors import INDEX_SUFFIX, SafetensorsSource, ShardedSafetensorsSource
+from collective.sources.safetensors import (
+    INDEX_SUFFIX,
+    SafetensorsSource,
+    ShardedSafetensorsSource,
+    save_safetensors,
+)
 from collective.sources.specs import (
     INITIALIZERS,
     PRESET_ALIASES,
@@ -80,6 +85,7 @@ __all__ = [
     "preset_document",
     "preset_names",
     "save_npz",
+    "save_safetensors",
     "variable_rng",
     "NPZ_DTYPES_MEMBER",
 ]

@@ -44,6 +44,31 @@ _SAFETENSORS_DTYPES: dict[str, str] = {
 }
 
 
+def save_safetensors(path: str | os.PathLike[str], arrays: dict[str, np.ndarray],
+                     metadata: dict[str, str] | None = None) -> None:
+    """Write ``arrays`` (name -> array, in order) as a ``.safetensors`` file, with ``metadata``
+    (str -> str) as its ``__metadata__``: what this module and the ``safetensors`` package read
+    back, bfloat16 / float8 included. Written to a temporary name, then renamed."""
+    codes = {wire: code for code, wire in _SAFETENSORS_DTYPES.items()}
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    pos = 0
+    for name, a in arrays.items():
+        code = codes.get(dtypemod.wire(a.dtype))
+        if code is None:
+            raise ModelError(f"{name!r}: dtype {a.dtype} has no safetensors code; write .npz instead")
+        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [pos, pos + a.nbytes]}
+        pos += a.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(len(head).to_bytes(8, "little"))
+        fh.write(head)
+        for a in arrays.values():
+            fh.write(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+    os.replace(tmp, path)
+
+
 @dataclass(frozen=True)
 class _TensorEntry:
     start: int  # absolute file offset

@@ -7,6 +7,8 @@ JSON belongs."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -18,7 +20,7 @@ import collective
 from collective.digest import array_digest
 from collective.snapshot import tree
 from tests.clusters import TOKEN
-from tests.procs import Proc, wait_for_file
+from tests.procs import Proc, wait_for, wait_for_file
 
 pytestmark = pytest.mark.integration
 
@@ -83,6 +85,36 @@ def test_torch_module_and_adam_state_load_in_place(holders):
     opt.step()  # the loaded optimizer steps
 
 
+def test_into_the_modules_own_tensors_no_second_copy(holders):
+    torch = pytest.importorskip("torch")
+    import collective.torch as ct
+
+    a, published, _ = holders("--state", "torch", "--chunk-bytes", "256")
+    b, _, _ = holders("--state", "torch", "--chunk-bytes", "256")  # two holders: stripes land in buffers of their own
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    targets = ct.receive_targets(model, prefix="model/")
+    pointers = {n: t.data_ptr() for n, t in model.state_dict().items()}
+    got = collective.fetch([a, b], step=8, token=TOKEN, timeout=60, into=targets)
+    _same(got, published)
+    assert all(got["model"][n] is targets["model/" + n] for n in pointers)  # the very arrays given
+    assert {n: t.data_ptr() for n, t in model.state_dict().items()} == pointers  # written in place
+    assert array_digest(model.state_dict()["2.bias"].numpy()) == published["digests"]["model/2.bias"]
+    with pytest.raises(collective.UsageError, match=r"into\['model/0.weight'\] is"):
+        collective.fetch(a, step=8, token=TOKEN, timeout=60, into={"model/0.weight": np.zeros(3, np.float32)})
+
+
+def test_a_same_host_copy_is_mapped_not_streamed_and_outlives_its_holder(holders):
+    address, published, proc = holders("--state", "big", "--mib", "8", "--copy")
+    got = collective.fetch(address, step=8, token=TOKEN, timeout=60)
+    assert got.stats[address]["shared_memory"] and got.stats[address]["stripes"] == 0
+    proc.kill()  # the mapping is this process's own now (copy-on-write of a sealed memory file)
+    _same(got, published)
+    got["block.0.weight"][:] = 0  # writable, and private: nobody else sees it
+    streamed = collective.fetch(holders("--state", "big", "--mib", "8", "--copy")[0], step=8, token=TOKEN,
+                                timeout=60, shm=False)
+    assert not any(s["shared_memory"] for s in streamed.stats.values()) and streamed.manifest_digest == published["manifest"]
+
+
 def test_striped_over_three_holders_each_serves_a_share(holders):
     started = [holders("--state", "big", "--mib", "32", "--chunk-bytes", str(1 << 20)) for _ in range(3)]
     got = collective.fetch([a for a, _, _ in started], step=8, token=TOKEN, timeout=120)
@@ -95,13 +127,13 @@ def test_striped_over_three_holders_each_serves_a_share(holders):
 
 def test_a_holder_killed_mid_fetch_leaves_its_share_to_the_others(holders):
     mib = ["--state", "big", "--mib", "64", "--chunk-bytes", str(1 << 20)]
-    victim, published, victim_proc = holders(*mib, "--pace", "0.25")  # 6 chunks a stripe: 1.5 s each
+    victim, published, victim_proc = holders(*mib, "--pace", "0.4")  # 6 chunks a stripe: 2.4 s each
     others = [holders(*mib)[0] for _ in range(2)]
     result: dict = {}
     fetcher = threading.Thread(target=lambda: result.update(
         got=_catch(lambda: collective.fetch([victim, *others], step=8, token=TOKEN, timeout=120, stall_timeout=10))))
     fetcher.start()
-    time.sleep(1.0)  # the victim is inside its first stripe (it takes 1.5 s)
+    wait_for(victim_proc, "streaming")  # the victim is inside its first stripe (it takes 2.4 s)
     assert fetcher.is_alive()
     victim_proc.kill()
     fetcher.join(120)
@@ -112,11 +144,38 @@ def test_a_holder_killed_mid_fetch_leaves_its_share_to_the_others(holders):
     assert got.stats[victim]["bytes"] < 64 << 20
 
 
+def test_a_frozen_holder_is_dropped_after_the_stall_timeout(holders):
+    mib = ["--state", "big", "--mib", "32", "--chunk-bytes", str(1 << 20)]
+    frozen, published, proc = holders(*mib, "--pace", "0.5")  # 4 chunks a stripe: 2 s each
+    other, _, _ = holders(*mib)
+    result: dict = {}
+    fetcher = threading.Thread(target=lambda: result.update(
+        got=_catch(lambda: collective.fetch([frozen, other], step=8, token=TOKEN, timeout=120, stall_timeout=3))))
+    fetcher.start()
+    try:
+        wait_for(proc, "streaming")
+        proc.signal(signal.SIGSTOP)  # inside its first stripe (2 s): alive, connections open, silent
+        fetcher.join(120)
+    finally:
+        proc.signal(signal.SIGCONT)
+    got = result["got"]
+    assert not isinstance(got, Exception), got
+    _same(got, published)
+    dropped = got.stats[frozen]["dropped"]
+    assert "was lost" in dropped and "3 s" in dropped, dropped
+
+
 def test_the_only_holder_killed_mid_fetch_is_one_line_naming_it(holders):
     victim, _, proc = holders("--state", "big", "--mib", "16", "--chunk-bytes", str(1 << 20), "--pace", "0.2")
-    threading.Timer(1.0, proc.kill).start()
+    result: dict = {}
+    fetcher = threading.Thread(target=lambda: result.update(
+        got=_catch(lambda: collective.fetch(victim, step=8, token=TOKEN, timeout=60, stall_timeout=10))))
+    fetcher.start()
+    wait_for(proc, "streaming")  # 16 chunks at 0.2 s: 3.2 s to go
+    proc.kill()
+    fetcher.join(60)
     with pytest.raises(collective.FetchError) as err:
-        collective.fetch(victim, step=8, token=TOKEN, timeout=60, stall_timeout=10)
+        raise result["got"]
     line = str(err.value)
     assert "\n" not in line and f"holder at {victim} was lost" in line and "no holder is left for bytes" in line
 
@@ -159,6 +218,14 @@ def test_holders_that_disagree_on_the_manifest_are_refused(holders):
     assert "holders disagree on the manifest of step 8" in str(err.value) and a in str(err.value) and b in str(err.value)
 
 
+def test_holders_of_one_manifest_in_other_chunks_are_not_mixed(holders):
+    a, published, _ = holders("--state", "nested", "--chunk-bytes", "256")
+    b, _, _ = holders("--state", "nested", "--chunk-bytes", "512")  # the same state, cut otherwise
+    got = collective.fetch([a, b], step=8, token=TOKEN, timeout=60)
+    _same(got, published)
+    assert list(got.stats) == [a] and got.stats[a]["dropped"] is None  # b left out, not blamed
+
+
 def test_an_unreachable_holder_is_named_and_the_others_serve(holders):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,6 +256,20 @@ def test_a_plan_of_absurd_size_is_refused_before_allocating():
         pub.close()
 
 
+def test_an_oversize_plan_or_structure_is_refused_naming_the_holder(monkeypatch):
+    from collective.snapshot import fetcher
+
+    with collective.publish({"x": np.arange(4.0), "meta": {"k": "v" * 300}}, step=1, bind="127.0.0.1:0",
+                            token=TOKEN) as pub:
+        monkeypatch.setattr(fetcher, "MAX_SNAPSHOT_PLAN_BYTES", 100)  # as if the holder's plan were huge
+        with pytest.raises(collective.ProtocolError, match=rf"holder at {pub.address} sent a Plan in pieces"):
+            collective.fetch(pub.address, step=1, token=TOKEN, timeout=30)
+        monkeypatch.undo()
+        monkeypatch.setattr(tree, "MAX_TREE_BYTES", 200)
+        with pytest.raises(collective.ProtocolError, match=rf"holder at {pub.address} sent a plan whose structure takes \d+ bytes"):
+            collective.fetch(pub.address, step=1, token=TOKEN, timeout=30)
+
+
 def test_close_stops_serving_and_is_idempotent():
     state = {"x": np.arange(1000, dtype=np.int32)}
     with collective.publish(state, step=3, bind="127.0.0.1:0", token=TOKEN, copy=True) as pub:
@@ -198,6 +279,82 @@ def test_close_stops_serving_and_is_idempotent():
     pub.close()
     with pytest.raises(collective.CollectiveError, match=f"holder at {pub.address}"):
         collective.fetch(pub.address, step=3, token=TOKEN, timeout=5)
+
+
+def test_the_fetch_command_writes_the_state_to_a_file(holders, tmp_path):
+    import subprocess
+    import sys
+
+    from collective.sources import load_source
+
+    address, published, _ = holders("--state", "nested")
+    env = {**os.environ, "COLLECTIVE_TOKEN": TOKEN}
+    out = tmp_path / "state.safetensors"
+    run = subprocess.run([sys.executable, "-m", "collective.cli", "fetch", "--from", address, "--step", "8", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "fetched step 8 (3 tensors" in run.stdout and f"from {address}" in run.stdout
+    source = load_source(str(out))
+    values = {}
+    for spec in source.specs():
+        values[spec.name] = np.empty(spec.shape, spec.np_dtype)
+        source.fill(spec, values[spec.name])
+    assert {n: array_digest(a) for n, a in values.items()} == published["digests"]
+    run = subprocess.run([sys.executable, "-m", "collective.cli", "fetch", "--from", address, "--step", "9", "--out",
+                          str(tmp_path / "x.npz")], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        f"collective fetch: error: holder at {address} publishes step 8, not step 9"], run.stderr
+
+
+def test_mutual_tls_fetch_presents_its_certificate(tmp_path):
+    import subprocess
+
+    from collective.config import TlsFiles
+    from tests.procs import ROOT
+
+    subprocess.run(["bash", str(ROOT / "scripts" / "make-certs.sh"), str(tmp_path), "worker-1"], check=True,
+                   capture_output=True, timeout=60)
+    server = TlsFiles(cert=str(tmp_path / "chief.pem"), key=str(tmp_path / "chief.key"), ca=str(tmp_path / "ca.pem"))
+    client = TlsFiles(ca=str(tmp_path / "ca.pem"), cert=str(tmp_path / "worker-1.pem"), key=str(tmp_path / "worker-1.key"))
+    state = {"w": np.arange(100.0)}
+    with collective.publish(state, step=4, bind="127.0.0.1:0", token=TOKEN, tls=server) as pub:
+        got = collective.fetch(pub.address, step=4, token=TOKEN, timeout=30, tls=client)
+        assert np.array_equal(got["w"], state["w"])
+        with pytest.raises(collective.CollectiveError, match=f"holder at {pub.address}"):  # no certificate
+            collective.fetch(pub.address, step=4, token=TOKEN, timeout=10, tls=TlsFiles(ca=str(tmp_path / "ca.pem")))
+
+
+def test_close_lets_a_fetch_in_progress_finish_then_refuses(monkeypatch):
+    from collective.stream import Chunker
+
+    frames = Chunker.frames
+
+    def paced(self, *args, **kwargs):  # a slow uplink: 0.1 s a chunk, 8 chunks
+        for item in frames(self, *args, **kwargs):
+            time.sleep(0.1)
+            yield item
+
+    monkeypatch.setattr(Chunker, "frames", paced)
+    state = {"x": np.random.default_rng(0).random(1 << 20)}  # 8 MiB
+    pub = collective.publish(state, step=2, bind="127.0.0.1:0", token=TOKEN, chunk_bytes=1 << 20)
+    result: dict = {}
+    fetcher = threading.Thread(target=lambda: result.update(
+        got=_catch(lambda: collective.fetch(pub.address, step=2, token=TOKEN, timeout=60))))
+    fetcher.start()
+    deadline = time.monotonic() + 30
+    while pub.stats()["bytes_served"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    closer = threading.Thread(target=pub.close, kwargs={"grace": 30})
+    closer.start()  # returns once the fetch in progress is done (its stripes one after another)
+    time.sleep(0.2)
+    with pytest.raises(collective.AbortedError, match="no longer publishes step 2"):  # a new fetch meanwhile
+        collective.fetch(pub.address, step=2, token=TOKEN, timeout=10)
+    closer.join(40)
+    assert not fetcher.is_alive() and not closer.is_alive()
+    assert not isinstance(result["got"], Exception), result["got"]
+    assert np.array_equal(result["got"]["x"], state["x"])
+    with pytest.raises(collective.ChiefUnreachableError, match=f"holder at {pub.address} unreachable"):
+        collective.fetch(pub.address, step=2, token=TOKEN, timeout=10)
 
 
 def _catch(fn):

@@ -92,6 +92,7 @@ class GrpcChiefLink(ChiefLink):
         self._active: set = set()
         self._interrupted: E.CollectiveError | None = None
         self.retry_window = 0.0  # set by the worker to its heartbeat lease
+        self._said_path = False
 
     def _open(self, purpose: str) -> grpc.Channel:
         # A local subchannel pool keeps the two channels from sharing one connection.
@@ -321,8 +322,10 @@ class GrpcChiefLink(ChiefLink):
                 f"{self.name} at {self.address} unreachable during receive: data port {port}: {exc}"
                 f"{self._tls_hint(str(exc))}"
             ) from None
-        log.info("receiving from %s at %s over its raw data path (%s)", self.name, self.address,
-                 "unix socket, same host" if sock.family == socket.AF_UNIX else f"TCP port {port}")
+        # Once per link at INFO: a fetch striped over many streams says it once, not per stripe.
+        log.log(logging.DEBUG if self._said_path else logging.INFO, "receiving from %s at %s over its raw data path (%s)",
+                self.name, self.address, "unix socket, same host" if sock.family == socket.AF_UNIX else f"TCP port {port}")
+        self._said_path = True
         try:
             rawtcp.receive(
                 sock, ref, self._token, receiver, stall_timeout=stall_timeout,
