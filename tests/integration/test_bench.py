@@ -269,7 +269,7 @@ def test_recovery_times_torchfts_transports_and_collectives_side_by_side():
                               timeout=180))
     names = [r["name"] for r in out["results"]]
     assert names == ["torchft-http", "torchft-http-chunks8", "torchft-pg-gloo", "collective-1-holder",
-                     "collective-3-holders"], out
+                     "collective-3-holders", "collective-1-holder-copy"], out
     for r in out["results"]:
         assert r["bytes"] == 256 * 1024 and r["seconds"] > 0 and r["peak_rss_mib"] > 0, r
     assert out["link_seconds"] is None

@@ -2,7 +2,8 @@
 
 One run times, side by side, the recovering process's ``recv_checkpoint`` with torchft's
 ``HTTPTransport`` (``num_chunks`` 0 and 8) and ``PGTransport`` (gloo), and with
-``collective.torchft.Transport`` from 1 holder and from 3 holders of the same step. The state
+``collective.torchft.Transport`` from 1 holder and from 3 holders of the same step, and from 1
+holder with ``copy=True`` (a sealed memfd the fetcher maps on the same host). The state
 dict is torchft's shape (``{"user": {"default": {"model": ...}}, "torchft": {...}}``) with
 ``--variables`` float32 tensors sharing ``--size`` bytes, the same bytes in every holder.
 
@@ -49,13 +50,17 @@ TOKEN = "bench-recovery-token"
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    kind: str  # http0, http8, pg, collective
+    kind: str  # http0, http8, pg, collective, collective-copy
     holders: int = 1
 
 
 CANDIDATES = [Candidate("torchft-http", "http0"), Candidate("torchft-http-chunks8", "http8"),
               Candidate("torchft-pg-gloo", "pg"), Candidate("collective-1-holder", "collective"),
-              Candidate("collective-3-holders", "collective", 3)]
+              Candidate("collective-3-holders", "collective", 3),
+              # copy=True: the holder copies its state into a sealed memfd at send_checkpoint
+              # (outside the clock, one more copy of the state in the holder); a same-host
+              # fetcher maps it and checks every chunk instead of receiving a stream.
+              Candidate("collective-1-holder-copy", "collective-copy")]
 
 
 @dataclass
@@ -95,7 +100,7 @@ def _transport(kind: str):
         return HTTPTransport(timeout=timedelta(seconds=LIFETIME), num_chunks=int(kind[4:]))
     import collective.torchft
 
-    return collective.torchft.Transport(token=TOKEN, timeout=LIFETIME)
+    return collective.torchft.Transport(token=TOKEN, timeout=LIFETIME, copy=kind == "collective-copy")
 
 
 def _pg(store: str, rank: int):
@@ -226,7 +231,7 @@ def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
 
     med = statistics.median
 
-    torchft = [med(r.seconds) for r in rows if r.candidate.kind != "collective"]
+    torchft = [med(r.seconds) for r in rows if not r.candidate.kind.startswith("collective")]
     best = min(torchft) if torchft else None
     one = next((med(r.seconds) for r in rows if r.candidate.kind == "collective" and r.candidate.holders == 1), None)
     head = ["transport", "holders", "median s", "min-max s", "x faster torchft", "x 1 holder",
@@ -239,7 +244,7 @@ def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
         growth = max(p - b for p, b in zip(r.peak_mib, r.base_mib, strict=True))
         line = [r.candidate.name, str(r.candidate.holders), f"{s:.3f}", f"{min(r.seconds):.3f}-{max(r.seconds):.3f}",
                 f"{s / best:.2f}" if best else "-",
-                f"{s / one:.2f}" if one and r.candidate.kind == "collective" else "-",
+                f"{s / one:.2f}" if one and r.candidate.kind.startswith("collective") else "-",
                 f"{max(r.peak_mib):.0f}", f"{med(r.base_mib):.0f}", f"{growth:.0f}", f"{growth - size / MiB:.0f}"]
         if link_seconds:
             line.append(f"{s / link_seconds:.2f}")
