@@ -92,12 +92,16 @@ class Transport(CheckpointTransport[dict]):
     where this process serves its snapshot (``host:port``; port 0 picks one, once, at the first
     ``metadata()``: torchft hands that address around before anything is published).
     ``advertise``: the host name or address the other groups reach this one by (default: the
-    bind host, or this machine's host name for a wildcard bind, as torchft's HTTPTransport does). ``copy``: serve a private copy.
+    bind host, or this machine's host name for a wildcard bind, as torchft's HTTPTransport
+    does). ``copy``: serve a private copy (a sealed memfd a same-host fetcher maps).
     """
 
     def __init__(self, *, token: str | None = None, timeout: float | timedelta = 300.0,
                  stall_timeout: float = 30.0, bind: str = "0.0.0.0:0", advertise: str | None = None,
                  copy: bool = False) -> None:
+        port = bind.rpartition(":")[2]
+        if not port.isdigit() or int(port) > 65535:
+            raise UsageError(f"bind={bind!r} is not host:port (port 0: one chosen at the first metadata())")
         self._token, self._timeout, self._stall = token, _seconds(timeout), float(stall_timeout)
         self._bind, self._advertise, self._copy = bind, advertise, copy
         self._lock = threading.Lock()  # torchft's quorum thread publishes; its main thread disallows
@@ -108,23 +112,27 @@ class Transport(CheckpointTransport[dict]):
     def metadata(self) -> str:
         """This process's holder address, fixed at the first call (a port is chosen then)."""
         with self._lock:
-            if self._address is None:
-                host, _, port = self._bind.rpartition(":")
-                if int(port) == 0:
-                    port = str(_free_port(host))
-                    self._bind, self._chosen = f"{host}:{port}", True
-                advertised = self._advertise or host.strip("[]")
-                if advertised in ("", "0.0.0.0", "::"):
-                    advertised = socket.gethostname()  # what another host can dial, as publish does
-                self._address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"
-            return self._address
+            return self._choose_address()
+
+    def _choose_address(self) -> str:
+        """(Lock held.) The address, choosing the port the first time when ``bind`` says 0."""
+        if self._address is None:
+            host, _, port = self._bind.rpartition(":")
+            if int(port) == 0:
+                port = str(_free_port(host))
+                self._bind, self._chosen = f"{host}:{port}", True
+            advertised = self._advertise or host.strip("[]")
+            if advertised in ("", "0.0.0.0", "::"):
+                advertised = socket.gethostname()  # what another host can dial, as publish does
+            self._address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"
+        return self._address
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: timedelta) -> None:
         """Publish ``state_dict`` at ``step`` at the metadata address (replacing an earlier one);
         returns once it is served, before any receiver is done."""
-        address = self.metadata()
         with self._lock:
             self._close()
+            address = self._choose_address()
             try:
                 self._publish(state_dict, step, address)
             except UsageError:
@@ -134,12 +142,7 @@ class Transport(CheckpointTransport[dict]):
                 # then fails (the fetcher has the old address); the next quorum hands out this one.
                 log.warning("port %s taken since it was chosen; publishing step %d on another", address, step)
                 self._address, self._bind = None, f"{self._bind.rpartition(':')[0]}:0"
-                self._lock.release()
-                try:
-                    address = self.metadata()
-                finally:
-                    self._lock.acquire()
-                self._publish(state_dict, step, address)
+                self._publish(state_dict, step, self._choose_address())
 
     def _publish(self, state_dict: dict, step: int, address: str) -> None:
         self._publication = collective.publish(_on_cpu(state_dict), step=step, token=self._token, bind=self._bind,

@@ -188,3 +188,26 @@ def test_disallow_stops_serving_and_a_late_holder_is_waited_for(torch, transport
     refused(lambda: fetcher.recv_checkpoint(0, address, 3, T), ChiefUnreachableError)
     holder.send_checkpoint([1], 4, sent, T)  # the next recovery serves at the same address again
     assert fetcher.recv_checkpoint(0, address, 4, T)["torchft"]["step"] == 3
+
+
+def test_a_port_taken_after_it_was_given_out_moves_the_holder(torch, transports):
+    import socket
+
+    from collective.errors import UsageError
+
+    holder, fetcher = transports(), transports()
+    address = holder.metadata()
+    squatter = socket.socket()
+    try:
+        squatter.bind(("127.0.0.1", int(address.rpartition(":")[2])))
+        squatter.listen()
+        holder.send_checkpoint([1], 3, state(torch), T)  # published on another port, not an error
+        moved = holder.metadata()
+        assert moved != address
+        assert fetcher.recv_checkpoint(0, moved, 3, T)["torchft"]["step"] == 3
+    finally:
+        squatter.close()
+    import collective.torchft
+
+    text = refused(lambda: collective.torchft.Transport(bind="127.0.0.1"), UsageError)
+    assert text.startswith("bind='127.0.0.1' is not host:port"), text
