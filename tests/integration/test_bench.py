@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from collective.errors import UsageError
+from tests.framework.conftest import require
 from tests.procs import ROOT
 from tools.bench import (
     Candidate,
@@ -264,7 +265,7 @@ def test_from_file_bad_options_exit_2_with_one_line(args, says):
 def test_recovery_times_torchfts_transports_and_collectives_side_by_side():
     # Tiny state: only that every row ran, recovered the holders' bytes (the bench checks the
     # digests) and reports its time and memory.
-    pytest.importorskip("torchft")
+    require("torchft")  # make test installs it: there a missing torchft fails, never skips
     out = one_json_line(bench("--recovery", "--size", "256KiB", "--variables", "4", "--repeat", "1", "--json",
                               timeout=180))
     names = [r["name"] for r in out["results"]]
