@@ -1,11 +1,13 @@
 """``fetch``: a published state from one or several holders, striped, every chunk verified.
 
-1. Each holder is asked for its plan (GetPlan, in pieces, at most ``limits.MAX_SNAPSHOT_PLAN_BYTES``). A plan is
-   checked before anything is allocated: ``validate_plan``, its step (``Plan.model``), its size
-   against ``max_bytes``, its skeleton variable's size. The holders of the requested step whose
-   manifest digests agree are used together; holders that disagree fail the fetch, naming both
-   sides (one of them lies, and digests alone cannot say which).
-2. The arena's chunks are cut into stripes, taken in turn by one thread per holder: each stripe
+1. Each holder is asked for its plan (GetPlan, in pieces, at most
+   ``limits.MAX_SNAPSHOT_PLAN_BYTES``). A plan is checked before anything is allocated:
+   ``validate_plan``, its step (``Plan.model``), its size against ``max_bytes``, its skeleton
+   variable's size. The holders of the requested step whose manifest digests agree are used
+   together (those of one layout: the same chunks); holders that disagree fail the fetch, naming
+   both sides (one of them lies, and digests alone cannot say which).
+2. A holder on this host that offers its sealed copy (``publish(copy=True)``) is mapped instead,
+   every chunk of the mapping checked against the plan. Otherwise the arena's chunks are cut into stripes, taken in turn by one thread per holder: each stripe
    is one data stream (``WorkerRef.resume_from`` .. ``stop_at``) received in place by a
    ``Receiver`` of that span, so every chunk is checked against the plan's digest as it lands.
    A holder whose stream breaks, stalls for ``stall_timeout`` or sends bytes that differ from
@@ -222,7 +224,7 @@ class _Striper:
         self.failure: BaseException | None = None
         self.bad: list[str] = []
 
-    def run(self, deadline: float) -> None:
+    def run(self, deadline: float, timeout: float) -> None:
         threads = [threading.Thread(target=self._take, args=(h,), name="fetch-stripes", daemon=True)
                    for h in self.holders]
         for t in threads:
@@ -243,11 +245,11 @@ class _Striper:
                 t.join(5.0)
             if failure is not None:
                 raise failure
-            raise self._missing(deadline)
+            raise self._missing(deadline, timeout)
         for t in threads:
             t.join(5.0)
 
-    def _missing(self, deadline: float) -> E.CollectiveError:
+    def _missing(self, deadline: float, timeout: float) -> E.CollectiveError:
         """Why stripes are left: every holder dropped, or the deadline."""
         with self.cond:
             left = sorted(self.queue)
@@ -260,7 +262,7 @@ class _Striper:
             what = "stripes in progress"
         dropped = [f"{h.name()} {h.dropped}" for h in self.holders if h.dropped]
         if time.monotonic() >= deadline:
-            return E.DeadlineError(f"fetch did not complete in time; still missing {what}"
+            return E.DeadlineError(f"fetch did not complete within {timeout:g} s; still missing {what}"
                                    + (f" ({'; '.join(dropped)})" if dropped else ""))
         if self.bad and len(self.bad) == len(dropped):
             return E.IntegrityError("; ".join(self.bad) + f"; no other holder is left for {what}")
@@ -306,6 +308,11 @@ class _Striper:
             pos = receiver.bytes_received  # every chunk below it was verified
             if pos >= b and not isinstance(exc, E.IntegrityError):  # only the stripe's end message was lost
                 return self._done(h, buf, base, a, b)
+            if self.failure is not None:  # interrupted by the fetch itself (its deadline): no one's fault
+                self._landed(h, buf, base, a, pos)
+                with self.cond:
+                    self.queue.appendleft((pos, b))
+                return False
             if isinstance(exc, E.IntegrityError):
                 name = _differing(self.plan, buf, base, pos, min(pos + self.plan.chunk_bytes, b))
                 reason = f"sent bytes of {name!r} that differ from its own plan"
@@ -465,7 +472,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
                 scatter(mapped, 0, 0, plan.total_bytes)
         else:
             arena = new_arena(plan.total_bytes) if scatter is None else None
-            _Striper(plan, ready, arena, scatter, stall_timeout, ident).run(deadline)
+            _Striper(plan, ready, arena, scatter, stall_timeout, ident).run(deadline, timeout)
         arrays = _views(plan, arena) if scatter is None else scatter.arrays()
         sender = ", ".join(h.name() for h in ready)
         state = tree.unflatten(tree.decode(arrays[tree.TREE], step, sender), arrays, sender)

@@ -246,6 +246,20 @@ def test_a_pickle_where_json_belongs_is_refused_never_run(holders, tmp_path):
     assert not canary.exists()
 
 
+@pytest.mark.parametrize("path", ["grpc", "tcp"])
+def test_stripes_travel_over_every_data_path(monkeypatch, path):
+    monkeypatch.setenv("COLLECTIVE_DATA_PATH", path)  # FetchRaw over gRPC, or the TCP port even on one host
+    state = {f"w{i}": np.random.default_rng(i).random(100_000) for i in range(4)}
+    pubs = [collective.publish(state, step=2, bind="127.0.0.1:0", token=TOKEN, chunk_bytes=1 << 18) for _ in range(2)]
+    try:
+        got = collective.fetch([p.address for p in pubs], step=2, token=TOKEN, timeout=60)
+    finally:
+        for p in pubs:
+            p.close()
+    assert all(np.array_equal(got[k], v) for k, v in state.items())
+    assert all(s["stripes"] > 0 for s in got.stats.values()), got.stats
+
+
 def test_a_plan_of_absurd_size_is_refused_before_allocating():
     pub = collective.publish({"x": np.arange(4.0)}, step=1, bind="127.0.0.1:0", token=TOKEN)
     try:
@@ -355,6 +369,24 @@ def test_close_lets_a_fetch_in_progress_finish_then_refuses(monkeypatch):
     assert np.array_equal(result["got"]["x"], state["x"])
     with pytest.raises(collective.ChiefUnreachableError, match=f"holder at {pub.address} unreachable"):
         collective.fetch(pub.address, step=2, token=TOKEN, timeout=10)
+
+
+def test_a_fetch_that_outlasts_its_timeout_is_one_line_naming_what_is_missing(monkeypatch):
+    from collective.stream import Chunker
+
+    frames = Chunker.frames
+
+    def slow(self, *args, **kwargs):  # a holder that trickles: 1 s a chunk
+        for item in frames(self, *args, **kwargs):
+            time.sleep(1.0)
+            yield item
+
+    monkeypatch.setattr(Chunker, "frames", slow)
+    with collective.publish({"x": np.zeros(1 << 20)}, step=5, bind="127.0.0.1:0", token=TOKEN, chunk_bytes=1 << 20) as pub:
+        started = time.monotonic()
+        with pytest.raises(collective.DeadlineError, match=r"^fetch did not complete within 2.5 s; still missing bytes \d+\.\.\d+ \('x' \.\. '#tree'\)$"):
+            collective.fetch(pub.address, step=5, token=TOKEN, timeout=2.5, stall_timeout=30)
+        assert time.monotonic() - started < 15  # the deadline, not the 8 s the holder would take
 
 
 def _catch(fn):
