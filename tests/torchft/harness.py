@@ -53,7 +53,7 @@ class Job:
         """step -> (participants, digest) as the replica printed them (the last line of a step)."""
         return {int(m["step"]): (int(m["n"]), m["digest"]) for m in STEP.finditer(proc.output())}
 
-    def wait_steps(self, proc: Proc, what, timeout: float = 60.0) -> dict[int, tuple[int, str]]:
+    def wait_steps(self, proc: Proc, what, timeout: float = 90.0) -> dict[int, tuple[int, str]]:
         """Wait until ``what(steps)`` holds for the replica's printed steps; fail if it exits first."""
         deadline = time.monotonic() + timeout
         while not what(self.steps(proc)):

@@ -211,3 +211,27 @@ def test_a_port_taken_after_it_was_given_out_moves_the_holder(torch, transports)
 
     text = refused(lambda: collective.torchft.Transport(bind="127.0.0.1"), UsageError)
     assert text.startswith("bind='127.0.0.1' is not host:port"), text
+
+
+def test_tls_on_both_sides_and_a_fetcher_without_it_refused(torch, tmp_path):
+    import subprocess
+
+    import collective.torchft
+    from collective.config import TlsFiles
+    from collective.errors import CollectiveError
+    from tests.procs import ROOT
+
+    subprocess.run(["bash", str(ROOT / "scripts" / "make-certs.sh"), str(tmp_path), "worker-1"], check=True,
+                   capture_output=True, timeout=60)
+    # One TlsFiles serves both roles of a group: its certificate when it holds, the CA when it fetches.
+    tls = TlsFiles(cert=str(tmp_path / "chief.pem"), key=str(tmp_path / "chief.key"), ca=str(tmp_path / "ca.pem"))
+    holder = collective.torchft.Transport(token=TOKEN, bind="127.0.0.1:0", timeout=5.0, tls=tls)
+    fetcher = collective.torchft.Transport(token=TOKEN, bind="127.0.0.1:0", timeout=5.0, tls=tls)
+    plain = collective.torchft.Transport(token=TOKEN, bind="127.0.0.1:0", timeout=1.0)
+    try:
+        holder.send_checkpoint([1], 3, state(torch), T)
+        assert fetcher.recv_checkpoint(0, holder.metadata(), 3, T)["torchft"]["step"] == 3
+        text = refused(lambda: plain.recv_checkpoint(0, holder.metadata(), 3, T), CollectiveError)
+        assert text.startswith(f"holder at {holder.metadata()}"), text
+    finally:
+        holder.shutdown()

@@ -14,7 +14,9 @@ import pytest
 from tests.framework.conftest import require
 from tests.torchft.harness import Job
 
-pytestmark = pytest.mark.integration
+# Generous: a job is a lighthouse and three interpreters importing torch; under a load spike of
+# the shared 2-core machine one took minutes (a passing run takes 6-15 s).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
