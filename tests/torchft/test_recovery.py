@@ -14,8 +14,9 @@ import pytest
 from tests.framework.conftest import require
 from tests.torchft.harness import Job
 
-# Generous: a job is a lighthouse and three interpreters importing torch; under a load spike of
-# the shared 2-core machine one took minutes (a passing run takes 6-15 s).
+# Generous: a job is a lighthouse and three interpreters importing torch (a passing test takes
+# 6-15 s); a load spike on the shared 2-core machine (load average near 90) once held a test of
+# this directory past pytest's default 120 s.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
