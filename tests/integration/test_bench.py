@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from collective.errors import UsageError
+from tests.framework.conftest import require
 from tests.procs import ROOT
 from tools.bench import (
     Candidate,
@@ -291,3 +292,24 @@ def test_sim_takes_no_other_mode(capsys):
     assert main(["bench", "simulate"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "invalid choice: 'simulate'" in err[0] and "'sim'" in err[0], err
+
+
+def test_recovery_times_torchfts_transports_and_collectives_side_by_side():
+    # Tiny state: only that every row ran, recovered the holders' bytes (the bench checks the
+    # digests) and reports its time and memory.
+    require("torchft")  # make test installs it: there a missing torchft fails, never skips
+    out = one_json_line(bench("--recovery", "--size", "256KiB", "--variables", "4", "--repeat", "1", "--json",
+                              timeout=180))
+    names = [r["name"] for r in out["results"]]
+    assert names == ["torchft-http", "torchft-http-chunks8", "torchft-pg-gloo", "collective-1-holder",
+                     "collective-3-holders", "collective-1-holder-copy"], out
+    for r in out["results"]:
+        assert r["bytes"] == 256 * 1024 and r["seconds"] > 0 and r["peak_rss_mib"] > 0, r
+    assert out["link_seconds"] is None
+
+
+def test_recovery_bad_options_exit_2_with_one_line():
+    proc = bench("--recovery", "--size", "1000", "--variables", "3", timeout=30)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not a multiple of 4 x --variables 3" in lines[0], proc.stderr

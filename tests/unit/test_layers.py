@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     # The public Python API.
     ("collective._api", "collective.checks", "collective.snapshot", "collective"),
     # Framework hand-offs, on top of the API.
-    ("collective.torch", "collective.jax", "collective.tf"),
+    ("collective.torch", "collective.torchft", "collective.jax", "collective.tf"),
     # Command lines and tools.
     ("collective.cli", "collective.doctor", "collective.chief.__main__",
      "collective.worker.__main__"),

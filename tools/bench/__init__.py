@@ -271,6 +271,16 @@ def _path(c: Candidate, settings: Settings) -> str:
     return {"tcp": "net-tcp", "grpc": "net-grpc"}.get(settings.data_path or "", "network")
 
 
+def aligned(rows: list[list[str]]) -> list[str]:
+    """The rows (the first one the head) as text columns: the first left-aligned, the others
+    right-aligned, a rule under the head."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
 def table(results: Sequence[Result], link_seconds: float | None) -> str:
     best_peer: dict[int, float] = {}
     for r in results:
@@ -289,10 +299,7 @@ def table(results: Sequence[Result], link_seconds: float | None) -> str:
         if link_seconds is not None:
             row.append(f"{r.seconds / link_seconds:.2f}")
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
-             for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = aligned(rows)
     if link_seconds is not None:
         lines.append(f"S/B (one link carrying the model once): {link_seconds:.4f} s")
     for path in dict.fromkeys(r.path for r in results):
@@ -354,6 +361,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from tools.bench.fromfile import run_from_file
 
         return run_from_file(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
+    if getattr(args, "recovery", False):
+        from tools.bench.recovery import run_recovery
+
+        return run_recovery(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
     settings = settings_from_args(args)
     if settings.plot is not None:
         _check_plot_available()
@@ -435,6 +446,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="instead: a sharded safetensors checkpoint of --size served by a copying chief and by "
                         "--from-file to --workers local workers: read, broadcast and to-ready seconds, the chief's "
                         "peak RSS (tools/bench/fromfile.py)")
+    p.add_argument("--recovery", action="store_true",
+                   help="instead: a restarted torchft replica takes a --size state dict of --variables tensors from "
+                        "live holders: torchft's HTTPTransport (num_chunks 0, 8) and PGTransport (gloo) against "
+                        "collective.torchft.Transport from 1 and 3 holders; seconds and peak RSS (tools/bench/recovery.py)")
     p.add_argument("--files", default="4", metavar="F", help="with --from-file: files of the generated checkpoint (default 4)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="with --from-file: serve this checkpoint instead of writing one")

@@ -1,0 +1,242 @@
+"""torchft recovery through verified snapshots: a ``CheckpointTransport`` on ``collective.publish``
+and ``collective.fetch``.
+
+::
+
+    import collective.torchft
+    manager = torchft.Manager(..., checkpoint_transport=collective.torchft.Transport(token=TOKEN))
+
+torchft's ``Manager`` asks every replica group for ``metadata()`` at each quorum and hands the
+healthy group's string to a recovering one (also at step 0, ``init_sync``). Here that string is
+the holder's ``host:port``, never the token. ``send_checkpoint`` publishes the manager's state
+dict at ``step`` (tensors as raw bytes with their chunk digests, non-tensor leaves as JSON, never
+pickle); ``recv_checkpoint`` fetches it from the address, verifies every chunk against the
+holder's plan and returns the nested state dict with CPU tensors (``torch.from_numpy``: the
+received memory, no second copy). A state dict that holds anything but tensors and JSON values
+is refused (``UsageError`` naming the key) before a byte moves.
+
+Tensors are served in place (``copy=False``, torchft's own contract): torchft calls
+``disallow_checkpoint()`` before it mutates the state again, and the publication closes there.
+Pass ``copy=True`` to serve a private copy instead (the caller may then mutate at once, at the
+cost of a second copy of the state).
+
+This module imports torchft (and torch); ``import collective`` never does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import re
+import socket
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from torchft.checkpointing.transport import CheckpointTransport
+
+import collective
+from collective import tensors
+from collective.errors import ChiefUnreachableError, UsageError
+from collective.torch import as_tensors
+
+__all__ = ["Transport"]
+
+log = logging.getLogger(__name__)
+
+# One holder address, as metadata() gives it: host (a name, IPv4, or [IPv6]) and port.
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+# While the holder has not published yet (its quorum thread is a little behind ours), its port
+# refuses connections: try again this often, within the recovery's timeout.
+_RETRY_SECONDS = 0.1
+# Ports chosen at the first metadata() come from here up to the ephemeral range (_free_port).
+_PORT_FLOOR = 20000
+
+
+def _seconds(timeout: float | timedelta) -> float:
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+def parse_metadata(metadata: str) -> list[str]:
+    """The holder addresses in a metadata string (``host:port[,host:port...]``); anything else
+    (torchft's HTTPTransport gives ``http://...``) is a one-line ``UsageError``."""
+    sources = [s.strip() for s in str(metadata).split(",") if s.strip()]
+    bad = [s for s in sources if not _ADDRESS.match(s)]
+    if not sources or bad:
+        raise UsageError(f"checkpoint metadata {metadata!r} is not a collective holder address (host:port): "
+                         "every replica group must use collective.torchft.Transport")
+    return sources
+
+
+def _on_cpu(state: Any) -> Any:
+    """``state`` with every device tensor copied to the host (as torchft's HTTPTransport does);
+    CPU tensors stay themselves, served in place."""
+    if isinstance(state, dict):
+        return {k: _on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_on_cpu(v) for v in state)
+    if tensors.is_tensor(state) and state.device.type != "cpu":
+        return state.detach().cpu()
+    return state
+
+
+class Transport(CheckpointTransport[dict]):
+    """torchft's checkpoint transport over ``collective.publish`` / ``collective.fetch``.
+
+    ``token``: the cluster token every holder and fetcher share (None: none asked; only on a
+    trusted network). ``timeout``: a fetch's whole deadline unless torchft passes its own;
+    ``stall_timeout``: how long a holder may send nothing before it counts as lost. ``bind``:
+    where this process serves its snapshot (``host:port``; port 0 picks one, once, at the first
+    ``metadata()``: torchft hands that address around before anything is published).
+    ``advertise``: the host name or address the other groups reach this one by (default: the
+    bind host, or this machine's host name for a wildcard bind, as torchft's HTTPTransport
+    does). ``copy``: serve a private copy (a sealed memfd a same-host fetcher maps). ``tls``:
+    ``collective.TlsFiles`` for both sides (server-only or mutual TLS, as for a round).
+    """
+
+    def __init__(self, *, token: str | None = None, timeout: float | timedelta = 300.0,
+                 stall_timeout: float = 30.0, bind: str = "0.0.0.0:0", advertise: str | None = None,
+                 copy: bool = False, tls: Any = None) -> None:
+        port = bind.rpartition(":")[2]
+        if not port.isdigit() or int(port) > 65535:
+            raise UsageError(f"bind={bind!r} is not host:port (port 0: one chosen at the first metadata())")
+        self._token, self._timeout, self._stall = token, _seconds(timeout), float(stall_timeout)
+        self._bind, self._advertise, self._copy, self._tls = bind, advertise, copy, tls
+        self._lock = threading.Lock()  # torchft's quorum thread publishes; its main thread disallows
+        self._publication: Any = None
+        self._address: str | None = None
+        self._chosen = False  # whether metadata() chose the port (bind port 0)
+
+    def metadata(self) -> str:
+        """This process's holder address, fixed at the first call (a port is chosen then)."""
+        with self._lock:
+            return self._choose_address()
+
+    def _choose_address(self) -> str:
+        """(Lock held.) The address, choosing the port the first time when ``bind`` says 0."""
+        if self._address is None:
+            host, _, port = self._bind.rpartition(":")
+            if int(port) == 0:
+                port = str(_free_port(host))
+                self._bind, self._chosen = f"{host}:{port}", True
+            advertised = self._advertise or host.strip("[]")
+            if advertised in ("", "0.0.0.0", "::"):
+                advertised = socket.gethostname()  # what another host can dial, as publish does
+            self._address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"
+        return self._address
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: timedelta) -> None:
+        """Publish ``state_dict`` at ``step`` at the metadata address (replacing an earlier one);
+        returns once it is served, before any receiver is done."""
+        with self._lock:
+            self._close()
+            address = self._choose_address()
+            try:
+                self._publish(state_dict, step, address)
+            except UsageError:
+                if not self._chosen:
+                    raise
+                # The port chosen at metadata() was taken since: choose another. This recovery
+                # then fails (the fetcher has the old address); the next quorum hands out this one.
+                log.warning("port %s taken since it was chosen; publishing step %d on another", address, step)
+                self._address, self._bind = None, f"{self._bind.rpartition(':')[0]}:0"
+                self._publish(state_dict, step, self._choose_address())
+
+    def _publish(self, state_dict: dict, step: int, address: str) -> None:
+        self._publication = collective.publish(_on_cpu(state_dict), step=step, token=self._token, bind=self._bind,
+                                               advertise=address.rpartition(":")[0].strip("[]"), copy=self._copy,
+                                               tls=self._tls)
+
+    def disallow_checkpoint(self) -> None:
+        """torchft is about to mutate the state: stop serving it."""
+        with self._lock:
+            self._close()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict:
+        """Fetch the state at ``step`` from the holder(s) in ``metadata``, every chunk verified;
+        a holder that sends other bytes, another step or no snapshot at all is a one-line
+        ``CollectiveError`` naming it. Nothing received is ever unpickled or executed."""
+        sources = parse_metadata(metadata)
+        seconds = min(self._timeout, _seconds(timeout)) if timeout else self._timeout
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                with _small_pages():
+                    state = collective.fetch(sources, step=step, token=self._token,
+                                             timeout=max(deadline - time.monotonic(), 0.1),
+                                             stall_timeout=self._stall, tls=self._tls)
+                break
+            except ChiefUnreachableError:
+                # Only "nobody listens yet": the holder's quorum thread publishes a moment after
+                # it gave out its address. Any other refusal (bytes, step, token) is final.
+                if time.monotonic() + _RETRY_SECONDS >= deadline:
+                    raise
+                time.sleep(_RETRY_SECONDS)
+        return as_tensors(state)
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._publication is not None:
+            publication, self._publication = self._publication, None
+            publication.close()
+
+
+@contextlib.contextmanager
+def _small_pages():
+    """numpy's transparent-huge-page hint off while the fetch allocates its arena.
+
+    numpy asks for huge pages (madvise) for every array of 4 MiB or more; the fetch then faults
+    in its whole arena before the first byte. Where the kernel must compact memory to find 2 MiB
+    pages (THP ``defrag=madvise``, memory fragmented by other processes), faulting in 1 GiB took
+    up to 2.7 s on a 2-core VM (0.05 s when huge pages were at hand); with 4 KiB pages a 1 GiB
+    recovery took a steady 0.7-1.0 s. The hint is
+    process-wide numpy state (only a hint: no array changes); it is put back after the fetch.
+    """
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray
+    setter = getattr(multiarray, "_set_madvise_hugepage", None)
+    if setter is None:
+        yield
+        return
+    before = setter(False)
+    try:
+        yield
+    finally:
+        setter(before)
+
+
+def _free_port(host: str) -> int:
+    """A port free on ``host`` now, for the publication to bind later (SO_REUSEADDR both times).
+
+    Taken below the kernel's ephemeral range: a port from that range (what binding port 0 gives)
+    may be handed to some outgoing connection before the publication binds it; one below it is
+    only ever taken by a server binding it on purpose."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(_PORT_FLOOR, low)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host.strip("[]") or "0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise UsageError(f"no free port on {host or '0.0.0.0'} in {_PORT_FLOOR}..{low - 1} to publish on; "
+                     "pass bind='host:port' to collective.torchft.Transport")
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return low if low > _PORT_FLOOR + 1000 else 32768
