@@ -291,7 +291,7 @@ def test_sim_takes_no_other_mode(capsys):
 
     assert main(["bench", "simulate"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "invalid choice: 'simulate'" in err[0] and "'sim'" in err[0], err
+    assert len(err) == 1 and "collective bench 'simulate': the modes are 'sim' and 'scale'" in err[0], err
 
 
 def test_recovery_times_torchfts_transports_and_collectives_side_by_side():

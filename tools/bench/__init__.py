@@ -357,6 +357,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from tools.bench.scale import run_scale
 
         return run_scale(args, say)
+    if what is not None:
+        raise UsageError(f"collective bench {what!r}: the modes are 'sim' and 'scale' (or none, to run the benchmark)")
     if getattr(args, "from_file", False):
         from tools.bench.fromfile import run_from_file
 
@@ -400,7 +402,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Time the broadcast phase (first byte sent until every worker is ready) for each "
                     "configuration, median of --repeat runs; with --peers also MPI_Bcast (mpi4py) and "
                     "gloo (torch) moving the same bytes to the same number of receivers.")
-    p.add_argument("what", nargs="?", choices=["sim", "scale"],
+    p.add_argument("what", nargs="?", metavar="sim|scale",
                    help="sim: fit the simulator (tools/bench/sim.py) to the emulated runs and project every "
                         "topology to 64, 1,024 and 10,000 hosts (tools/bench/simreport.py); no byte is sent. "
                         "scale: one chief and many workers, K per process (tools/bench/scale.py): round and "
