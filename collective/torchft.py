@@ -25,7 +25,6 @@ This module imports torchft (and torch); ``import collective`` never does.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import re
@@ -164,10 +163,11 @@ class Transport(CheckpointTransport[dict]):
         deadline = time.monotonic() + seconds
         while True:
             try:
-                with _small_pages():
-                    state = collective.fetch(sources, step=step, token=self._token,
-                                             timeout=max(deadline - time.monotonic(), 0.1),
-                                             stall_timeout=self._stall, tls=self._tls)
+                # The fetch's arena is populated in 4 KiB pages (fetcher.receive_arena): no
+                # huge-page compaction stall before the first byte.
+                state = collective.fetch(sources, step=step, token=self._token,
+                                         timeout=max(deadline - time.monotonic(), 0.1),
+                                         stall_timeout=self._stall, tls=self._tls)
                 break
             except ChiefUnreachableError:
                 # Only "nobody listens yet": the holder's quorum thread publishes a moment after
@@ -185,32 +185,6 @@ class Transport(CheckpointTransport[dict]):
         if self._publication is not None:
             publication, self._publication = self._publication, None
             publication.close()
-
-
-@contextlib.contextmanager
-def _small_pages():
-    """numpy's transparent-huge-page hint off while the fetch allocates its arena.
-
-    numpy asks for huge pages (madvise) for every array of 4 MiB or more; the fetch then faults
-    in its whole arena before the first byte. Where the kernel must compact memory to find 2 MiB
-    pages (THP ``defrag=madvise``, memory fragmented by other processes), faulting in 1 GiB took
-    up to 2.7 s on a 2-core VM (0.05 s when huge pages were at hand); with 4 KiB pages a 1 GiB
-    recovery took a steady 0.7-1.0 s. The hint is
-    process-wide numpy state (only a hint: no array changes); it is put back after the fetch.
-    """
-    try:
-        from numpy._core import multiarray
-    except ImportError:  # numpy < 2
-        from numpy.core import multiarray
-    setter = getattr(multiarray, "_set_madvise_hugepage", None)
-    if setter is None:
-        yield
-        return
-    before = setter(False)
-    try:
-        yield
-    finally:
-        setter(before)
 
 
 def _free_port(host: str) -> int:
