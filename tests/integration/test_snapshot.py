@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -415,3 +416,22 @@ def test_the_fetch_arena_is_populated_by_the_kernel_not_the_broadcasts_arena(mon
         got = collective.fetch(pub.address, step=4, token=TOKEN, timeout=30, shm=False)
     assert np.array_equal(got["x"], state["x"])
     assert maps and all(f & mmap.MAP_POPULATE for f in maps), maps
+
+
+def test_an_http_server_at_the_holders_address_is_one_protocol_line():
+    # torchft's HTTPTransport (or any HTTP/1 server) answers the connect: not "unreachable",
+    # which callers retry while a holder is not listening yet.
+    import http.server
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(collective.ProtocolError) as info:
+            collective.fetch(address, step=1, token=TOKEN, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    text = str(info.value)
+    assert "\n" not in text
+    assert re.match(rf"holder( .+)? at {address} does not speak collective's protocol \(Failed parsing HTTP/2", text), text

@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import threading
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -129,7 +130,7 @@ def test_a_holder_whose_structure_is_a_pickle_is_refused_and_nothing_runs(torch,
 def test_a_torchft_http_holder_serving_a_pickle_is_refused_where_torchft_runs_it(torch, transports, tmp_path):
     from torchft.checkpointing.http_transport import HTTPTransport
 
-    from collective.errors import ChiefUnreachableError
+    from collective.errors import ProtocolError
 
     http = HTTPTransport(timeout=T, num_chunks=0)
     try:
@@ -139,9 +140,12 @@ def test_a_torchft_http_holder_serving_a_pickle_is_refused_where_torchft_runs_it
         assert (tmp_path / "torchft-ran").exists()
         port = re.search(r":(\d+)/", http.metadata()).group(1)
         fetcher = transports()
-        fetcher._timeout = 1.0  # it retries an unreachable holder until then
-        text = refused(lambda: fetcher.recv_checkpoint(0, f"127.0.0.1:{port}", 3, T), ChiefUnreachableError)
-        assert text.startswith(f"holder at 127.0.0.1:{port} unreachable"), text
+        fetcher._timeout = 60.0  # it would retry an unreachable holder until then: not this one
+        started = time.monotonic()
+        text = refused(lambda: fetcher.recv_checkpoint(0, f"127.0.0.1:{port}", 3, timedelta(seconds=60)),
+                       ProtocolError)
+        assert re.match(rf"holder( .+)? at 127.0.0.1:{port} does not speak collective's protocol \(", text), text
+        assert time.monotonic() - started < 30, "retried as if the holder were not listening yet"
         assert not (tmp_path / "ran").exists()
     finally:
         http.shutdown()

@@ -144,6 +144,11 @@ class GrpcChiefLink(ChiefLink):
                 f"{self.name} at {self.address} refused the cluster token during {phase} ({details}); "
                 f"pass the chief's token with --token or COLLECTIVE_TOKEN"
             )
+        if code == grpc.StatusCode.UNAVAILABLE and "Failed parsing HTTP/2" in details:
+            # Something answers, but not in gRPC (an HTTP/1 server, say): no retry will help.
+            said = " ".join(details[details.index("Failed parsing HTTP/2"):].split())[:200]
+            return E.ProtocolError(f"{self.name} at {self.address} does not speak collective's protocol "
+                                   f"({said}; is it another kind of server?)")
         if code == grpc.StatusCode.UNAVAILABLE:
             return E.ChiefUnreachableError(f"{self.name} at {self.address} unreachable during {phase}: {details}{self._tls_hint(details)}")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
