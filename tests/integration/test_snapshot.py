@@ -207,8 +207,11 @@ def test_wrong_step_is_one_line(holders):
 
 def test_bad_token_is_refused_naming_the_holder(holders):
     address, _, _ = holders("--state", "nested")
-    with pytest.raises(collective.AuthError, match=rf"^holder at {address} refused the cluster token"):
+    with pytest.raises(collective.AuthError, match=rf"^holder( .+)? at {address} refused the cluster token") as info:
         collective.fetch(address, step=8, token="not-the-token", timeout=60)
+    text = str(info.value)
+    assert text.endswith("set COLLECTIVE_TOKEN (or token=) to the token the holders were started with"), text
+    assert "chief" not in text, text
 
 
 def test_holders_that_disagree_on_the_manifest_are_refused(holders):

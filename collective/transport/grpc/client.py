@@ -140,10 +140,10 @@ class GrpcChiefLink(ChiefLink):
             err.culprit, err.phase = raised.get("culprit"), raised.get("phase")
             return err
         if code == grpc.StatusCode.UNAUTHENTICATED:
-            return E.AuthError(
-                f"{self.name} at {self.address} refused the cluster token during {phase} ({details}); "
-                f"pass the chief's token with --token or COLLECTIVE_TOKEN"
-            )
+            # A holder (collective.fetch) has no chief: the token is the one its holders share.
+            what = ("set COLLECTIVE_TOKEN (or token=) to the token the holders were started with"
+                    if self.name.startswith("holder") else "pass the chief's token with --token or COLLECTIVE_TOKEN")
+            return E.AuthError(f"{self.name} at {self.address} refused the cluster token during {phase} ({details}); {what}")
         if code == grpc.StatusCode.UNAVAILABLE and "Failed parsing HTTP/2" in details:
             # Something answers, but not in gRPC (an HTTP/1 server, say): no retry will help.
             said = " ".join(details[details.index("Failed parsing HTTP/2"):].split())[:200]
