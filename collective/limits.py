@@ -23,6 +23,7 @@ MAX_SECRET_CHARS = 128  # a join key or member secret
 MAX_DECLARED_VARIABLES = 100_000  # 5x the largest plan tested (20,000); or the model's own count, when larger
 DECLARED_EXTRA = 1000  # a declaration longer than the model by more is refused by its count, not compared
 MAX_NAME_CHARS = 4096  # a declared variable's name
+MAX_HOLDER_NAME_CHARS = 200  # a publication's name (publish(name=)), as fetchers print it
 MAX_DIMS = 64  # a declared variable's shape
 MAX_MODE_CHARS = 64  # a declared dtype, synchronization or aggregation
 MAX_RELAY_CERT_BYTES = 64 << 10  # a PEM certificate is a few KiB

@@ -94,16 +94,19 @@ class Transport(CheckpointTransport[dict]):
     bind host, or this machine's host name for a wildcard bind, as torchft's HTTPTransport
     does). ``copy``: serve a private copy (a sealed memfd a same-host fetcher maps). ``tls``:
     ``collective.TlsFiles`` for both sides (server-only or mutual TLS, as for a round).
+    ``name``: what a recovering group's errors call this holder (``holder NAME at ADDR``),
+    e.g. torchft's replica id; default ``host:pid``.
     """
 
     def __init__(self, *, token: str | None = None, timeout: float | timedelta = 300.0,
                  stall_timeout: float = 30.0, bind: str = "0.0.0.0:0", advertise: str | None = None,
-                 copy: bool = False, tls: Any = None) -> None:
+                 copy: bool = False, tls: Any = None, name: str | None = None) -> None:
         port = bind.rpartition(":")[2]
         if not port.isdigit() or int(port) > 65535:
             raise UsageError(f"bind={bind!r} is not host:port (port 0: one chosen at the first metadata())")
         self._token, self._timeout, self._stall = token, _seconds(timeout), float(stall_timeout)
         self._bind, self._advertise, self._copy, self._tls = bind, advertise, copy, tls
+        self._name = name
         self._lock = threading.Lock()  # torchft's quorum thread publishes; its main thread disallows
         self._publication: Any = None
         self._address: str | None = None
@@ -147,7 +150,7 @@ class Transport(CheckpointTransport[dict]):
     def _publish(self, state_dict: dict, step: int, address: str) -> None:
         self._publication = collective.publish(_on_cpu(state_dict), step=step, token=self._token, bind=self._bind,
                                                advertise=address.rpartition(":")[0].strip("[]"), copy=self._copy,
-                                               tls=self._tls)
+                                               tls=self._tls, name=self._name)
 
     def disallow_checkpoint(self) -> None:
         """torchft is about to mutate the state: stop serving it."""

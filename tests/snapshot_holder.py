@@ -74,6 +74,7 @@ def main() -> None:
     p.add_argument("--pace", type=float, default=0.0)
     p.add_argument("--flip", default=None)
     p.add_argument("--pickle-tree", default=None)
+    p.add_argument("--name", default=None, help="publish(name=): what fetchers' errors call it")
     a = p.parse_args()
     state = {"nested": nested_state, "torch": torch_state}.get(a.state, lambda: big_state(a.mib))()
     if a.pace:
@@ -93,7 +94,8 @@ def main() -> None:
 
         blob = pickle.dumps(Evil())
         tree.encode = lambda skeleton, step: np.frombuffer(blob, dtype=np.uint8)
-    pub = collective.publish(state, step=a.step, bind="127.0.0.1:0", copy=a.copy, chunk_bytes=a.chunk_bytes)
+    pub = collective.publish(state, step=a.step, bind="127.0.0.1:0", copy=a.copy, chunk_bytes=a.chunk_bytes,
+                             name=a.name)
     if a.flip == "*":
         for arr in state.values():
             arr.reshape(-1).view(np.uint8)[:: 1 << 20] ^= 0xFF

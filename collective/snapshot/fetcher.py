@@ -32,11 +32,12 @@ from collective import dtypes
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective.digest import bytes_digest, chunk_digests
-from collective.limits import MAX_SNAPSHOT_PLAN_BYTES
+from collective.limits import MAX_HOLDER_NAME_CHARS, MAX_SNAPSHOT_PLAN_BYTES
+from collective.logs import printable
 from collective.plan import new_arena, validate_plan
 from collective.sizes import format_bytes
 from collective.snapshot import tree
-from collective.snapshot.holder import MODEL_PREFIX, cluster_token
+from collective.snapshot.holder import HOLDER_SEP, MODEL_PREFIX, cluster_token
 from collective.stream import Receiver, differing_chunk, frame_table, overlapping
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,15 @@ class _Holder:
         self.stripes = 0
         self.shared = False  # its sealed copy was mapped (same host), not streamed
         self.dropped: str | None = None
+        self.label = ""  # its name (publish(name=)), from its plan: printable, bounded
 
     def name(self) -> str:
-        return f"holder at {self.address}"
+        return f"holder {self.label} at {self.address}" if self.label else f"holder at {self.address}"
+
+    def named(self, label: str) -> None:
+        """Go by ``label`` (the holder's own choice: escaped, cut) here and in its link's errors."""
+        self.label = printable(label, MAX_HOLDER_NAME_CHARS)
+        self.link.name = f"holder {self.label}" if self.label else "holder"
 
 
 def _sources(sources: str | Sequence[str]) -> list[str]:
@@ -105,7 +112,8 @@ def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
     than ``max_bytes``, with a skeleton variable. Raises naming the holder."""
     if not plan.model.startswith(MODEL_PREFIX):
         raise E.ProtocolError(f"{h.name()} is not a publication (it serves {plan.model[:80]!r})")
-    got = plan.model.removeprefix(MODEL_PREFIX)
+    got, _, label = plan.model.removeprefix(MODEL_PREFIX).partition(HOLDER_SEP)
+    h.named(label)
     if got != str(step):
         raise E.FetchError(f"{h.name()} publishes step {got[:40]}, not step {step}")
     if plan.total_bytes > max_bytes:
@@ -156,7 +164,7 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout
         log.warning("fetch of step %d: %s; fetching from the other holders", step, _one_line(exc))
     groups = collections.defaultdict(list)
     for h in ready:
-        groups[h.plan.manifest_digest].append(h.address)
+        groups[h.plan.manifest_digest].append(h.name())
     if len(groups) > 1:
         sides = "; ".join(f"{', '.join(a)} publish manifest {d}" for d, a in groups.items())
         raise E.FetchError(f"holders disagree on the manifest of step {step}: {sides}; compare them "
@@ -170,6 +178,7 @@ def _layout(plan: pb.Plan) -> str:
     bare = pb.Plan()
     bare.CopyFrom(plan)
     bare.chief_incarnation = bare.shm_socket = bare.shm_secret = ""  # each holder's own
+    bare.model = ""  # its name too (the step was checked apart)
     return bytes_digest(bare.SerializeToString(deterministic=True))
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -32,7 +33,7 @@ from collective._proto import collective_pb2 as pb
 from collective.config import TlsFiles
 from collective.digest import array_digest, bytes_digest, chunk_digests
 from collective.errors import AbortedError, ProtocolError, UnimplementedError, UsageError
-from collective.limits import check_ref
+from collective.limits import MAX_HOLDER_NAME_CHARS, check_ref
 from collective.model import VariableSpec
 from collective.plan import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, build_plan, layout, new_arena
 from collective.snapshot import tree
@@ -47,7 +48,18 @@ QUIET = 0.5
 asking for the plan): ``close()`` waits until nothing has happened for this long."""
 
 MODEL_PREFIX = "snapshot step "
-"""A publication's ``Plan.model``: this and the step, which a fetcher reads before any byte."""
+"""A publication's ``Plan.model``: this and the step, which a fetcher reads before any byte,
+then ``HOLDER_SEP`` and the holder's name (``publish(name=)``), which its errors print."""
+HOLDER_SEP = " holder "
+
+
+def holder_name(name: str | None) -> str:
+    """The name a publication goes by in fetchers' errors: ``name``, else ``host:pid``."""
+    if name is None:
+        return f"{socket.gethostname()}:{os.getpid()}"
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_HOLDER_NAME_CHARS:
+        raise UsageError(f"name={str(name)[:80]!r}: a publication's name is 1..{MAX_HOLDER_NAME_CHARS} characters")
+    return name
 
 
 def cluster_token(token: str | None) -> str | None:
@@ -107,7 +119,8 @@ def _memfd_arena(total: int):
         return None
 
 
-def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int) -> tuple[pb.Plan, object, list]:
+def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int,
+          name: str = "") -> tuple[pb.Plan, object, list]:
     """The plan of ``state`` at ``step``, the arena it is served from, and what keeps the arrays
     alive (with ``copy``, its last item is the sealed ``SharedArena`` a same-host fetcher may
     map, or None). Every digest is computed here, once."""
@@ -149,7 +162,8 @@ def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int) -> tuple[p
     worker = pb.WorkerInfo(rank=0, worker_id="fetcher", devices=["cpu:0"], parent=-1)
     plan = build_plan(specs, digests, [worker], arena=np.empty(0, np.uint8),
                       chunk_bytes=chunk_bytes, chief_incarnation=secrets.token_hex(8),
-                      model=f"{MODEL_PREFIX}{step}", chunks=chunks)
+                      model=f"{MODEL_PREFIX}{step}{HOLDER_SEP}{name}" if name else f"{MODEL_PREFIX}{step}",
+                      chunks=chunks)
     return plan, arena, keep
 
 
@@ -180,7 +194,7 @@ class SnapshotHandler:
 
     def _refuse_if_closed(self, closed: bool) -> None:
         if closed:
-            raise AbortedError(f"this holder no longer publishes step {self.plan.model.removeprefix(MODEL_PREFIX)} "
+            raise AbortedError(f"this holder no longer publishes step {self.plan.model.removeprefix(MODEL_PREFIX).partition(HOLDER_SEP)[0]} "
                                f"(closed)")
 
     def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
@@ -244,9 +258,9 @@ class Publication:
     manager. ``stats()``: bytes and streams served so far."""
 
     def __init__(self, handler: SnapshotHandler, endpoint, address: str, step: int, keep: list,
-                 shm_server=None) -> None:
+                 shm_server=None, name: str = "") -> None:
         self._handler, self._endpoint, self._keep, self._shm = handler, endpoint, keep, shm_server
-        self.address = address
+        self.address, self.name = address, name
         self.step = step
         self.manifest_digest = handler.plan.manifest_digest
         self.total_bytes = handler.plan.total_bytes
@@ -285,7 +299,7 @@ class Publication:
 
 def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = "0.0.0.0:0",
             advertise: str | None = None, copy: bool = False, chunk_bytes: int | None = None,
-            tls: TlsFiles | None = None) -> Publication:
+            tls: TlsFiles | None = None, name: str | None = None) -> Publication:
     """Serve ``state`` at ``step`` to ``collective.fetch`` until ``close()``.
 
     :param state: a mapping name -> array (numpy array or CPU torch tensor), or a nested
@@ -306,7 +320,9 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     :param chunk_bytes: the unit of streaming and verification (default 4 MiB).
     :param tls: ``TlsFiles(cert=, key=)`` to serve over TLS; with ``ca=`` too, mutual TLS
         (a fetcher must present a certificate that CA signed).
-    :return: the ``Publication`` (``address``, ``step``, ``manifest_digest``, ``close()``).
+    :param name: what fetchers' errors call this holder (``holder NAME at ADDR``), at most
+        ``MAX_HOLDER_NAME_CHARS`` characters; default ``host:pid``.
+    :return: the ``Publication`` (``address``, ``name``, ``step``, ``manifest_digest``, ``close()``).
     """
     from collective.transport.grpc import GrpcEndpoint
 
@@ -315,8 +331,9 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise UsageError(f"chunk_bytes={chunk_bytes}: use 1..{MAX_CHUNK_BYTES}")
+    name = holder_name(name)
     started = time.monotonic()
-    plan, arena, keep = build(state, step, copy=copy, chunk_bytes=chunk_bytes)
+    plan, arena, keep = build(state, step, copy=copy, chunk_bytes=chunk_bytes, name=name)
     shm_server = None
     if keep[2] is not None:  # a sealed copy: a fetcher on this host maps it instead of the stream
         from collective.transport.shm import ShmServer
@@ -340,4 +357,4 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     log.info("publishing step %d (%d tensors, %d bytes, manifest %s) at %s, %s, in %.2f s", step,
              len(plan.variables) - 1, plan.total_bytes, plan.manifest_digest, address,
              "copied" if copy else "served in place", time.monotonic() - started)
-    return Publication(handler, endpoint, address, step, keep, shm_server)
+    return Publication(handler, endpoint, address, step, keep, shm_server, name)

@@ -28,14 +28,15 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def holders(tmp_path):
-    """start(*args) -> (address, digests file contents) of a new holder process; all killed by pid."""
+    """start(*args) -> (address, digests file contents, Proc) of a new holder process, named
+    h0, h1, ... in order (publish(name=)); all killed by pid."""
     started: list[Proc] = []
 
     def start(*args: str, token: str = TOKEN) -> tuple[str, dict, Proc]:
         folder = tmp_path / f"holder{len(started)}"
         folder.mkdir()
         addr_file = folder / "address"
-        proc = Proc(["-m", "tests.snapshot_holder", "--address-file", str(addr_file), *args],
+        proc = Proc(["-m", "tests.snapshot_holder", "--address-file", str(addr_file), "--name", f"h{len(started)}", *args],
                     folder / "log", env={"COLLECTIVE_TOKEN": token})
         started.append(proc)
         address = wait_for_file(addr_file, proc, timeout=60)
@@ -178,14 +179,14 @@ def test_the_only_holder_killed_mid_fetch_is_one_line_naming_it(holders):
     with pytest.raises(collective.FetchError) as err:
         raise result["got"]
     line = str(err.value)
-    assert "\n" not in line and f"holder at {victim} was lost" in line and "no holder is left for bytes" in line
+    assert "\n" not in line and f" at {victim} was lost" in line and "no holder is left for bytes" in line
 
 
 def test_a_holder_whose_bytes_differ_from_its_plan_is_named_with_the_variable(holders):
     address, _, _ = holders("--state", "nested", "--flip", "layer.0.bias")
     with pytest.raises(collective.IntegrityError) as err:
         collective.fetch(address, step=8, token=TOKEN, timeout=60)
-    assert f"holder at {address} sent bytes of 'layer.0.bias' that differ from its own plan" in str(err.value)
+    assert f"holder h0 at {address} sent bytes of 'layer.0.bias' that differ from its own plan" in str(err.value)
     assert "\n" not in str(err.value)
 
 
@@ -201,7 +202,7 @@ def test_a_lying_holder_among_honest_ones_is_dropped_and_its_share_retaken(holde
 
 def test_wrong_step_is_one_line(holders):
     address, _, _ = holders("--state", "nested", "--step", "7")
-    with pytest.raises(collective.FetchError, match=rf"^holder at {address} publishes step 7, not step 8$"):
+    with pytest.raises(collective.FetchError, match=rf"^holder h0 at {address} publishes step 7, not step 8$"):
         collective.fetch(address, step=8, token=TOKEN, timeout=60)
 
 
@@ -245,7 +246,7 @@ def test_an_unreachable_holder_is_named_and_the_others_serve(holders):
 def test_a_pickle_where_json_belongs_is_refused_never_run(holders, tmp_path):
     canary = tmp_path / "unpickled"
     address, _, _ = holders("--state", "nested", "--pickle-tree", str(canary))
-    with pytest.raises(collective.ProtocolError, match=rf"holder at {address} sent a structure that is not JSON"):
+    with pytest.raises(collective.ProtocolError, match=rf"holder h0 at {address} sent a structure that is not JSON"):
         collective.fetch(address, step=8, token=TOKEN, timeout=60)
     assert not canary.exists()
 
@@ -284,7 +285,7 @@ def test_an_oversize_plan_or_structure_is_refused_naming_the_holder(monkeypatch)
             collective.fetch(pub.address, step=1, token=TOKEN, timeout=30)
         monkeypatch.undo()
         monkeypatch.setattr(tree, "MAX_TREE_BYTES", 200)
-        with pytest.raises(collective.ProtocolError, match=rf"holder at {pub.address} sent a plan whose structure takes \d+ bytes"):
+        with pytest.raises(collective.ProtocolError, match=rf"holder {re.escape(pub.name)} at {pub.address} sent a plan whose structure takes \d+ bytes"):
             collective.fetch(pub.address, step=1, token=TOKEN, timeout=30)
 
 
@@ -321,7 +322,7 @@ def test_the_fetch_command_writes_the_state_to_a_file(holders, tmp_path):
     run = subprocess.run([sys.executable, "-m", "collective.cli", "fetch", "--from", address, "--step", "9", "--out",
                           str(tmp_path / "x.npz")], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 1 and run.stderr.strip().splitlines() == [
-        f"collective fetch: error: holder at {address} publishes step 8, not step 9"], run.stderr
+        f"collective fetch: error: holder h0 at {address} publishes step 8, not step 9"], run.stderr
 
 
 def test_mutual_tls_fetch_presents_its_certificate(tmp_path):
@@ -438,3 +439,19 @@ def test_an_http_server_at_the_holders_address_is_one_protocol_line():
     text = str(info.value)
     assert "\n" not in text
     assert re.match(rf"holder( .+)? at {address} does not speak collective's protocol \(Failed parsing HTTP/2", text), text
+
+
+def test_errors_name_the_holder_by_its_publication_name_printed_safely():
+    from collective.limits import MAX_HOLDER_NAME_CHARS
+
+    state = {"x": np.arange(8.0)}
+    with collective.publish(state, step=5, bind="127.0.0.1:0", token=TOKEN, name="replica\x1b[2J 3") as pub:
+        with pytest.raises(collective.FetchError) as info:
+            collective.fetch(pub.address, step=6, token=TOKEN, timeout=30)
+    assert str(info.value) == f"holder replica\\x1b[2J 3 at {pub.address} publishes step 5, not step 6"
+    with collective.publish(state, step=5, bind="127.0.0.1:0", token=TOKEN) as pub:
+        assert pub.name == f"{socket.gethostname()}:{os.getpid()}"
+        with pytest.raises(collective.FetchError, match=rf"^holder {re.escape(pub.name)} at {pub.address} publishes"):
+            collective.fetch(pub.address, step=6, token=TOKEN, timeout=30)
+    with pytest.raises(collective.UsageError, match=rf"a publication's name is 1..{MAX_HOLDER_NAME_CHARS} characters"):
+        collective.publish(state, step=5, bind="127.0.0.1:0", token=TOKEN, name="n" * (MAX_HOLDER_NAME_CHARS + 1))

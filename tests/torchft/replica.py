@@ -52,7 +52,7 @@ def state_digest(state: dict, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
-def make_transport(kind: str):
+def make_transport(kind: str, replica_id: str = ""):
     if kind == "http":
         return HTTPTransport(timeout=TIMEOUT, num_chunks=0)
     import collective.torchft
@@ -66,7 +66,9 @@ def make_transport(kind: str):
     cls = collective.torchft.Transport
     if os.environ.get("COLLECTIVE_TEST_HOSTILE") == "bytes":
         cls = _changes_served_bytes()
-    return cls(token=os.environ.get("COLLECTIVE_TEST_TOKEN"), timeout=TIMEOUT, bind="127.0.0.1:0")
+    # Named by its replica id: a recovering group's errors say which group's holder it was.
+    return cls(token=os.environ.get("COLLECTIVE_TEST_TOKEN"), timeout=TIMEOUT, bind="127.0.0.1:0",
+               name=f"replica {replica_id}" if replica_id else None)
 
 
 def _changes_served_bytes():
@@ -119,7 +121,7 @@ def main() -> int:
         min_replica_size=1, timeout=TIMEOUT, quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT,
         rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
         lighthouse_addr=f"http://{args.lighthouse}", replica_id=args.replica_id, hostname="127.0.0.1",
-        checkpoint_transport=make_transport(args.transport), init_sync=True, max_retries=20,
+        checkpoint_transport=make_transport(args.transport, args.replica_id), init_sync=True, max_retries=20,
     )
     ddp = DistributedDataParallel(manager, model)
     optimizer = OptimizerWrapper(manager, inner)

@@ -46,7 +46,8 @@ def transports():
     made = []
 
     def make(**kw):
-        made.append(collective.torchft.Transport(token=TOKEN, bind="127.0.0.1:0", timeout=5.0, **kw))
+        made.append(collective.torchft.Transport(token=TOKEN, bind="127.0.0.1:0", timeout=5.0,
+                                                 **{"name": f"group{len(made)}", **kw}))
         return made[-1]
 
     yield make
@@ -95,7 +96,7 @@ def test_a_holder_whose_tensor_bytes_became_a_pickle_is_named(torch, transports,
     payload = np.frombuffer(pickle.dumps(Marker(tmp_path / "ran")), np.uint8)
     weight.view(-1).view(torch.uint8)[: payload.size] = torch.from_numpy(payload.copy())
     text = refused(lambda: fetcher.recv_checkpoint(0, holder.metadata(), 3, T), IntegrityError)
-    assert re.match(rf"holder at {re.escape(holder.metadata())} sent bytes of 'user/default/model/weight' "
+    assert re.match(rf"holder group0 at {re.escape(holder.metadata())} sent bytes of 'user/default/model/weight' "
                     r"that differ from its own plan", text), text
     assert not (tmp_path / "ran").exists()
 
@@ -106,7 +107,7 @@ def test_a_holder_of_another_step_is_named(torch, transports):
     holder, fetcher = transports(), transports()
     holder.send_checkpoint([1], 4, state(torch), T)
     text = refused(lambda: fetcher.recv_checkpoint(0, holder.metadata(), 3, T), FetchError)
-    assert text == f"holder at {holder.metadata()} publishes step 4, not step 3"
+    assert text == f"holder group0 at {holder.metadata()} publishes step 4, not step 3"
 
 
 def test_a_holder_whose_structure_is_a_pickle_is_refused_and_nothing_runs(torch, transports, tmp_path, monkeypatch):
@@ -121,7 +122,7 @@ def test_a_holder_whose_structure_is_a_pickle_is_refused_and_nothing_runs(torch,
     holder.send_checkpoint([1], 3, state(torch), T)
     monkeypatch.undo()
     text = refused(lambda: fetcher.recv_checkpoint(0, holder.metadata(), 3, T), ProtocolError)
-    assert text.startswith(f"holder at {holder.metadata()} sent a structure that is not JSON"), text
+    assert text.startswith(f"holder group0 at {holder.metadata()} sent a structure that is not JSON"), text
     assert not (tmp_path / "ran").exists()
 
 

@@ -91,6 +91,6 @@ def test_a_group_recovering_from_a_hostile_holder_refuses_naming_it(job_factory)
     assert b.wait(60) == 2, b.output()[-6000:]
     line = re.search(r"replica b recovery refused: (.*)", b.output()).group(1)
     assert "hostile holder: served tensors changed" in a.output()
-    assert re.match(r"holder at 127\.0\.0\.1:\d+ sent bytes of 'user/default/model/[\w.]+' that differ "
+    assert re.match(r"holder replica a at 127\.0\.0\.1:\d+ sent bytes of 'user/default/model/[\w.]+' that differ "
                     r"from its own plan", line), line
     assert not re.search(r"replica b step \d+", b.output())  # it never trained on what it got
