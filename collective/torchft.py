@@ -26,20 +26,18 @@ This module imports torchft (and torch); ``import collective`` never does.
 from __future__ import annotations
 
 import logging
-import random
 import re
 import socket
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from torchft.checkpointing.transport import CheckpointTransport
 
 import collective
 from collective import tensors
-from collective.errors import ChiefUnreachableError, UsageError
+from collective.errors import AbortedError, ChiefUnreachableError, UsageError
 from collective.torch import as_tensors
 
 __all__ = ["Transport"]
@@ -48,11 +46,10 @@ log = logging.getLogger(__name__)
 
 # One holder address, as metadata() gives it: host (a name, IPv4, or [IPv6]) and port.
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-# While the holder has not published yet (its quorum thread is a little behind ours), its port
-# refuses connections: try again this often, within the recovery's timeout.
+# While the holder has not published yet (its quorum thread is a little behind ours), it refuses
+# the fetch (nothing published there now) or its port is not listening yet: try again this
+# often, within the recovery's timeout.
 _RETRY_SECONDS = 0.1
-# Ports chosen at the first metadata() come from here up to the ephemeral range (_free_port).
-_PORT_FLOOR = 20000
 
 
 def _seconds(timeout: float | timedelta) -> float:
@@ -89,7 +86,8 @@ class Transport(CheckpointTransport[dict]):
     trusted network). ``timeout``: a fetch's whole deadline unless torchft passes its own;
     ``stall_timeout``: how long a holder may send nothing before it counts as lost. ``bind``:
     where this process serves its snapshot (``host:port``; port 0 picks one, once, at the first
-    ``metadata()``: torchft hands that address around before anything is published).
+    ``metadata()``, which starts listening there: torchft hands that address around before
+    anything is published, and every later step is served at it, ``Publication.replace``).
     ``advertise``: the host name or address the other groups reach this one by (default: the
     bind host, or this machine's host name for a wildcard bind, as torchft's HTTPTransport
     does). ``copy``: serve a private copy (a sealed memfd a same-host fetcher maps). ``tls``:
@@ -108,54 +106,39 @@ class Transport(CheckpointTransport[dict]):
         self._bind, self._advertise, self._copy, self._tls = bind, advertise, copy, tls
         self._name = name
         self._lock = threading.Lock()  # torchft's quorum thread publishes; its main thread disallows
-        self._publication: Any = None
-        self._address: str | None = None
-        self._chosen = False  # whether metadata() chose the port (bind port 0)
+        self._publication: Any = None  # listening from the first metadata() until shutdown
 
     def metadata(self) -> str:
-        """This process's holder address, fixed at the first call (a port is chosen then)."""
+        """This process's holder address, fixed at the first call (it starts listening then)."""
         with self._lock:
-            return self._choose_address()
+            return self._listening().address
 
-    def _choose_address(self) -> str:
-        """(Lock held.) The address, choosing the port the first time when ``bind`` says 0."""
-        if self._address is None:
-            host, _, port = self._bind.rpartition(":")
-            if int(port) == 0:
-                port = str(_free_port(host))
-                self._bind, self._chosen = f"{host}:{port}", True
-            advertised = self._advertise or host.strip("[]")
+    def _listening(self):
+        """(Lock held.) The publication, started the first time with nothing served (an empty
+        state, withdrawn at once): its socket listens from then on, so the address torchft gave
+        out stays this process's (a port chosen but not yet bound could be taken meanwhile)."""
+        if self._publication is None:
+            host = self._bind.rpartition(":")[0].strip("[]")
+            advertised = self._advertise or host
             if advertised in ("", "0.0.0.0", "::"):
                 advertised = socket.gethostname()  # what another host can dial, as publish does
-            self._address = f"[{advertised}]:{port}" if ":" in advertised else f"{advertised}:{port}"
-        return self._address
+            self._publication = collective.publish({}, step=0, token=self._token, bind=self._bind,
+                                                   advertise=advertised, copy=self._copy, tls=self._tls,
+                                                   name=self._name)
+            self._publication.withdraw(0)
+        return self._publication
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: timedelta) -> None:
-        """Publish ``state_dict`` at ``step`` at the metadata address (replacing an earlier one);
-        returns once it is served, before any receiver is done."""
+        """Publish ``state_dict`` at ``step`` at the metadata address (in place of an earlier
+        one); returns once it is served, before any receiver is done."""
         with self._lock:
-            self._close()
-            address = self._choose_address()
-            try:
-                self._publish(state_dict, step, address)
-            except UsageError:
-                if not self._chosen:
-                    raise
-                # The port chosen at metadata() was taken since: choose another. This recovery
-                # then fails (the fetcher has the old address); the next quorum hands out this one.
-                log.warning("port %s taken since it was chosen; publishing step %d on another", address, step)
-                self._address, self._bind = None, f"{self._bind.rpartition(':')[0]}:0"
-                self._publish(state_dict, step, self._choose_address())
-
-    def _publish(self, state_dict: dict, step: int, address: str) -> None:
-        self._publication = collective.publish(_on_cpu(state_dict), step=step, token=self._token, bind=self._bind,
-                                               advertise=address.rpartition(":")[0].strip("[]"), copy=self._copy,
-                                               tls=self._tls, name=self._name)
+            self._listening().replace(_on_cpu(state_dict), step)
 
     def disallow_checkpoint(self) -> None:
-        """torchft is about to mutate the state: stop serving it."""
+        """torchft is about to mutate the state: stop serving it (the address stays)."""
         with self._lock:
-            self._close()
+            if self._publication is not None:
+                self._publication.withdraw()
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict:
         """Fetch the state at ``step`` from the holder(s) in ``metadata``, every chunk verified;
@@ -172,9 +155,10 @@ class Transport(CheckpointTransport[dict]):
                                          timeout=max(deadline - time.monotonic(), 0.1),
                                          stall_timeout=self._stall, tls=self._tls)
                 break
-            except ChiefUnreachableError:
-                # Only "nobody listens yet": the holder's quorum thread publishes a moment after
-                # it gave out its address. Any other refusal (bytes, step, token) is final.
+            except (ChiefUnreachableError, AbortedError):
+                # Only "nobody listens yet" or "nothing published there now": the holder's quorum
+                # thread publishes a moment after it gave out its address. Any other refusal
+                # (bytes, step, token, not collective's protocol) is final.
                 if time.monotonic() + _RETRY_SECONDS >= deadline:
                     raise
                 time.sleep(_RETRY_SECONDS)
@@ -188,32 +172,3 @@ class Transport(CheckpointTransport[dict]):
         if self._publication is not None:
             publication, self._publication = self._publication, None
             publication.close()
-
-
-def _free_port(host: str) -> int:
-    """A port free on ``host`` now, for the publication to bind later (SO_REUSEADDR both times).
-
-    Taken below the kernel's ephemeral range: a port from that range (what binding port 0 gives)
-    may be handed to some outgoing connection before the publication binds it; one below it is
-    only ever taken by a server binding it on purpose."""
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(_PORT_FLOOR, low)
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host.strip("[]") or "0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise UsageError(f"no free port on {host or '0.0.0.0'} in {_PORT_FLOOR}..{low - 1} to publish on; "
-                     "pass bind='host:port' to collective.torchft.Transport")
-
-
-def _ephemeral_low() -> int:
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    return low if low > _PORT_FLOOR + 1000 else 32768

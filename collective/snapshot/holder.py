@@ -194,8 +194,8 @@ class SnapshotHandler:
 
     def _refuse_if_closed(self, closed: bool) -> None:
         if closed:
-            raise AbortedError(f"this holder no longer publishes step {self.plan.model.removeprefix(MODEL_PREFIX).partition(HOLDER_SEP)[0]} "
-                               f"(closed)")
+            step = self.plan.model.removeprefix(MODEL_PREFIX).partition(HOLDER_SEP)[0]
+            raise AbortedError(f"this holder publishes nothing now (its step {step} was withdrawn or closed)")
 
     def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
         """The stream (``Chunker.frames``) from ``resume_from`` to ``stop_at`` (0: the end)."""
@@ -252,20 +252,94 @@ class SnapshotHandler:
     await_outcome = ready_bytes = _round_only
 
 
+class _Serving:
+    """What the endpoint serves: the publication's current handler. ``Publication.replace``
+    swaps it, so a new state is served at the same address without closing the listening socket
+    (the servicer and the raw data port look the handler's methods up at each call)."""
+
+    def __init__(self, handler: SnapshotHandler) -> None:
+        self.current = handler
+
+    def __getattr__(self, attr: str):
+        return getattr(self.current, attr)
+
+
+def _state_served(state: Mapping, step: int, copy: bool, chunk_bytes: int, name: str):
+    """(handler, keep, shm_server) serving ``state`` at ``step``: its plan, its arena, and with
+    ``copy`` the sealed copy's server a same-host fetcher maps."""
+    plan, arena, keep = build(state, step, copy=copy, chunk_bytes=chunk_bytes, name=name)
+    shm_server = None
+    if keep[2] is not None:  # a sealed copy: a fetcher on this host maps it instead of the stream
+        from collective.transport.shm import ShmServer
+
+        shm_server = ShmServer(keep[2], lambda worker_id, incarnation: None)  # the token guarded the plan
+        plan.shm_socket, plan.shm_secret = shm_server.name, shm_server.secret
+    return SnapshotHandler(plan, arena), keep, shm_server
+
+
+def _release(keep: list, shm_server) -> None:
+    """Drop a served state: its copy's server and memory file, the references to its arrays."""
+    if shm_server is not None:
+        shm_server.close()  # a fetcher's mapping stays valid: the kernel frees the file after it
+    shared = keep[1] if keep else None
+    keep.clear()  # the caller's arrays (or the copy) are no longer referenced
+    if shared is not None:
+        shared.close()
+
+
 class Publication:
     """A state served at one step (``publish``). ``address`` is what fetchers dial; ``close()``
     stops serving (idempotent; waits up to ``CLOSE_GRACE`` s for fetches in progress); a context
-    manager. ``stats()``: bytes and streams served so far."""
+    manager. ``stats()``: bytes and streams served so far (by the current state).
+    ``replace(state, step)`` serves another state at the same address; ``withdraw()`` stops
+    serving the state but keeps the address."""
 
     def __init__(self, handler: SnapshotHandler, endpoint, address: str, step: int, keep: list,
-                 shm_server=None, name: str = "") -> None:
+                 shm_server=None, name: str = "", *, serving: _Serving | None = None, copy: bool = False,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self._handler, self._endpoint, self._keep, self._shm = handler, endpoint, keep, shm_server
+        self._serving = serving or _Serving(handler)
+        self._copy, self._chunk_bytes = copy, chunk_bytes
         self.address, self.name = address, name
         self.step = step
         self.manifest_digest = handler.plan.manifest_digest
         self.total_bytes = handler.plan.total_bytes
         self._lock = threading.Lock()
         self._closed = False
+
+    def withdraw(self, grace: float = CLOSE_GRACE) -> None:
+        """Stop serving this state (fetches in progress get up to ``grace`` s; then a fetch is
+        refused: "publishes nothing now") but keep listening at ``address``; the caller may
+        change its tensors once this returns. ``replace`` serves again."""
+        with self._lock:
+            if self._closed:
+                raise UsageError(f"publication at {self.address} is closed")
+            self._withdraw(grace)
+
+    def _withdraw(self, grace: float) -> None:
+        """(Lock held.) Refuse the current state, then let it go."""
+        if not self._handler.close(grace):
+            log.warning("publication of step %d at %s: fetches still in progress after %g s are cut",
+                        self.step, self.address, grace)
+        _release(self._keep, self._shm)
+        self._shm = None
+
+    def replace(self, state: Mapping, step: int, grace: float = CLOSE_GRACE) -> None:
+        """Serve ``state`` at ``step`` instead, at the same address (the listening socket stays
+        open: fetchers keep the address across steps). The old state is withdrawn first
+        (fetches of it in progress get up to ``grace`` s); ``copy``, ``chunk_bytes`` and
+        ``name`` are those of ``publish``."""
+        _check_step(step)
+        with self._lock:
+            if self._closed:
+                raise UsageError(f"publication at {self.address} is closed")
+            self._withdraw(grace)
+            handler, keep, shm_server = _state_served(state, step, self._copy, self._chunk_bytes, self.name)
+            self._handler, self._keep, self._shm = handler, keep, shm_server
+            self._serving.current = handler
+            self.step, self.manifest_digest, self.total_bytes = step, handler.plan.manifest_digest, handler.plan.total_bytes
+        log.info("publishing step %d (%d bytes, manifest %s) at %s, in place of the last", step,
+                 self.total_bytes, self.manifest_digest, self.address)
 
     def stats(self) -> dict[str, int]:
         return {"bytes_served": self._handler.bytes_served, "streams_served": self._handler.streams_served}
@@ -275,16 +349,8 @@ class Publication:
             if self._closed:
                 return
             self._closed = True
-        if not self._handler.close(grace):
-            log.warning("publication of step %d at %s: fetches still in progress after %g s are cut",
-                        self.step, self.address, grace)
+            self._withdraw(grace)
         self._endpoint.stop(0.5)
-        if self._shm is not None:
-            self._shm.close()  # a fetcher's mapping stays valid: the kernel frees the file after it
-        shared = self._keep[1]
-        self._keep.clear()  # the caller's arrays (or the copy) are no longer referenced
-        if shared is not None:
-            shared.close()
 
     def __enter__(self) -> Publication:
         return self
@@ -326,29 +392,19 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     """
     from collective.transport.grpc import GrpcEndpoint
 
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise UsageError(f"step must be an integer >= 0, not {step!r}")
+    _check_step(step)
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise UsageError(f"chunk_bytes={chunk_bytes}: use 1..{MAX_CHUNK_BYTES}")
     name = holder_name(name)
     started = time.monotonic()
-    plan, arena, keep = build(state, step, copy=copy, chunk_bytes=chunk_bytes, name=name)
-    shm_server = None
-    if keep[2] is not None:  # a sealed copy: a fetcher on this host maps it instead of the stream
-        from collective.transport.shm import ShmServer
-
-        shm_server = ShmServer(keep[2], lambda worker_id, incarnation: None)  # the token guarded the plan
-        plan.shm_socket, plan.shm_secret = shm_server.name, shm_server.secret
-    handler = SnapshotHandler(plan, arena)
+    handler, keep, shm_server = _state_served(state, step, copy, chunk_bytes, name)
+    plan, serving = handler.plan, _Serving(handler)
     endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder", tls=tls)
     try:
-        bound = endpoint.start(handler)
+        bound = endpoint.start(serving)
     except BaseException:
-        if shm_server is not None:
-            shm_server.close()
-        if keep[1] is not None:
-            keep[1].close()
+        _release(keep, shm_server)
         raise
     host = advertise or bound.rpartition(":")[0].strip("[]")
     if host in ("", "0.0.0.0", "::"):
@@ -357,4 +413,10 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     log.info("publishing step %d (%d tensors, %d bytes, manifest %s) at %s, %s, in %.2f s", step,
              len(plan.variables) - 1, plan.total_bytes, plan.manifest_digest, address,
              "copied" if copy else "served in place", time.monotonic() - started)
-    return Publication(handler, endpoint, address, step, keep, shm_server, name)
+    return Publication(handler, endpoint, address, step, keep, shm_server, name, serving=serving, copy=copy,
+                       chunk_bytes=chunk_bytes)
+
+
+def _check_step(step) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise UsageError(f"step must be an integer >= 0, not {step!r}")

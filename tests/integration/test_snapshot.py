@@ -366,7 +366,7 @@ def test_close_lets_a_fetch_in_progress_finish_then_refuses(monkeypatch):
     closer = threading.Thread(target=pub.close, kwargs={"grace": 30})
     closer.start()  # returns once the fetch in progress is done (its stripes one after another)
     time.sleep(0.2)
-    with pytest.raises(collective.AbortedError, match="no longer publishes step 2"):  # a new fetch meanwhile
+    with pytest.raises(collective.AbortedError, match=r"publishes nothing now \(its step 2 was withdrawn or closed\)"):  # a new fetch meanwhile
         collective.fetch(pub.address, step=2, token=TOKEN, timeout=10)
     closer.join(40)
     assert not fetcher.is_alive() and not closer.is_alive()
@@ -455,3 +455,26 @@ def test_errors_name_the_holder_by_its_publication_name_printed_safely():
             collective.fetch(pub.address, step=6, token=TOKEN, timeout=30)
     with pytest.raises(collective.UsageError, match=rf"a publication's name is 1..{MAX_HOLDER_NAME_CHARS} characters"):
         collective.publish(state, step=5, bind="127.0.0.1:0", token=TOKEN, name="n" * (MAX_HOLDER_NAME_CHARS + 1))
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_replace_serves_a_new_step_at_the_same_listening_socket(copy):
+    first = {"w": np.arange(1000, dtype=np.float32)}
+    second = {"w": np.arange(1000, dtype=np.float32) * 2, "extra": np.ones(7)}
+    with collective.publish(first, step=1, bind="127.0.0.1:0", token=TOKEN, copy=copy, name="g") as pub:
+        address, listening = pub.address, pub._endpoint
+        assert np.array_equal(collective.fetch(address, step=1, token=TOKEN, timeout=30)["w"], first["w"])
+        pub.withdraw()
+        with pytest.raises(collective.AbortedError, match=r"publishes nothing now \(its step 1 was withdrawn"):
+            collective.fetch(address, step=1, token=TOKEN, timeout=30)
+        with socket.create_connection(("127.0.0.1", int(address.rpartition(":")[2])), timeout=5):
+            pass  # withdrawn, still listening
+        pub.replace(second, step=2)
+        assert (pub.address, pub._endpoint, pub.step) == (address, listening, 2)
+        got = collective.fetch(address, step=2, token=TOKEN, timeout=30)
+        assert np.array_equal(got["w"], second["w"]) and np.array_equal(got["extra"], second["extra"])
+        assert got.manifest_digest == pub.manifest_digest
+        with pytest.raises(collective.FetchError, match=rf"^holder g at {address} publishes step 2, not step 1$"):
+            collective.fetch(address, step=1, token=TOKEN, timeout=30)
+    with pytest.raises(collective.UsageError, match="is closed"):
+        pub.replace(first, step=3)
