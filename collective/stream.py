@@ -12,6 +12,7 @@ success, and a chunk that differs is traced to the variable whose own digest dif
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -78,26 +79,30 @@ class Chunker:
         """Yield the stream's messages; the last one carries the stream end."""
         return with_bytes(self.frames())
 
-    def frames(self, start: int = 0, landed=None) -> Iterator[tuple[pb.Chunk, memoryview]]:
+    def frames(self, start: int = 0, landed=None, select: Select | None = None) -> Iterator[tuple[pb.Chunk, memoryview]]:
         """Each message without its bytes, and a view of those bytes in the arena; from the
-        message at offset ``start`` (a receiver resuming: ``WorkerRef.resume_from``) on.
-        ``landed(end)``: returns once the arena holds every byte below ``end`` (a relay's, as
-        its own stream arrives), called before each message is made.
+        message at offset ``start`` (a receiver resuming: ``WorkerRef.resume_from``) on, only the
+        chunks of ``select`` (default: all), then the end message. ``landed(i)``: returns once
+        the arena holds chunk ``i``, verified (a relay's, as its own streams arrive), called
+        before each chunk's message is made.
 
         For transports that send the bytes themselves without a copy (MPI's Bcast).
         """
-        for msg, first, end in frame_messages(self._plan):
-            if first >= start:
-                if landed is not None:
-                    landed(end)
-                data = self._slice(first, end)
-                if not msg.digest and end > first:  # a provisional plan: the trailer is the chunk's own digest
-                    msg.digest = self._trailer(first, data)
-                yield msg, data
+        select = select or ALL
+        last = len(self._frames) - 1
+        for i, (msg, first, end) in enumerate(frame_messages(self._plan)):
+            if first < start or (i < last and not select.has(i)):
+                continue
+            if landed is not None and i < last:
+                landed(i)
+            data = self._slice(first, end)
+            if not msg.digest and end > first:  # a provisional plan: the trailer is the chunk's own digest
+                msg.digest = self._trailer(first, data)
+            yield msg, data
 
     def _trailer(self, start: int, data: memoryview) -> str:
         i = start // self._plan.chunk_bytes
-        if self._known is not None and i < len(self._known):
+        if self._known is not None and i < len(self._known) and self._known[i]:
             return self._known[i]
         digest = self._hashed.get(i)
         if digest is None:
@@ -204,91 +209,127 @@ def overlapping(plan: pb.Plan, start: int, end: int) -> list[pb.VariableInfo]:
     return out
 
 
+@dataclass(frozen=True)
+class Select:
+    """Which chunks one stream carries: those whose index i has ``i % stride == phase``.
+
+    ``Select()`` (stride 1) is the whole stream, what every single-parent topology asks. A double
+    tree's child asks each of its two parents for one tree's chunks (stride 2, phase = the tree);
+    a fetch striped over k holders would ask holder j for ``Select(k, j)``. A sender applies it
+    (``Chunker.frames``), a receiver takes each selection through its own ``Receiver.part``."""
+
+    stride: int = 1
+    phase: int = 0
+
+    def has(self, i: int) -> bool:
+        return i % self.stride == self.phase
+
+    @classmethod
+    def of(cls, ref: pb.WorkerRef) -> Select:
+        """The selection a stream request asks for (``WorkerRef.chunk_stride``/``chunk_phase``)."""
+        stride = ref.chunk_stride or 1
+        if ref.chunk_phase >= stride:
+            raise ProtocolError(f"stream request asks for chunk phase {ref.chunk_phase} of stride {stride}")
+        return cls(stride, ref.chunk_phase)
+
+    def ask(self, ref: pb.WorkerRef) -> pb.WorkerRef:
+        """``ref`` asking for this selection (left unset for the whole stream: older senders)."""
+        if self.stride > 1:
+            ref.chunk_stride, ref.chunk_phase = self.stride, self.phase
+        return ref
+
+
+ALL = Select()
+
+
 class Receiver:
-    """Writes a stream into a worker's arena and checks it against the plan.
+    """Writes the streams of one plan into a worker's arena and checks them against the plan.
+
+    The chunks may come in several streams, each a ``Select``ion of them from its own sender
+    (``part``), concurrently and in any order between streams; within one stream in order. Each
+    chunk is marked landed (``landed``, ``verified``) only once its bytes matched the plan's
+    digest, so a relay never forwards one known to differ. The Receiver's own ``view``, ``span``
+    and ``accept`` are those of the whole stream (``part(ALL)``), for a single sender.
 
     ``accept`` raises ProtocolError for keys or offsets the plan does not allow, and
     IntegrityError (naming the variable) for a chunk whose bytes differ from the chief's. Every
     chunk is hashed once, whatever the number of variables it fuses. ``finish`` raises
-    IntegrityError unless the stream ended properly with every byte verified.
+    IntegrityError unless every stream ended properly with every byte verified.
     """
 
     def __init__(self, plan: pb.Plan, arena: np.ndarray) -> None:
         self._plan = self.plan = plan
         self._arena = arena.reshape(-1).view(np.uint8)
-        self._frames = {f.start: f for f in _frames(plan)}
+        self._set_frames(plan)
         self._keys = {v.instance_key for v in plan.variables}
         self._groups = {g.group_key for g in plan.groups}
         self._ends = sorted(v.offset + v.nbytes for v in plan.variables)
-        self._pos = 0
-        self._ended = False
-        self.digests: list[str] = []  # of every chunk verified so far, in order
+        n = len(self._list) - 1
+        self._lock = threading.Lock()  # the bookkeeping below, shared by the streams of every part
+        self._landed = bytearray(n)
+        self._received = 0
+        self._prefix = 0  # chunks landed from the first on, without a gap
+        # The digest of every chunk verified so far by index, "" for one not yet: a relay's
+        # Chunker reads its trailers here (``Chunker(known=)``) as they land.
+        self.verified: list[str] = [""] * n
+        self._parts: list[_Part] = []
+        self._whole: _Part | None = None
+
+    def _set_frames(self, plan: pb.Plan) -> None:
+        self._list = _frames(plan)
+        self._frames = {f.start: f for f in self._list}
+
+    def part(self, select: Select = ALL) -> _Part:
+        """The receiving end of one stream carrying ``select``'s chunks (one per sender). A
+        stream resumed from another sender continues the same part (``resume_from``)."""
+        p = _Part(self, select)
+        self._parts.append(p)
+        return p
+
+    def _default(self) -> _Part:
+        if self._whole is None:
+            self._whole = self.part(ALL)
+        return self._whole
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self._default().view(offset, nbytes)
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        return self._default().span(start, end)
+
+    def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
+        self._default().accept(chunk, placed=placed)
+
+    def landed(self, i: int) -> bool:
+        """Whether chunk ``i`` is in the arena, verified."""
+        return bool(self._landed[i])
+
+    @property
+    def digests(self) -> list[str]:
+        """The digests of the chunks verified from the first on, without a gap, in order."""
+        return self.verified[: self._prefix]
 
     @property
     def bytes_received(self) -> int:
-        return self._pos
+        return self._received
+
+    def _prefix_bytes(self) -> int:
+        return self._list[self._prefix].start
 
     @property
     def variables_verified(self) -> int:
         """Variables whose every byte has arrived in verified chunks."""
-        return len(self._ends) if self._ended else bisect.bisect_right(self._ends, self._pos)
+        return bisect.bisect_right(self._ends, self._prefix_bytes())
 
-    def view(self, offset: int, nbytes: int) -> np.ndarray:
-        """Where the next chunk's bytes go, for transports that write them in place.
+    def _land(self, i: int, digest: str, nbytes: int) -> None:
+        with self._lock:
+            self.verified[i] = digest
+            self._landed[i] = 1
+            self._received += nbytes
+            while self._prefix < len(self._landed) and self._landed[self._prefix]:
+                self._prefix += 1
 
-        Raises ProtocolError unless ``offset`` is where the stream stands and ``nbytes`` is the
-        plan's length for that chunk; then call ``accept(meta, placed=True)``.
-        """
-        frame = self._frames.get(offset)
-        if offset != self._pos or frame is None or nbytes != frame.end - frame.start:
-            raise ProtocolError(
-                f"chunk of {nbytes} bytes at offset {offset} does not fit the plan (the stream stands at {self._pos})"
-            )
-        return self._arena[frame.start : frame.end]
-
-    def span(self, start: int, end: int) -> np.ndarray:
-        """Where several consecutive chunks' bytes go, for one large in-place write.
-
-        ``start`` must be where the stream stands and ``end`` a chunk boundary of the plan (or
-        the arena's end); then ``accept(meta, placed=True)`` each chunk of the span in order.
-        """
-        if start != self._pos or not (end == self._plan.total_bytes or end in self._frames) or end < start:
-            raise ProtocolError(f"span {start}..{end} does not fit the plan (the stream stands at {self._pos})")
-        return self._arena[start:end]
-
-    def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
-        """Check one message and write its bytes (already written with ``placed``)."""
-        if self._ended:
-            raise ProtocolError("message received after the end of the stream")
-        if chunk.group_key not in self._groups and (chunk.data or chunk.instance_keys):
-            raise ProtocolError(f"chunk at offset {chunk.offset} has group key {chunk.group_key}, not in the plan")
-        frame = self._frames.get(chunk.offset)
-        if chunk.offset != self._pos or frame is None:
-            raise ProtocolError(f"chunk at offset {chunk.offset} arrived where offset {self._pos} was expected")
-        if not placed and len(chunk.data) != frame.end - frame.start:
-            raise IntegrityError(
-                f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; the plan says {frame.end - frame.start}"
-            )
-        keys = tuple(chunk.instance_keys)
-        if keys != frame.instance_keys:
-            unknown = [k for k in keys if k not in self._keys]
-            if unknown:
-                raise ProtocolError(f"chunk at offset {chunk.offset} has instance key {unknown[0]}, not in the plan")
-            raise ProtocolError(
-                f"chunk at offset {chunk.offset} names instance keys {list(keys)[:8]}; "
-                f"the plan puts {list(frame.instance_keys)[:8]} there"
-            )
-        if chunk.data and not placed:
-            self._arena[frame.start : frame.end] = np.frombuffer(chunk.data, dtype=np.uint8)
-        if frame.end > frame.start:
-            self._check_chunk(chunk, frame)
-        elif chunk.digest:
-            raise ProtocolError(f"message at offset {chunk.offset} has no bytes but claims digest {chunk.digest}")
-        self._pos = frame.end
-        if chunk.HasField("end"):
-            self._check_end(chunk.end)
-
-    def _check_chunk(self, chunk: pb.Chunk, frame: _ChunkFrame) -> None:
+    def _check_chunk(self, chunk: pb.Chunk, frame: _ChunkFrame) -> str:
         """The chunk's trailer: its bytes' digest against the plan's (and the sender's claim).
 
         A provisional plan (``digests_follow``) has no chunk digests yet: the bytes are checked
@@ -303,15 +344,18 @@ class Receiver:
                 raise IntegrityError(f"chunk at offset {chunk.offset} (bytes of {names}): digest of received bytes "
                                      f"{got} differs from its trailer {chunk.digest}")
         elif got != frame.digest:
+            # A variable can be hashed on its own only when all its bytes are here: those before
+            # this chunk once every chunk before it has landed.
+            upto = frame.end if self._prefix_bytes() >= frame.start else frame.start
             raise IntegrityError(
-                culprit(self._plan, self._arena, frame.start, frame.end, upto=frame.end, digests=(got, frame.digest))
+                culprit(self._plan, self._arena, frame.start, frame.end, upto=upto, digests=(got, frame.digest))
             )
         elif chunk.digest != frame.digest:
             raise IntegrityError(
                 f"chunk at offset {chunk.offset}: its trailer says digest {chunk.digest or '(none)'}, "
                 f"the plan and the received bytes say {frame.digest}"
             )
-        self.digests.append(got)
+        return got
 
     def complete(self, plan: pb.Plan) -> None:
         """The complete plan of a provisional one (``check_completes``): every chunk received
@@ -319,33 +363,134 @@ class Receiver:
         differs = differing_chunk(plan, self.digests, plan.chunk_digests[: len(self.digests)])
         if differs is not None:
             k = differs[0] // plan.chunk_bytes
-            raise IntegrityError(culprit(plan, self._arena, *differs, upto=self._pos,
+            raise IntegrityError(culprit(plan, self._arena, *differs, upto=self._prefix_bytes(),
                                          digests=(self.digests[k], plan.chunk_digests[k])))
         self._plan = self.plan = plan
-        self._frames = {f.start: f for f in _frames(plan)}
+        self._set_frames(plan)
+
+    def finish(self) -> None:
+        """Raise IntegrityError unless every stream ended properly, every byte verified."""
+        for p in self._parts or [self._default()]:
+            p.finish()
+        if self._prefix < len(self._landed):
+            first = next((v.name for v in self._plan.variables if v.offset + v.nbytes > self._prefix_bytes()), "-")
+            raise IntegrityError(
+                f"streams ended with {self._received} of {self._plan.total_bytes} bytes: the chunk at offset "
+                f"{self._prefix_bytes()} (bytes of {first!r}) came in none of them"
+            )
+
+
+class _Part:
+    """One stream of a ``Receiver``: the chunks of ``select``, in order, then the end message."""
+
+    def __init__(self, receiver: Receiver, select: Select) -> None:
+        self._r, self.select = receiver, select
+        self._next = select.phase  # the index of the next chunk this stream carries
+        self._ended = False
+
+    @property
+    def plan(self) -> pb.Plan:
+        return self._r.plan
+
+    @property
+    def resume_from(self) -> int:
+        """Where this stream stands: the offset of its next chunk (the total once none is left)."""
+        r = self._r
+        return r._list[min(self._next, len(r._list) - 1)].start
+
+    @property
+    def bytes_received(self) -> int:
+        return self._r.bytes_received
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """Where the next chunk's bytes go, for transports that write them in place.
+
+        Raises ProtocolError unless ``offset`` is where the stream stands and ``nbytes`` is the
+        plan's length for that chunk; then call ``accept(meta, placed=True)``.
+        """
+        pos = self.resume_from
+        frame = self._r._frames.get(offset)
+        if offset != pos or frame is None or nbytes != frame.end - frame.start:
+            raise ProtocolError(
+                f"chunk of {nbytes} bytes at offset {offset} does not fit the plan (the stream stands at {pos})"
+            )
+        return self._r._arena[frame.start : frame.end]
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        """Where several consecutive chunks' bytes go, for one large in-place write.
+
+        ``start`` must be where the stream stands and ``end`` a chunk boundary of the plan (or
+        the arena's end), within this stream's chunks (one, unless it carries every chunk);
+        then ``accept(meta, placed=True)`` each chunk of the span in order.
+        """
+        r, pos = self._r, self.resume_from
+        ok = end == r.plan.total_bytes or end in r._frames
+        if self.select.stride > 1:
+            ok = ok and pos < r.plan.total_bytes and end == r._list[self._next].end
+        if start != pos or not ok or end < start:
+            raise ProtocolError(f"span {start}..{end} does not fit the plan (the stream stands at {pos})")
+        return r._arena[start:end]
+
+    def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
+        """Check one message and write its bytes (already written with ``placed``)."""
+        r = self._r
+        if self._ended:
+            raise ProtocolError("message received after the end of the stream")
+        if chunk.group_key not in r._groups and (chunk.data or chunk.instance_keys):
+            raise ProtocolError(f"chunk at offset {chunk.offset} has group key {chunk.group_key}, not in the plan")
+        pos = self.resume_from
+        frame = r._frames.get(chunk.offset)
+        if chunk.offset != pos or frame is None:
+            raise ProtocolError(f"chunk at offset {chunk.offset} arrived where offset {pos} was expected")
+        if not placed and len(chunk.data) != frame.end - frame.start:
+            raise IntegrityError(
+                f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; the plan says {frame.end - frame.start}"
+            )
+        keys = tuple(chunk.instance_keys)
+        if keys != frame.instance_keys:
+            unknown = [k for k in keys if k not in r._keys]
+            if unknown:
+                raise ProtocolError(f"chunk at offset {chunk.offset} has instance key {unknown[0]}, not in the plan")
+            raise ProtocolError(
+                f"chunk at offset {chunk.offset} names instance keys {list(keys)[:8]}; "
+                f"the plan puts {list(frame.instance_keys)[:8]} there"
+            )
+        if chunk.data and not placed:
+            r._arena[frame.start : frame.end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        if frame.end > frame.start:
+            r._land(self._next, r._check_chunk(chunk, frame), frame.end - frame.start)
+            self._next += self.select.stride
+        elif chunk.digest:
+            raise ProtocolError(f"message at offset {chunk.offset} has no bytes but claims digest {chunk.digest}")
+        if chunk.HasField("end"):
+            self._check_end(chunk.end)
 
     def _check_end(self, end: pb.StreamEnd) -> None:
-        if end.total_bytes != self._plan.total_bytes or self._pos != self._plan.total_bytes:
+        r = self._r
+        pos = self.resume_from
+        if end.total_bytes != r.plan.total_bytes or pos != r.plan.total_bytes:
             raise IntegrityError(
-                f"stream end claims {end.total_bytes} bytes after {self._pos} received; "
-                f"the plan has {self._plan.total_bytes}"
+                f"stream end claims {end.total_bytes} bytes after {r.bytes_received} received; "
+                f"the plan has {r.plan.total_bytes}"
             )
         # An empty one: the sender's plan or this one is provisional (``digests_follow``).
-        if end.manifest_digest and self._plan.manifest_digest and end.manifest_digest != self._plan.manifest_digest:
+        if end.manifest_digest and r.plan.manifest_digest and end.manifest_digest != r.plan.manifest_digest:
             raise IntegrityError("stream end carries a manifest digest that differs from the plan's")
         self._ended = True
 
     def finish(self) -> None:
-        """Raise IntegrityError unless the whole stream arrived, verified, with its end message."""
-        if not self._ended:
-            if self._pos == self._plan.total_bytes:
-                raise IntegrityError(
-                    f"stream ended without its end message (total and manifest digest) after all "
-                    f"{self._pos} bytes; a stream that does not end properly is never taken as complete"
-                )
-            first = next((v.name for v in self._plan.variables if v.offset + v.nbytes > self._pos), "-")
-            missing = len(self._ends) - self.variables_verified
+        """Raise IntegrityError unless this stream arrived, verified, with its end message."""
+        if self._ended:
+            return
+        r = self._r
+        if self.resume_from == r.plan.total_bytes:
             raise IntegrityError(
-                f"stream ended early: {self._pos} of {self._plan.total_bytes} bytes, "
-                f"{missing} variable(s) unverified (first: {first})"
+                f"stream ended without its end message (total and manifest digest) after all "
+                f"{r.bytes_received} bytes; a stream that does not end properly is never taken as complete"
             )
+        first = next((v.name for v in r.plan.variables if v.offset + v.nbytes > r._prefix_bytes()), "-")
+        missing = len(r._ends) - r.variables_verified
+        raise IntegrityError(
+            f"stream ended early: {r.bytes_received} of {r.plan.total_bytes} bytes, "
+            f"{missing} variable(s) unverified (first: {first})"
+        )
