@@ -272,21 +272,21 @@ class Receiver:
         # The digest of every chunk verified so far by index, "" for one not yet: a relay's
         # Chunker reads its trailers here (``Chunker(known=)``) as they land.
         self.verified: list[str] = [""] * n
-        self._parts: list[_Part] = []
-        self._whole: _Part | None = None
+        self._parts: list[Part] = []
+        self._whole: Part | None = None
 
     def _set_frames(self, plan: pb.Plan) -> None:
         self._list = _frames(plan)
         self._frames = {f.start: f for f in self._list}
 
-    def part(self, select: Select = ALL) -> _Part:
+    def part(self, select: Select = ALL) -> Part:
         """The receiving end of one stream carrying ``select``'s chunks (one per sender). A
         stream resumed from another sender continues the same part (``resume_from``)."""
-        p = _Part(self, select)
+        p = Part(self, select)
         self._parts.append(p)
         return p
 
-    def _default(self) -> _Part:
+    def _default(self) -> Part:
         if self._whole is None:
             self._whole = self.part(ALL)
         return self._whole
@@ -380,7 +380,7 @@ class Receiver:
             )
 
 
-class _Part:
+class Part:
     """One stream of a ``Receiver``: the chunks of ``select``, in order, then the end message."""
 
     def __init__(self, receiver: Receiver, select: Select) -> None:

@@ -107,8 +107,9 @@ class RelayHandler:
             # incarnation this plan has never seen.
             if not any(w.worker_id == ref.worker_id for w in plan.workers):
                 raise PreconditionError(f"worker {ref.worker_id!r} is not in this round's plan")
+        resumed = ref.resume_from > select.phase * plan.chunk_bytes  # past the selection's first chunk
         log.info("relaying to worker %s%s%s", printable(ref.worker_id),
-                 f" from byte {ref.resume_from}" if ref.resume_from else "",
+                 f" from byte {ref.resume_from}" if resumed else "",
                  f" chunks {select.phase} mod {select.stride}" if select.stride > 1 else "")
 
         def landed(i: int) -> None:
