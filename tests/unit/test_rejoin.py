@@ -51,31 +51,37 @@ class MemoryRelay:
         self.handler.fail(reason)
 
 
-_DYING = threading.Lock()
+class Death:
+    """One agent's death, shared by its links: the first link to reach its chunk dies (once the
+    test has seen ``died`` and cleared it), the agent's others (a double tree's second stream)
+    with it."""
+
+    def __init__(self, died: threading.Event) -> None:
+        self.died, self.killed, self._lock, self._claimed = died, threading.Event(), threading.Lock(), False
+
+    def now(self) -> None:
+        with self._lock:
+            first, self._claimed = not self._claimed, True
+        if first:
+            self.died.set()
+            wait_until(lambda: not self.died.is_set())
+            self.killed.set()
+        wait_until(self.killed.is_set)
+        raise Killed
 
 
 class Dying(InMemoryLink):
     """A link (to the chief or a relay) that delivers ``after`` chunks, then kills its agent
-    once ``died`` has been set and cleared (the test saw its children take some of them). The
-    agent's other links (a double tree's second stream) die with it (``killed``, shared)."""
+    (``Death``) once the test saw its children take some of them."""
 
-    def __init__(self, endpoint: InMemoryEndpoint, after: int, died: threading.Event, killed: threading.Event) -> None:
+    def __init__(self, endpoint: InMemoryEndpoint, after: int, death: Death) -> None:
         super().__init__(endpoint, peer=PEER)
-        self._after, self._died, self._killed = after, died, killed
-        self._lock = _DYING
+        self._after, self._death = after, death
+
     def receive_into(self, ref, receiver, stall_timeout: float) -> None:
         for i, chunk in enumerate(self.fetch(ref, stall_timeout)):
-            if self._killed.is_set():
-                raise Killed
-            if i == self._after:
-                with self._lock:  # the agent's first link to get here dies; the others wait for it
-                    first, self._killed.dying = not getattr(self._killed, "dying", False), True
-                if first:
-                    self._died.set()
-                    wait_until(lambda: not self._died.is_set())
-                    self._killed.set()
-                wait_until(self._killed.is_set)
-                raise Killed
+            if i == self._after or self._death.killed.is_set():
+                self._death.now()
             receiver.accept(chunk)
 
 
@@ -93,10 +99,10 @@ class Cluster:
         relay = MemoryRelay(41000 + len(self.relays))
         self.relays[f"127.0.0.1:{relay.port}"] = relay
 
-        killed = threading.Event()
+        death = Death(died) if died is not None else None
 
         def link(endpoint):
-            return InMemoryLink(endpoint, peer=PEER) if dies_after is None else Dying(endpoint, dies_after, died, killed)
+            return InMemoryLink(endpoint, peer=PEER) if death is None else Dying(endpoint, dies_after, death)
 
         def connect(parent, name):
             return link(self.relays[parent.relay_address].endpoint)
