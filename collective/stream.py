@@ -305,6 +305,12 @@ class Receiver:
         return bool(self._landed[i])
 
     @property
+    def landed_mask(self) -> bytearray:
+        """One byte per chunk, non-zero once it has landed, verified: what a relay reads (it
+        holds no reference to the arena, whose last writable view must go before a seal)."""
+        return self._landed
+
+    @property
     def digests(self) -> list[str]:
         """The digests of the chunks verified from the first on, without a gap, in order."""
         return self.verified[: self._prefix]

@@ -323,8 +323,9 @@ class WorkerAgent:
         arena = new_arena(plan.total_bytes) if served is None else None
         receiver = Receiver(plan, arena if served is None else served.writable)
         if self.relay is not None:  # chunks go out as they land, with the digests they were verified against
+            # Not receiver.landed: the relay must not keep the receiver (its writable view) alive.
             self.relay.feed(plan, arena if served is None else served.reader(), known=receiver.verified,
-                            landed=receiver.landed)
+                            landed=receiver.landed_mask.__getitem__)
         self._prepared(plan)
         parts = [_Watched(receiver, Select(2, t) if self._trees(plan) == 2 else Select(), self)
                  for t in range(self._trees(plan))]
