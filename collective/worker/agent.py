@@ -368,12 +368,18 @@ class WorkerAgent:
         except BaseException as exc:
             self._halt(exc)
             failed.insert(0, exc)
-        # Tree B's stream is bounded by the stall timeout and a lost parent's lease, like A's.
+        # Tree B's stream may still be landing chunks; without progress it ends by itself within
+        # the stall timeout and a lost parent's lease, like A's: wait that long after the last byte.
         t = self.timeouts
-        thread.join(timeout=t.stall + t.lease + 2 * t.heartbeat + t.rpc)
-        if thread.is_alive():
-            raise DeadlineError(f"tree B's stream did not end within {t.stall + t.lease:g} s after tree A's",
-                                phase="receive")
+        quiet = t.stall + t.lease + 2 * t.heartbeat + t.rpc
+        held, since = -1, time.monotonic()
+        while thread.is_alive():
+            thread.join(timeout=min(1.0, quiet))
+            if parts[1].bytes_received != held:
+                held, since = parts[1].bytes_received, time.monotonic()
+            elif thread.is_alive() and time.monotonic() - since > quiet:
+                raise DeadlineError(f"tree B's stream neither ended nor moved for {quiet:g} s after tree A's ended",
+                                    phase="receive")
         if failed:  # the cause, not the other tree's stream ended because of it
             raise next((e for e in failed if e is not self._halted), failed[0])
 
