@@ -62,10 +62,10 @@ ASSUMED_LINK_BPS = 25e9 / 8
 # 12 ms with other work on its 2 cores.
 HOP_SECONDS = 0.002
 # What ``auto`` multiplies a topology's prediction by, for what the model leaves out: the double
-# tree took 1.4x its prediction on emulated 200 Mbit/s hosts (BENCHMARKS.md: the medians at 4 and
-# 16 hosts, 2.0x at 8 on a loaded machine; likely the links' queues, every link carrying the model
-# both ways at once), so auto takes it only where it wins by that much (many hosts, where the
-# chain's hops and the tree's copies cost far more), and a chain below.
+# tree took 1.4x its prediction on emulated 200 Mbit/s hosts (BENCHMARKS.md: the medians at 4, 8
+# and 16 hosts on a quiet machine; not explained yet, perhaps the links' queues, every link
+# carrying the model both ways at once), so auto takes it only where it wins by that much (many
+# hosts, where the chain's hops and the tree's copies cost far more), and a chain below.
 UNMODELLED = {"dtree": 1.5}
 # On the chief's own host (no shared network link), ``auto`` streams to at most this many
 # receivers straight from the chief, and builds a tree for more (bounding the chief's streams).
