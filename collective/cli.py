@@ -46,10 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                "writable by others", default=None)
     launch.add_argument("--keep-run-dir", action="store_true",
                         help="keep the temporary run dir of a successful run too (a failed run's is always kept)")
-    add_option(launch, "chunk-bytes", help="bytes per data message, e.g. 1MiB; default 4 MiB, 512 KiB for a chain",
+    add_option(launch, "chunk-bytes", help="bytes per data message, e.g. 1MiB; default 4 MiB, 512 KiB for a chain or dtree",
                type=byte_size("--chunk-bytes"), default=None)
     add_timeout_options(launch, "join", "ready", "start", "heartbeat")
-    add_option(launch, "topology", help="who receives from whom (gRPC): auto, star, tree, chain",
+    add_option(launch, "topology", help="who receives from whom (gRPC): auto, star, tree, chain, dtree",
                default="auto", choices=list(TOPOLOGIES))
     add_option(launch, "shm", help="same-host workers take the arena through shared memory (--no-shm: network only)",
                type=parse_bool, default=True, action=argparse.BooleanOptionalAction)

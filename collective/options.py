@@ -62,9 +62,9 @@ CHIEF_FLAGS: tuple[Flag, ...] = (
     *tls_flags(worker=False),
     Flag("shm", "offer the arena to workers on this host through shared memory (--no-shm: network only)",
          parse_bool, True, boolean=True),
-    Flag("topology", "who receives from whom: auto (by hosts and size, see the docs' Concepts), star, tree, chain",
+    Flag("topology", "who receives from whom: auto (by hosts and size, see the docs' Concepts), star, tree, chain, dtree",
          default="auto", choices=TOPOLOGIES),
-    Flag("chunk-bytes", "bytes per data message; default 4 MiB, 512 KiB for a chain", byte_size("--chunk-bytes")),
+    Flag("chunk-bytes", "bytes per data message; default 4 MiB, 512 KiB for a chain or dtree", byte_size("--chunk-bytes")),
     Flag("shards", "each worker receives a part of the model, not a replica: dim0 (torch's Shard(0) of every "
          "variable over the workers) or a JSON object name -> \"dim0\" / \"all\" / rank(s), \"*\" for the rest; "
          "a star, without shared memory", parse_shards),

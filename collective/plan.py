@@ -29,6 +29,7 @@ from collective.stream import (  # noqa: F401  (re-exported: the package imports
     PAGE,
     Chunker,
     Receiver,
+    Select,
     culprit,
     differing_chunk,
     frame_messages,
@@ -416,19 +417,33 @@ def _explain_invalid_variables(plan: pb.Plan) -> None:
         ikeys.add(v.instance_key)
 
 
+def parent_in(w: pb.WorkerInfo, tree: int) -> int:
+    """Whom ``w`` receives tree ``tree``'s chunks from: ``parent_b`` for a double tree's second
+    (when it has one: a worker mapping its host leader's arena has one parent), else ``parent``."""
+    return w.parent_b if tree == 1 and w.HasField("parent_b") else w.parent
+
+
+def trees_of(plan: pb.Plan) -> int:
+    """How many trees carry the plan's chunks: two when any worker has a second parent."""
+    return 2 if any(w.HasField("parent_b") for w in plan.workers) else 1
+
+
 def _validate_parents(plan: pb.Plan) -> None:
-    """Every worker's parents lead to the chief, through relays that exist. (A plan without a
-    topology, from an older chief, is a star whatever its parents say.)"""
+    """Every worker's parents, in each tree, lead to the chief, through relays that exist. (A
+    plan without a topology, from an older chief, is a star whatever its parents say.)"""
     if not plan.topology:
         return
     by_rank = {w.rank: w for w in plan.workers}
-    for w in plan.workers:
-        seen, node = set(), w
-        while node.parent != -1:
-            parent = by_rank.get(node.parent)
-            if parent is None or node.rank in seen:
-                raise ProtocolError(f"plan worker rank {w.rank}: its parents do not lead to the chief")
-            if not parent.relay_address:
-                raise ProtocolError(f"plan worker rank {parent.rank} relays to rank {node.rank} but has no relay address")
-            seen.add(node.rank)
-            node = parent
+    for tree in range(trees_of(plan)):
+        which = " in tree B" if tree else ""
+        for w in plan.workers:
+            seen, node = set(), w
+            while parent_in(node, tree) != -1:
+                parent = by_rank.get(parent_in(node, tree))
+                if parent is None or node.rank in seen:
+                    raise ProtocolError(f"plan worker rank {w.rank}: its parents{which} do not lead to the chief")
+                if not parent.relay_address:
+                    raise ProtocolError(f"plan worker rank {parent.rank} relays to rank {node.rank}{which} "
+                                        f"but has no relay address")
+                seen.add(node.rank)
+                node = parent

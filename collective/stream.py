@@ -12,6 +12,7 @@ success, and a chunk that differs is traced to the variable whose own digest dif
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -78,31 +79,39 @@ class Chunker:
         """Yield the stream's messages; the last one carries the stream end."""
         return with_bytes(self.frames())
 
-    def frames(self, start: int = 0, landed=None, stop: int = 0) -> Iterator[tuple[pb.Chunk, memoryview]]:
+    def frames(self, start: int = 0, landed=None, select: Select | None = None,
+               stop: int = 0) -> Iterator[tuple[pb.Chunk, memoryview]]:
         """Each message without its bytes, and a view of those bytes in the arena; from the
-        message at offset ``start`` (a receiver resuming: ``WorkerRef.resume_from``) on.
-        ``landed(end)``: returns once the arena holds every byte below ``end`` (a relay's, as
-        its own stream arrives), called before each message is made. ``stop`` (a chunk boundary
-        below the arena's end; 0: none): end there with a stripe's end message
-        (``stripe_end``), for a receiver of one stripe (``Receiver(span=...)``).
+        message at offset ``start`` (a receiver resuming: ``WorkerRef.resume_from``) on, only the
+        chunks of ``select`` (default: all), then the end message. ``landed(i)``: returns once
+        the arena holds chunk ``i``, verified (a relay's, as its own streams arrive), called
+        before each chunk's message is made. ``stop`` (a chunk boundary below the arena's end;
+        0: none): end there with a stripe's end message (``stripe_end``), for a receiver of one
+        stripe (``Receiver(span=...)``).
 
         For transports that send the bytes themselves without a copy (MPI's Bcast).
         """
+        select = select or ALL
+        total, size = self._plan.total_bytes, self._plan.chunk_bytes
         for msg, first, end in frame_messages(self._plan, self._frames, start):
             if stop and first >= stop:
                 yield stripe_end(self._plan, stop), memoryview(b"")
                 return
-            if first >= start:
+            if first < start:
+                continue
+            if first < total:  # a chunk, not the end message
+                if not select.has(first // size):
+                    continue
                 if landed is not None:
-                    landed(end)
-                data = self._slice(first, end)
-                if not msg.digest and end > first:  # a provisional plan: the trailer is the chunk's own digest
-                    msg.digest = self._trailer(first, data)
-                yield msg, data
+                    landed(first // size)
+            data = self._slice(first, end)
+            if not msg.digest and end > first:  # a provisional plan: the trailer is the chunk's own digest
+                msg.digest = self._trailer(first, data)
+            yield msg, data
 
     def _trailer(self, start: int, data: memoryview) -> str:
         i = start // self._plan.chunk_bytes
-        if self._known is not None and i < len(self._known):
+        if self._known is not None and i < len(self._known) and self._known[i]:
             return self._known[i]
         digest = self._hashed.get(i)
         if digest is None:
@@ -120,10 +129,11 @@ def stripe_end(plan: pb.Plan, stop: int) -> pb.Chunk:
 
 @dataclass(frozen=True)
 class FrameTable:
-    """What a ``Receiver`` checks a plan's stream against: every frame by its offset, the plan's
-    instance and group keys, its variables' ends. Made once per plan (``frame_table``) and
-    shared by the receivers of its stripes."""
+    """What a ``Receiver`` checks a plan's stream against: every frame in order (the end's
+    last) and by its offset, the plan's instance and group keys, its variables' ends. Made once
+    per plan (``frame_table``) and shared by the receivers of its stripes."""
 
+    chunks: list[_ChunkFrame]
     frames: dict[int, _ChunkFrame]
     keys: frozenset[int]
     groups: frozenset[int]
@@ -131,7 +141,8 @@ class FrameTable:
 
 
 def frame_table(plan: pb.Plan) -> FrameTable:
-    return FrameTable({f.start: f for f in _frames(plan)}, frozenset(v.instance_key for v in plan.variables),
+    chunks = _frames(plan)
+    return FrameTable(chunks, {f.start: f for f in chunks}, frozenset(v.instance_key for v in plan.variables),
                       frozenset(g.group_key for g in plan.groups), sorted(v.offset + v.nbytes for v in plan.variables))
 
 
@@ -238,17 +249,62 @@ def overlapping(plan: pb.Plan, start: int, end: int) -> list[pb.VariableInfo]:
     return out
 
 
+@dataclass(frozen=True)
+class Select:
+    """Which chunks one stream carries: those whose index i has ``i % stride == phase``.
+
+    ``Select()`` (stride 1) is the whole stream, what every single-parent topology asks. A double
+    tree's child asks each of its two parents for one tree's chunks (stride 2, phase = the tree).
+    A sender applies it (``Chunker.frames``), a receiver takes each selection through its own
+    ``Receiver.part``. A snapshot fetch stripes by range instead (``Receiver(span=)``,
+    ``WorkerRef.stop_at``): a selection applies within the Receiver's span."""
+
+    stride: int = 1
+    phase: int = 0
+
+    def has(self, i: int) -> bool:
+        return i % self.stride == self.phase
+
+    def first(self, i: int) -> int:
+        """The index of the first chunk from ``i`` on that this selection carries."""
+        return i + (self.phase - i) % self.stride
+
+    @classmethod
+    def of(cls, ref: pb.WorkerRef) -> Select:
+        """The selection a stream request asks for (``WorkerRef.chunk_stride``/``chunk_phase``)."""
+        stride = ref.chunk_stride or 1
+        if ref.chunk_phase >= stride:
+            raise ProtocolError(f"stream request asks for chunk phase {ref.chunk_phase} of stride {stride}")
+        return cls(stride, ref.chunk_phase)
+
+    def ask(self, ref: pb.WorkerRef) -> pb.WorkerRef:
+        """``ref`` asking for this selection (left unset for the whole stream: older senders)."""
+        if self.stride > 1:
+            ref.chunk_stride, ref.chunk_phase = self.stride, self.phase
+        return ref
+
+
+ALL = Select()
+
+
 class Receiver:
-    """Writes a stream into a worker's arena and checks it against the plan.
+    """Writes the streams of one plan into a worker's arena and checks them against the plan.
+
+    The chunks may come in several streams, each a ``Select``ion of them from its own sender
+    (``part``), concurrently and in any order between streams; within one stream in order. Each
+    chunk is marked landed (``landed``, ``verified``) only once its bytes matched the plan's
+    digest, so a relay never forwards one known to differ. The Receiver's own ``view``, ``span``
+    and ``accept`` are those of the whole stream (``part(ALL)``), for a single sender.
 
     ``accept`` raises ProtocolError for keys or offsets the plan does not allow, and
     IntegrityError (naming the variable) for a chunk whose bytes differ from the chief's. Every
     chunk is hashed once, whatever the number of variables it fuses. ``finish`` raises
-    IntegrityError unless the stream ended properly with every byte verified.
+    IntegrityError unless every stream ended properly with every byte verified.
 
     ``span`` (start, stop; chunk boundaries): receive one stripe of the stream, from ``start``
-    to ``stop``, which ends with ``stripe_end`` (several senders' stripes of one arena). ``base``:
-    ``arena`` holds the bytes from that offset of the plan's arena on (a stripe's own buffer).
+    to ``stop``, whose streams end with ``stripe_end`` (several senders' stripes of one arena).
+    ``base``: ``arena`` holds the bytes from that offset of the plan's arena on (a stripe's own
+    buffer). Chunk indices (``landed``, ``verified``) are the plan's, whatever the span.
     """
 
     def __init__(self, plan: pb.Plan, arena: np.ndarray, *, span: tuple[int, int] | None = None,
@@ -258,92 +314,106 @@ class Receiver:
         self._arena = arena.reshape(-1).view(np.uint8)
         self._base = base
         self._table(frame_table(plan) if table is None else table)
-        start, self._stop = span if span is not None else (0, plan.total_bytes)
-        if start not in self._frames or self._stop not in self._frames or start > self._stop:
-            raise ProtocolError(f"span {start}..{self._stop} does not fit the plan's chunks")
+        start, stop = self._start, self._stop = span if span is not None else (0, plan.total_bytes)
+        if start not in self._frames or stop not in self._frames or start > stop:
+            raise ProtocolError(f"span {start}..{stop} does not fit the plan's chunks")
         # A stripe ends where its next chunk would begin, with a message of no bytes there.
-        f = self._frames[self._stop]
+        f = self._frames[stop]
         self._end = _ChunkFrame(f.start, f.start, f.group_key, (), "")
-        self._pos = start
-        self._ended = False
-        self.digests: list[str] = []  # of every chunk verified so far, in order
+        # The span's chunks by index, first..last; the frame at ``last`` is the span's end.
+        self._first, self._last = (len(self._list) - 1 if x == plan.total_bytes else x // plan.chunk_bytes
+                                   for x in (start, stop))
+        n = len(self._list) - 1
+        self._lock = threading.Lock()  # the bookkeeping below, shared by the streams of every part
+        self._landed = bytearray(n)
+        self._received = 0
+        self._prefix = self._first  # chunks landed from the span's first on, without a gap
+        # The digest of every chunk verified so far by index, "" for one not yet: a relay's
+        # Chunker reads its trailers here (``Chunker(known=)``) as they land.
+        self.verified: list[str] = [""] * n
+        self._parts: list[Part] = []
+        self._whole: Part | None = None
 
     def _table(self, table: FrameTable) -> None:
-        self._frames, self._keys, self._groups, self._ends = table.frames, table.keys, table.groups, table.ends
-
-    @property
-    def bytes_received(self) -> int:
-        return self._pos
-
-    @property
-    def variables_verified(self) -> int:
-        """Variables whose every byte has arrived in verified chunks."""
-        return len(self._ends) if self._ended else bisect.bisect_right(self._ends, self._pos)
-
-    def view(self, offset: int, nbytes: int) -> np.ndarray:
-        """Where the next chunk's bytes go, for transports that write them in place.
-
-        Raises ProtocolError unless ``offset`` is where the stream stands and ``nbytes`` is the
-        plan's length for that chunk; then call ``accept(meta, placed=True)``.
-        """
-        frame = self._frame(offset)
-        if offset != self._pos or frame is None or nbytes != frame.end - frame.start:
-            raise ProtocolError(
-                f"chunk of {nbytes} bytes at offset {offset} does not fit the plan (the stream stands at {self._pos})"
-            )
-        return self._arena[frame.start - self._base : frame.end - self._base]
+        self._list, self._frames = table.chunks, table.frames
+        self._keys, self._groups, self._ends = table.keys, table.groups, table.ends
 
     def _frame(self, offset: int) -> _ChunkFrame | None:
         return self._end if offset == self._stop else self._frames.get(offset)
 
-    def span(self, start: int, end: int) -> np.ndarray:
-        """Where several consecutive chunks' bytes go, for one large in-place write.
-
-        ``start`` must be where the stream stands and ``end`` a chunk boundary of the plan (or
-        the arena's end); then ``accept(meta, placed=True)`` each chunk of the span in order.
-        """
-        if start != self._pos or not (end == self._plan.total_bytes or end in self._frames) or end < start:
-            raise ProtocolError(f"span {start}..{end} does not fit the plan (the stream stands at {self._pos})")
+    def _slice(self, start: int, end: int) -> np.ndarray:
         return self._arena[start - self._base : end - self._base]
 
-    def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
-        """Check one message and write its bytes (already written with ``placed``)."""
-        if self._ended:
-            raise ProtocolError("message received after the end of the stream")
-        if chunk.group_key not in self._groups and (chunk.data or chunk.instance_keys):
-            raise ProtocolError(f"chunk at offset {chunk.offset} has group key {chunk.group_key}, not in the plan")
-        frame = self._frame(chunk.offset)
-        if chunk.offset != self._pos or frame is None:
-            raise ProtocolError(f"chunk at offset {chunk.offset} arrived where offset {self._pos} was expected")
-        if not placed and len(chunk.data) != frame.end - frame.start:
-            raise IntegrityError(
-                f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; the plan says {frame.end - frame.start}"
-            )
-        keys = tuple(chunk.instance_keys)
-        if keys != frame.instance_keys:
-            unknown = [k for k in keys if k not in self._keys]
-            if unknown:
-                raise ProtocolError(f"chunk at offset {chunk.offset} has instance key {unknown[0]}, not in the plan")
-            raise ProtocolError(
-                f"chunk at offset {chunk.offset} names instance keys {list(keys)[:8]}; "
-                f"the plan puts {list(frame.instance_keys)[:8]} there"
-            )
-        if chunk.data and not placed:
-            self._arena[frame.start - self._base : frame.end - self._base] = np.frombuffer(chunk.data, dtype=np.uint8)
-        if frame.end > frame.start:
-            self._check_chunk(chunk, frame)
-        elif chunk.digest:
-            raise ProtocolError(f"message at offset {chunk.offset} has no bytes but claims digest {chunk.digest}")
-        self._pos = frame.end
-        if chunk.HasField("end"):
-            self._check_end(chunk.end)
+    def part(self, select: Select = ALL) -> Part:
+        """The receiving end of one stream carrying ``select``'s chunks (one per sender). A
+        stream resumed from another sender continues the same part (``resume_from``)."""
+        p = Part(self, select)
+        self._parts.append(p)
+        return p
 
-    def _check_chunk(self, chunk: pb.Chunk, frame: _ChunkFrame) -> None:
+    def _default(self) -> Part:
+        if self._whole is None:
+            self._whole = self.part(ALL)
+        return self._whole
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self._default().view(offset, nbytes)
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        return self._default().span(start, end)
+
+    def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
+        self._default().accept(chunk, placed=placed)
+
+    def landed(self, i: int) -> bool:
+        """Whether chunk ``i`` is in the arena, verified."""
+        return bool(self._landed[i])
+
+    @property
+    def landed_mask(self) -> bytearray:
+        """One byte per chunk, non-zero once it has landed, verified: what a relay reads (it
+        holds no reference to the arena, whose last writable view must go before a seal)."""
+        return self._landed
+
+    @property
+    def digests(self) -> list[str]:
+        """The digests of the chunks verified from the span's first on, without a gap, in order."""
+        return self.verified[self._first : self._prefix]
+
+    @property
+    def bytes_received(self) -> int:
+        """The bytes that landed, verified, in every stream."""
+        return self._received
+
+    @property
+    def verified_to(self) -> int:
+        """The offset below which every byte of the span landed, verified (where a stripe's
+        fetch resumes)."""
+        return self._list[self._prefix].start
+
+    def _through(self) -> int:
+        """Where a single stream would stand: the span's start plus the bytes received."""
+        return self._start + self._received
+
+    @property
+    def variables_verified(self) -> int:
+        """Variables whose every byte has arrived in verified chunks."""
+        return bisect.bisect_right(self._ends, self.verified_to)
+
+    def _land(self, i: int, digest: str, nbytes: int) -> None:
+        with self._lock:
+            self.verified[i] = digest
+            self._landed[i] = 1
+            self._received += nbytes
+            while self._prefix < self._last and self._landed[self._prefix]:
+                self._prefix += 1
+
+    def _check_chunk(self, chunk: pb.Chunk, frame: _ChunkFrame) -> str:
         """The chunk's trailer: its bytes' digest against the plan's (and the sender's claim).
 
         A provisional plan (``digests_follow``) has no chunk digests yet: the bytes are checked
         against the trailer, and against the chief's digests once they come (``complete``)."""
-        got = bytes_digest(memoryview(self._arena[frame.start - self._base : frame.end - self._base]))
+        got = bytes_digest(memoryview(self._slice(frame.start, frame.end)))
         if not frame.digest:
             if not chunk.digest:
                 raise ProtocolError(f"chunk at offset {chunk.offset} has no digest trailer; the plan's digests "
@@ -353,50 +423,153 @@ class Receiver:
                 raise IntegrityError(f"chunk at offset {chunk.offset} (bytes of {names}): digest of received bytes "
                                      f"{got} differs from its trailer {chunk.digest}")
         elif got != frame.digest:
-            raise IntegrityError(
-                culprit(self._plan, self._arena, frame.start, frame.end, upto=frame.end, digests=(got, frame.digest),
-                        base=self._base)
-            )
+            # A variable can be hashed on its own only when all its bytes are here: those before
+            # this chunk once every chunk before it has landed.
+            upto = frame.end if self.verified_to >= frame.start else frame.start
+            raise IntegrityError(culprit(self._plan, self._arena, frame.start, frame.end, upto=upto,
+                                         digests=(got, frame.digest), base=self._base))
         elif chunk.digest != frame.digest:
             raise IntegrityError(
                 f"chunk at offset {chunk.offset}: its trailer says digest {chunk.digest or '(none)'}, "
                 f"the plan and the received bytes say {frame.digest}"
             )
-        self.digests.append(got)
+        return got
 
     def complete(self, plan: pb.Plan) -> None:
         """The complete plan of a provisional one (``check_completes``): every chunk received
-        so far against the chief's digests. Raises IntegrityError naming the variable."""
+        so far against the chief's digests. Raises IntegrityError naming the variable. For a
+        Receiver of the whole stream (a provisional plan is never striped)."""
         differs = differing_chunk(plan, self.digests, plan.chunk_digests[: len(self.digests)])
         if differs is not None:
             k = differs[0] // plan.chunk_bytes
-            raise IntegrityError(culprit(plan, self._arena, *differs, upto=self._pos,
-                                         digests=(self.digests[k], plan.chunk_digests[k])))
+            raise IntegrityError(culprit(plan, self._arena, *differs, upto=self.verified_to,
+                                         digests=(self.digests[k], plan.chunk_digests[k]), base=self._base))
         self._plan = self.plan = plan
         self._table(frame_table(plan))
 
-    def _check_end(self, end: pb.StreamEnd) -> None:
-        if end.total_bytes != self._stop or self._pos != self._stop:
+    def finish(self) -> None:
+        """Raise IntegrityError unless every stream ended properly, every byte verified."""
+        for p in self._parts or [self._default()]:
+            p.finish()
+        if self._prefix < self._last:
+            first = next((v.name for v in self._plan.variables if v.offset + v.nbytes > self.verified_to), "-")
             raise IntegrityError(
-                f"stream end claims {end.total_bytes} bytes after {self._pos} received; "
-                f"the plan has {self._stop}"
+                f"streams ended with {self._through()} of {self._stop} bytes: the chunk at offset "
+                f"{self.verified_to} (bytes of {first!r}) came in none of them"
+            )
+
+
+class Part:
+    """One stream of a ``Receiver``: the chunks of ``select`` in its span, in order, then the end
+    message."""
+
+    def __init__(self, receiver: Receiver, select: Select) -> None:
+        self._r, self.select = receiver, select
+        self._next = select.first(receiver._first)  # the index of the next chunk this stream carries
+        self._ended = False
+
+    @property
+    def plan(self) -> pb.Plan:
+        return self._r.plan
+
+    @property
+    def resume_from(self) -> int:
+        """Where this stream stands: the offset of its next chunk (the span's end once none is left)."""
+        r = self._r
+        return r._list[min(self._next, r._last)].start
+
+    @property
+    def bytes_received(self) -> int:
+        return self._r.bytes_received
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """Where the next chunk's bytes go, for transports that write them in place.
+
+        Raises ProtocolError unless ``offset`` is where the stream stands and ``nbytes`` is the
+        plan's length for that chunk; then call ``accept(meta, placed=True)``.
+        """
+        pos = self.resume_from
+        frame = self._r._frame(offset)
+        if offset != pos or frame is None or nbytes != frame.end - frame.start:
+            raise ProtocolError(
+                f"chunk of {nbytes} bytes at offset {offset} does not fit the plan (the stream stands at {pos})"
+            )
+        return self._r._slice(frame.start, frame.end)
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        """Where several consecutive chunks' bytes go, for one large in-place write.
+
+        ``start`` must be where the stream stands and ``end`` a chunk boundary of the plan (or
+        the arena's end) up to the span's end, within this stream's chunks (one, unless it
+        carries every chunk); then ``accept(meta, placed=True)`` each chunk of the span in order.
+        """
+        r, pos = self._r, self.resume_from
+        ok = end in r._frames and end <= r._stop  # the arena's end is the end frame's offset
+        if self.select.stride > 1:
+            ok = ok and pos < r._stop and end == r._list[self._next].end
+        if start != pos or not ok or end < start:
+            raise ProtocolError(f"span {start}..{end} does not fit the plan (the stream stands at {pos})")
+        return r._slice(start, end)
+
+    def accept(self, chunk: pb.Chunk, *, placed: bool = False) -> None:
+        """Check one message and write its bytes (already written with ``placed``)."""
+        r = self._r
+        if self._ended:
+            raise ProtocolError("message received after the end of the stream")
+        if chunk.group_key not in r._groups and (chunk.data or chunk.instance_keys):
+            raise ProtocolError(f"chunk at offset {chunk.offset} has group key {chunk.group_key}, not in the plan")
+        pos = self.resume_from
+        frame = r._frame(chunk.offset)
+        if chunk.offset != pos or frame is None:
+            raise ProtocolError(f"chunk at offset {chunk.offset} arrived where offset {pos} was expected")
+        if not placed and len(chunk.data) != frame.end - frame.start:
+            raise IntegrityError(
+                f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; the plan says {frame.end - frame.start}"
+            )
+        keys = tuple(chunk.instance_keys)
+        if keys != frame.instance_keys:
+            unknown = [k for k in keys if k not in r._keys]
+            if unknown:
+                raise ProtocolError(f"chunk at offset {chunk.offset} has instance key {unknown[0]}, not in the plan")
+            raise ProtocolError(
+                f"chunk at offset {chunk.offset} names instance keys {list(keys)[:8]}; "
+                f"the plan puts {list(frame.instance_keys)[:8]} there"
+            )
+        if chunk.data and not placed:
+            r._slice(frame.start, frame.end)[...] = np.frombuffer(chunk.data, dtype=np.uint8)
+        if frame.end > frame.start:
+            r._land(self._next, r._check_chunk(chunk, frame), frame.end - frame.start)
+            self._next += self.select.stride
+        elif chunk.digest:
+            raise ProtocolError(f"message at offset {chunk.offset} has no bytes but claims digest {chunk.digest}")
+        if chunk.HasField("end"):
+            self._check_end(chunk.end)
+
+    def _check_end(self, end: pb.StreamEnd) -> None:
+        r = self._r
+        if end.total_bytes != r._stop or self.resume_from != r._stop:
+            raise IntegrityError(
+                f"stream end claims {end.total_bytes} bytes after {r._through()} received; "
+                f"the plan has {r._stop}"
             )
         # An empty one: the sender's plan or this one is provisional (``digests_follow``).
-        if end.manifest_digest and self._plan.manifest_digest and end.manifest_digest != self._plan.manifest_digest:
+        if end.manifest_digest and r.plan.manifest_digest and end.manifest_digest != r.plan.manifest_digest:
             raise IntegrityError("stream end carries a manifest digest that differs from the plan's")
         self._ended = True
 
     def finish(self) -> None:
-        """Raise IntegrityError unless the whole stream arrived, verified, with its end message."""
-        if not self._ended:
-            if self._pos == self._stop:
-                raise IntegrityError(
-                    f"stream ended without its end message (total and manifest digest) after all "
-                    f"{self._pos} bytes; a stream that does not end properly is never taken as complete"
-                )
-            first = next((v.name for v in self._plan.variables if v.offset + v.nbytes > self._pos), "-")
-            missing = len(self._ends) - self.variables_verified
+        """Raise IntegrityError unless this stream arrived, verified, with its end message."""
+        if self._ended:
+            return
+        r = self._r
+        if self.resume_from == r._stop:
             raise IntegrityError(
-                f"stream ended early: {self._pos} of {self._stop} bytes, "
-                f"{missing} variable(s) unverified (first: {first})"
+                f"stream ended without its end message (total and manifest digest) after all "
+                f"{r._through()} bytes; a stream that does not end properly is never taken as complete"
             )
+        first = next((v.name for v in r.plan.variables if v.offset + v.nbytes > r.verified_to), "-")
+        missing = len(r._ends) - r.variables_verified
+        raise IntegrityError(
+            f"stream ended early: {r._through()} of {r._stop} bytes, "
+            f"{missing} variable(s) unverified (first: {first})"
+        )

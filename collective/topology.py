@@ -28,8 +28,9 @@ network link carries the model once:
   trees, each rooted at the chief, each carrying every other chunk (``carrier``); every receiver
   is an interior node (at most two children) of at most one of them, so every uplink carries the
   model at most once (plus one chunk when their number is odd) and a chunk crosses at most
-  ceil(log2(N+1)) + 1 hops. Only the simulator (tools/bench/sim.py) and ``predict`` know it so far: the
-  data plane has one parent per worker, so it is not in ``TOPOLOGIES`` nor offered by ``auto``.
+  ceil(log2(N+1)) + 1 hops. A receiver takes each tree's chunks from that tree's parent
+  (``Layout.parents_b``, the plan's ``WorkerInfo.parent_b``) in two streams at once, and relays
+  each chunk as it lands; the simulator (tools/bench/sim.py) runs it chunk by chunk.
 
 ``choose`` resolves ``auto`` with ``predict``, a model of the broadcast time fitted to runs on
 emulated hosts (BENCHMARKS.md): the topology with the least predicted time for this number of
@@ -47,9 +48,8 @@ from dataclasses import dataclass
 from collective.errors import UsageError
 from collective.plan import DEFAULT_CHUNK_BYTES
 
-# What users can pick, and ``auto`` among them. "dtree" joins once the data plane gives a worker
-# a parent in each of its two trees (it is modelled already: ``MODELLED``).
-TOPOLOGIES = ("auto", "star", "tree", "chain")
+# What users can pick, and ``auto`` among them.
+TOPOLOGIES = ("auto", "star", "tree", "chain", "dtree")
 # Default chunk size of a chain (an explicit --chunk-bytes wins): the pipeline fills one chunk
 # per hop, so 8 workers at 200 Mbit/s took 1.73x S/B with 4 MiB chunks and 1.12x with 512 KiB.
 CHAIN_CHUNK_BYTES = 512 << 10
@@ -61,6 +61,12 @@ ASSUMED_LINK_BPS = 25e9 / 8
 # fitted to chain runs on emulated 200 Mbit/s hosts (BENCHMARKS.md): 1.3 ms on a quiet machine,
 # 12 ms with other work on its 2 cores.
 HOP_SECONDS = 0.002
+# What ``auto`` multiplies a topology's prediction by, for what the model leaves out: the double
+# tree took 1.4x its prediction on emulated 200 Mbit/s hosts (BENCHMARKS.md: the medians at 4, 8
+# and 16 hosts on a quiet machine; not explained yet, perhaps the links' queues, every link
+# carrying the model both ways at once), so auto takes it only where it wins by that much (many
+# hosts, where the chain's hops and the tree's copies cost far more), and a chain below.
+UNMODELLED = {"dtree": 1.5}
 # On the chief's own host (no shared network link), ``auto`` streams to at most this many
 # receivers straight from the chief, and builds a tree for more (bounding the chief's streams).
 SAME_HOST_STAR_MAX = 8
@@ -71,6 +77,8 @@ def parents(topology: str, workers: int) -> list[int]:
         return [-1] * workers
     if topology == "chain":
         return [r - 1 for r in range(workers)]  # rank 0 from the chief, r from r-1
+    if topology == "dtree":
+        return dtree_parents(workers)[0]  # tree A; ``trees`` gives both
     if topology == "tree":
         out = []
         for r in range(workers):
@@ -81,8 +89,8 @@ def parents(topology: str, workers: int) -> list[int]:
     raise UsageError(f"unknown topology {topology!r}; use one of {', '.join(TOPOLOGIES)}")
 
 
-# Laid out by ``trees`` and modelled by ``predict`` and the simulator, beside those users can pick.
-MODELLED = (*TOPOLOGIES[1:], "dtree")
+# Laid out by ``trees`` and modelled by ``predict`` and the simulator: every one users can pick.
+MODELLED = TOPOLOGIES[1:]
 
 
 def _btree(n: int, rank: int) -> int:
@@ -196,18 +204,21 @@ def choose(topology: str, receivers: int, total_bytes: int, *, same_host: bool =
     if same_host:
         return "star" if receivers <= SAME_HOST_STAR_MAX else "tree"
     # min keeps the first of equals: star, the simplest, for a single receiver.
-    return min(TOPOLOGIES[1:], key=lambda t: predict(t, receivers, total_bytes))
+    return min(TOPOLOGIES[1:], key=lambda t: predict(t, receivers, total_bytes) * UNMODELLED.get(t, 1.0))
 
 
 @dataclass(frozen=True)
 class Layout:
     """Who receives from whom. ``parents[r]``: the rank worker r receives from, -1 the chief.
     A worker whose parent is on its own host (or the chief, on the chief's host, with sharing)
-    maps that parent's arena through shared memory when it can, else streams from it."""
+    maps that parent's arena through shared memory when it can, else streams from it. A double
+    tree's ``parents_b[r]``: whom r receives tree B's chunks from (``carrier``), None for a
+    worker with one parent (one mapping its host leader's arena) and for every other topology."""
 
     topology: str
     parents: list[int]
     receivers: int  # workers that receive over the network (the leaders, with sharing)
+    parents_b: list[int | None] | None = None
 
 
 def arrange(topology: str, hosts: Sequence[str], chief_host: str, total_bytes: int, *, share: bool) -> Layout:
@@ -231,6 +242,12 @@ def arrange(topology: str, hosts: Sequence[str], chief_host: str, total_bytes: i
         net = [r for ranks in order.values() for r in ranks]
     same_host = bool(net) and all(hosts[r] == chief_host for r in net)
     resolved = choose(topology, len(net), total_bytes, same_host=same_host)
-    for i, p in enumerate(parents(resolved, len(net))):
+    layers = trees(resolved, len(net))
+    for i, p in enumerate(layers[0]):
         out[net[i]] = -1 if p < 0 else net[p]
-    return Layout(resolved, out, len(net))
+    if len(layers) == 1:
+        return Layout(resolved, out, len(net))
+    out_b: list[int | None] = [None] * len(hosts)
+    for i, p in enumerate(layers[1]):
+        out_b[net[i]] = -1 if p < 0 else net[p]
+    return Layout(resolved, out, len(net), out_b)

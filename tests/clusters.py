@@ -265,12 +265,12 @@ def tampering_relay(*, forge_trailer: bool) -> str:
 # fast the data path (0.7 s for that model here) and however loaded the machine.
 SLOW_RECEIVER = """
 import sys, time
-from collective import plan
-real = plan.Receiver.accept
+from collective import stream
+real = stream.Part.accept  # every stream of a Receiver (a double tree's two)
 def slow(self, chunk, placed=False):
     time.sleep(0.005)
     return real(self, chunk, placed=placed)
-plan.Receiver.accept = slow
+stream.Part.accept = slow
 from collective.worker.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """

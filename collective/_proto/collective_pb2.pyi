@@ -43,7 +43,7 @@ class JoinReply(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., chief_incarnation: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("rank", "worker_id", "host", "devices", "incarnation", "parent", "relay_address", "relay_cert")
+    __slots__ = ("rank", "worker_id", "host", "devices", "incarnation", "parent", "relay_address", "relay_cert", "parent_b")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class WorkerInfo(_message.Message):
     PARENT_FIELD_NUMBER: _ClassVar[int]
     RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RELAY_CERT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_B_FIELD_NUMBER: _ClassVar[int]
     rank: int
     worker_id: str
     host: str
@@ -60,7 +61,8 @@ class WorkerInfo(_message.Message):
     parent: int
     relay_address: str
     relay_cert: bytes
-    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ..., parent: _Optional[int] = ..., relay_address: _Optional[str] = ..., relay_cert: _Optional[bytes] = ...) -> None: ...
+    parent_b: int
+    def __init__(self, rank: _Optional[int] = ..., worker_id: _Optional[str] = ..., host: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., incarnation: _Optional[str] = ..., parent: _Optional[int] = ..., relay_address: _Optional[str] = ..., relay_cert: _Optional[bytes] = ..., parent_b: _Optional[int] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
     __slots__ = ("group_key", "devices")
@@ -167,20 +169,24 @@ class Piece(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., worker: _Optional[_Union[WorkerRef, _Mapping]] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "resume_from", "want_digests", "secret", "stop_at")
+    __slots__ = ("worker_id", "incarnation", "resume_from", "want_digests", "secret", "stop_at", "chunk_stride", "chunk_phase")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
     WANT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_PHASE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     resume_from: int
     want_digests: bool
     secret: str
     stop_at: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ..., want_digests: _Optional[bool] = ..., secret: _Optional[str] = ..., stop_at: _Optional[int] = ...) -> None: ...
+    chunk_stride: int
+    chunk_phase: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ..., want_digests: _Optional[bool] = ..., secret: _Optional[str] = ..., stop_at: _Optional[int] = ..., chunk_stride: _Optional[int] = ..., chunk_phase: _Optional[int] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("total_bytes", "manifest_digest")

@@ -6,7 +6,8 @@ the default 0 fails the round at once, as before) for a process with the same wo
 new incarnation. Meanwhile:
 
 * The lost worker's children move up. The chief revises its plan: every worker whose parent
-  was lost receives from its nearest ancestor never lost in this round (the chief at worst). A
+  was lost receives from its nearest ancestor never lost in this round (the chief at worst); in
+  a double tree, each tree on its own (``WorkerInfo.parent``, ``parent_b``). A
   child whose relay stream broke asks the chief for the current plan (``GetPlan``) and resumes
   from its new parent at the first byte it lacks (``WorkerRef.resume_from``); an ancestor holds
   at least every byte its descendants hold, so nothing waits for the restart.
@@ -59,6 +60,7 @@ class Rejoins:
     def __init__(self, service) -> None:
         self._svc = service
         self._parents: dict[int, int] | None = None  # the plan's first parents
+        self._parents_b: dict[int, int] = {}  # a double tree's tree B (WorkerInfo.parent_b): the first ones
         self.lost: set[int] = set()  # ranks lost at some point of this broadcast
         self.rejoined: list[str] = []  # worker ids, one entry per comeback
 
@@ -76,10 +78,11 @@ class Rejoins:
         m.lost_at, m.lost_reason = time.monotonic(), reason
         self.lost.add(m.rank)
         self._revise()
-        moved = [w.worker_id for w in self._svc._plan.workers if self._parents[w.rank] == m.rank]
+        moved = [f"{w.worker_id} from {_sender(nearest_live(ps, self.lost, m.rank))}"
+                 for ps in (self._parents, self._tree_b()) for w in self._svc._plan.workers
+                 if ps.get(w.rank) == m.rank]
         log.warning("%s was lost during the broadcast: %s; waiting up to %g s for it to rejoin%s", m.name(), reason,
-                    self.window, f" (its children {', '.join(moved)} now receive from "
-                    f"{_sender(nearest_live(self._parents, self.lost, m.rank))})" if moved else "")
+                    self.window, f" (its children now receive: {', '.join(moved)})" if moved else "")
         self._svc._cond.notify_all()
         return True
 
@@ -123,6 +126,12 @@ class Rejoins:
                     f"{self.window:g} s", culprit=m.worker_id, phase="broadcast"))
                 return
 
+    def _tree_b(self) -> dict[int, int]:
+        """A double tree's tree B as a parents map ({} for one tree). Tree B's ancestors of a
+        worker with one parent (one mapping its host leader's arena) are its parent and tree
+        B's ancestors of that leader: each tree is revised on its own."""
+        return {**self._parents, **self._parents_b} if self._parents_b else {}
+
     def _revise(self) -> None:
         """A new plan object (workers already hold the old one): parents around the lost ranks,
         and each rank's current incarnation and relay."""
@@ -131,9 +140,13 @@ class Rejoins:
         plan.CopyFrom(svc._plan)
         if self._parents is None:
             self._parents = {w.rank: w.parent for w in plan.workers}
+            self._parents_b = {w.rank: w.parent_b for w in plan.workers if w.HasField("parent_b")}
+        tree_b = self._tree_b()
         live = {m.rank: m for m in svc._members.values() if m.phase != "lost"}
         for w in plan.workers:
             w.parent = nearest_live(self._parents, self.lost, w.rank)
+            if w.rank in self._parents_b:
+                w.parent_b = nearest_live(tree_b, self.lost, w.rank)
             m = live.get(w.rank)
             if m is not None and m.incarnation != w.incarnation:
                 w.incarnation, w.host, w.relay_address, w.relay_cert = (m.incarnation, m.host, m.relay_address(),

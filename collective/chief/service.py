@@ -44,6 +44,7 @@ from collective.model import ModelSource
 from collective.plan import (
     MAX_CHUNK_BYTES,
     Chunker,
+    Select,
     complete_plan,
     with_bytes,
 )
@@ -220,6 +221,9 @@ class ChiefService(Admission):
                           relay_cert=m.relay_cert)
             for m in members
         ]
+        for w, b in zip(workers, lay.parents_b or [None] * len(workers), strict=True):
+            if b is not None:  # a double tree: tree B's parent (topology.carrier)
+                w.parent_b = b
         chunk_bytes = self.chunk_bytes or chunk_bytes_for(topology)  # a chain fills its pipeline one chunk per hop
         self._check_files()
         self._plan = self._arena.plan(workers, chunk_bytes=chunk_bytes, chief_incarnation=self.incarnation)
@@ -247,7 +251,7 @@ class ChiefService(Admission):
             return Layout("star", [-1] * len(members), len(members))
         lay = arrange(self.topology, [m.host for m in members], self.host, int(self.arena.nbytes),
                       share=self._arena.server is not None)
-        relaying = {p for p in lay.parents if p >= 0}
+        relaying = {p for p in [*lay.parents, *(lay.parents_b or [])] if p is not None and p >= 0}
         if any(not members[r].relay_address() for r in relaying):
             if self.topology not in ("auto", "star"):
                 log.info("topology %s needs its workers to relay; some cannot, so: star", lay.topology)
@@ -302,7 +306,10 @@ class ChiefService(Admission):
                 m.phase, m.bytes_sent = "receiving", ref.resume_from  # resumed: it holds the bytes before
             if self._first_byte_at is None:
                 self._first_byte_at = time.monotonic()
-        for chunk, data in chunker.frames(min(ref.resume_from for ref in refs)):
+            select = Select.of(refs[0])  # one stream to many (MPI) is always the whole stream
+            if any(Select.of(ref) != select for ref in refs):
+                raise PreconditionError("one stream to many workers must carry the same chunks to each")
+        for chunk, data in chunker.frames(min(ref.resume_from for ref in refs), select=select):
             if self._phase is Phase.FAILED:
                 with self._cond:
                     for m in members:

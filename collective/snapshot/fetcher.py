@@ -315,7 +315,7 @@ class _Striper:
             h.link.receive_into(ref, receiver, self.stall_timeout)
             receiver.finish()
         except E.CollectiveError as exc:
-            pos = receiver.bytes_received  # every chunk below it was verified
+            pos = receiver.verified_to  # every chunk below it was verified
             if pos >= b and not isinstance(exc, E.IntegrityError):  # only the stripe's end message was lost
                 return self._done(h, buf, base, a, b)
             if self.failure is not None:  # interrupted by the fetch itself (its deadline): no one's fault

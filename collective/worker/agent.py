@@ -36,9 +36,12 @@ from collective.keys import parse_devices
 from collective.model import VariableSpec
 from collective.plan import (
     Receiver,
+    Select,
     check_completes,
     declared,
+    differing_chunk,
     new_arena,
+    parent_in,
     validate_plan,
 )
 from collective.replicas import make_replicas, verify_replicas
@@ -78,15 +81,22 @@ def default_worker_id() -> str:
 
 
 class _Watched:
-    """A Receiver that records progress for the heartbeat and reports a bad chunk at once.
+    """One stream of a Receiver (``Receiver.part``) that records progress for the heartbeat,
+    wakes the relay's streams as each chunk lands, and reports a bad chunk at once.
 
     Reporting from inside ``accept`` matters: the stream is still open then, so the chief hears
     the real cause (say a digest mismatch) before it sees the stream cut off.
     """
 
-    def __init__(self, receiver: Receiver, agent: WorkerAgent) -> None:
-        self._r, self._agent = receiver, agent
+    def __init__(self, receiver: Receiver, select: Select, agent: WorkerAgent) -> None:
+        self._whole, self._agent = receiver, agent
+        self._r = receiver.part(select)
+        self.select = select
         self.relay: tuple[str, str] | None = None  # (name, worker id) of the relay feeding it, if any
+
+    @property
+    def resume_from(self) -> int:
+        return self._r.resume_from
 
     @property
     def plan(self) -> pb.Plan:
@@ -97,10 +107,6 @@ class _Watched:
 
     def span(self, start: int, end: int) -> np.ndarray:
         return self._r.span(start, end)
-
-    @property
-    def digests(self) -> list[str]:
-        return self._r.digests
 
     @property
     def bytes_received(self) -> int:
@@ -118,18 +124,15 @@ class _Watched:
             self._agent._report_failure(exc)
             raise
         self._agent.bytes_received = self._r.bytes_received
-        if self._agent._fed_by_chief:  # data from a relay says nothing of the chief's health
+        if self.relay is None:  # data from a relay says nothing of the chief's health
             self._agent._last_data = time.monotonic()
         if self._agent.relay is not None:
-            self._agent.relay.progress(self._r.bytes_received)
-
-    def finish(self) -> None:
-        self._r.finish()
+            self._agent.relay.progress()
 
     def complete(self, plan: pb.Plan) -> None:
         """The chief's digests, once they followed the stream (``Receiver.complete``)."""
         try:
-            self._r.complete(plan)
+            self._whole.complete(plan)
         except IntegrityError as exc:
             # Every chunk matched the trailer it came with, not the chief's digest: the sender
             # made the trailers up (a relay), or the chief read other bytes than it sent.
@@ -191,7 +194,6 @@ class WorkerAgent:
         self.rank = -1
         self.bytes_received = 0
         self._last_data = 0.0
-        self._fed_by_chief = True
         # The heartbeat thread's view of the chief, shared with the main thread under _beat:
         # when the chief last answered, and its verdict once it has one (the chief gone or
         # restarted, or the round failed).
@@ -200,7 +202,8 @@ class WorkerAgent:
         self._verdict: CollectiveError | None = None
         self._beat_now = False
         self._stopped = False
-        self._source: ChiefLink | None = None  # the relay this worker receives from, if any
+        self._sources: dict[int, ChiefLink] = {}  # by tree: the relay this worker receives it from, if any
+        self._halted: CollectiveError | None = None  # a stream failed: the other tree's ends too
 
     def run(self) -> WorkerResult:
         """Join, receive, verify, report ready and wait for start. Blocks; see the module doc."""
@@ -242,11 +245,11 @@ class WorkerAgent:
         with self._beat:
             if self._verdict is None:
                 self._verdict = error
-            source = self._source
+            sources = list(self._sources.values())
             self._beat.notify_all()
         self._aborted = error
         self.link.interrupt(error)
-        if source is not None:
+        for source in sources:
             source.interrupt(error)
 
     def _me(self, plan: pb.Plan) -> pb.WorkerInfo:
@@ -264,6 +267,8 @@ class WorkerAgent:
         from collective.transport.shm import attach, peer_socket
 
         me = self._me(plan)
+        if me.HasField("parent_b"):  # a double tree's receiver takes its two halves from the network
+            return None
         if me.parent < 0:
             name, whose, wait = plan.shm_socket, "the chief", None
         else:
@@ -309,57 +314,126 @@ class WorkerAgent:
         verified chunk digests and the plan they were verified against (a provisional plan's
         complete one: ``_complete``).
 
-        From the chief, or from the relay of the worker the plan names as this one's parent.
+        From the chief, or from the relay of the worker the plan names as this one's parent; in
+        a double tree, each tree's chunks from that tree's parent, in two streams at once.
         A host leader receives into shared memory and hands it to its same-host peers once
         complete (``served``, from ``_serve_peers``).
         """
         # The relay serves from a read-only view of a served arena, which does not stop the seal.
         arena = new_arena(plan.total_bytes) if served is None else None
-        receiver = _Watched(Receiver(plan, arena if served is None else served.writable), self)
+        receiver = Receiver(plan, arena if served is None else served.writable)
         if self.relay is not None:  # chunks go out as they land, with the digests they were verified against
-            self.relay.feed(plan, arena if served is None else served.reader(), known=receiver.digests)
+            # Not receiver.landed: the relay must not keep the receiver (its writable view) alive.
+            self.relay.feed(plan, arena if served is None else served.reader(), known=receiver.verified,
+                            landed=receiver.landed_mask.__getitem__)
         self._prepared(plan)
-        parent = self._parent(plan)
-        # A plan without a topology (an older chief) streams from the chief.
-        while parent is not None:
-            # From the first byte we lack: the whole stream, or the rest after a lost parent.
-            # The secret goes to the chief only: a relay is another member, which must not learn it.
-            ref = pb.WorkerRef(worker_id=self.worker_id, incarnation=self.incarnation,
-                               secret=self.ref.secret if parent.rank < 0 else "", resume_from=receiver.bytes_received)
-            if ref.resume_from:
-                log.info("resuming the stream at byte %d from %s", ref.resume_from,
-                         f"worker {parent.worker_id} (rank {parent.rank})" if parent.rank >= 0 else "the chief")
-            if parent.rank < 0:
-                self._fed_by_chief, receiver.relay = True, None
-                self.link.receive_into(ref, receiver, stall_timeout=self.timeouts.stall)
-                break
-            name = f"relay worker {parent.worker_id} (rank {parent.rank})"
-            source = self.connect(parent, name)
-            receiver.relay = (name, parent.worker_id)
-            self._fed_by_chief = False
-            with self._beat:
-                self._source = source
-                verdict = self._verdict
-            if verdict is not None:
-                source.interrupt(verdict)
-            try:
-                source.receive_into(ref, receiver, stall_timeout=self.timeouts.stall)
-                break
-            except (ChiefUnreachableError, AbortedError, DeadlineError) as exc:
-                parent = self._relay_failed(name, parent, exc)  # the new parent, or raises
-            finally:
-                with self._beat:
-                    self._source = None
-                source.close()
+        parts = [_Watched(receiver, Select(2, t) if self._trees(plan) == 2 else Select(), self)
+                 for t in range(self._trees(plan))]
+        if len(parts) == 1:
+            self._stream(plan, 0, parts[0])
+        else:
+            self._streams(plan, parts)
         receiver.finish()
         if plan.digests_follow:
             plan = self._complete(plan)
-            receiver.complete(plan)
+            # Blamed on the stream that carried the first chunk that differs (a double tree's two).
+            differs = differing_chunk(plan, receiver.digests, plan.chunk_digests)
+            parts[differs[0] // plan.chunk_bytes % len(parts) if differs else 0].complete(plan)
         digests = receiver.digests
         if served is None:
             return arena, digests, plan
-        del receiver  # the last view of the writable mapping: the seal needs it gone
+        del receiver, parts  # the last views of the writable mapping: the seal needs them gone
         return served.complete(), digests, plan
+
+    def _trees(self, plan: pb.Plan) -> int:
+        """How many streams this worker receives: two (one per tree) with a second parent."""
+        return 2 if self._me(plan).HasField("parent_b") else 1
+
+    def _streams(self, plan: pb.Plan, parts: list[_Watched]) -> None:
+        """A double tree's two streams at once, tree B's in a thread. The first to fail ends the
+        other (``_halt``) and is what this raises: the relay it names, or the bad chunk."""
+        failed: list[BaseException] = []
+
+        def tree_b() -> None:
+            try:
+                self._stream(plan, 1, parts[1])
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, raised there
+                failed.append(exc)
+                self._halt(exc)
+
+        thread = threading.Thread(target=tree_b, name="receive-tree-b", daemon=True)
+        thread.start()
+        try:
+            self._stream(plan, 0, parts[0])
+        except BaseException as exc:
+            self._halt(exc)
+            failed.insert(0, exc)
+        # Tree B's stream may still be landing chunks; without progress it ends by itself within
+        # the stall timeout and a lost parent's lease, like A's: wait that long after the last byte.
+        t = self.timeouts
+        quiet = t.stall + t.lease + 2 * t.heartbeat + t.rpc
+        held, since = -1, time.monotonic()
+        while thread.is_alive():
+            thread.join(timeout=min(1.0, quiet))
+            if parts[1].bytes_received != held:
+                held, since = parts[1].bytes_received, time.monotonic()
+            elif thread.is_alive() and time.monotonic() - since > quiet:
+                raise DeadlineError(f"tree B's stream neither ended nor moved for {quiet:g} s after tree A's ended",
+                                    phase="receive")
+        if failed:  # the cause, not the other tree's stream ended because of it
+            raise next((e for e in failed if e is not self._halted), failed[0])
+
+    def _halt(self, exc: BaseException) -> None:
+        """One tree's stream failed: report it now (the chief hears the cause, not the other
+        stream cut off) and end the other tree's stream."""
+        if isinstance(exc, CollectiveError):
+            self._report_failure(exc)
+        error = AbortedError(f"the other tree's stream failed: {exc}")
+        with self._beat:
+            if self._halted is None:
+                self._halted = error
+            sources = list(self._sources.values())
+            self._beat.notify_all()
+        for source in sources:
+            source.interrupt(error)
+
+    def _stream(self, plan: pb.Plan, tree: int, part: _Watched) -> None:
+        """One tree's chunks (``part.select``): from its parent, and from the parent the chief
+        names next each time one is lost, at the first chunk this tree still lacks."""
+        parent, first = self._parent(plan, tree), True
+        which = f" (tree {'AB'[tree]})" if part.select.stride > 1 else ""
+        while parent is not None:
+            # The secret goes to the chief only: a relay is another member, which must not learn it.
+            ref = part.select.ask(pb.WorkerRef(
+                worker_id=self.worker_id, incarnation=self.incarnation,
+                secret=self.ref.secret if parent.rank < 0 else "", resume_from=part.resume_from))
+            if not first:
+                log.info("resuming the stream at byte %d from %s%s", ref.resume_from,
+                         f"worker {parent.worker_id} (rank {parent.rank})" if parent.rank >= 0 else "the chief", which)
+            first = False
+            if parent.rank < 0:
+                part.relay = None
+                self.link.receive_into(ref, part, stall_timeout=self.timeouts.stall)
+                return
+            name = f"relay worker {parent.worker_id} (rank {parent.rank}{', tree ' + 'AB'[tree] if which else ''})"
+            source = self.connect(parent, name)
+            part.relay = (name, parent.worker_id)
+            with self._beat:
+                self._sources[tree] = source
+                verdict = self._verdict or self._halted
+            if verdict is not None:
+                source.interrupt(verdict)
+            try:
+                source.receive_into(ref, part, stall_timeout=self.timeouts.stall)
+                return
+            except (ChiefUnreachableError, AbortedError, DeadlineError) as exc:
+                if self._halted is not None:
+                    raise self._halted from exc
+                parent = self._relay_failed(name, parent, exc, tree)  # the new parent, or raises
+            finally:
+                with self._beat:
+                    self._sources.pop(tree, None)
+                source.close()
 
     def _complete(self, plan: pb.Plan) -> pb.Plan:
         """A provisional plan's complete one (``Plan.digests_follow``): asked of the chief once
@@ -374,15 +448,16 @@ class WorkerAgent:
         log.info("the chief's digests came %.3f s after the last byte", time.monotonic() - t0)
         return complete
 
-    def _parent(self, plan: pb.Plan) -> pb.WorkerInfo | None:
-        """Whom this worker receives from under ``plan``: a worker's ``WorkerInfo``, or one with
-        rank -1 for the chief (also without relays: MPI, in-memory without ``connect``)."""
-        me = self._me(plan)
-        if not plan.topology or me.parent < 0 or self.connect is None:
+    def _parent(self, plan: pb.Plan, tree: int = 0) -> pb.WorkerInfo | None:
+        """Whom this worker receives tree ``tree``'s chunks from under ``plan`` (``parent_in``):
+        a worker's ``WorkerInfo``, or one with rank -1 for the chief (also without relays: MPI,
+        in-memory without ``connect``)."""
+        rank = parent_in(self._me(plan), tree)
+        if not plan.topology or rank < 0 or self.connect is None:
             return pb.WorkerInfo(rank=-1)
-        return next(w for w in plan.workers if w.rank == me.parent)
+        return next(w for w in plan.workers if w.rank == rank)
 
-    def _relay_failed(self, name: str, parent: pb.WorkerInfo, exc: CollectiveError) -> pb.WorkerInfo:
+    def _relay_failed(self, name: str, parent: pb.WorkerInfo, exc: CollectiveError, tree: int = 0) -> pb.WorkerInfo:
         """The relay this worker receives from failed: whom to receive from now, or raise who
         is to blame.
 
@@ -403,13 +478,14 @@ class WorkerAgent:
                 self._beat_now = True
                 self._beat.notify_all()
                 self._beat.wait_for(
-                    lambda asked=asked: self._verdict is not None or self._last_ok > asked or self._stopped,
+                    lambda asked=asked: (self._verdict is not None or self._halted is not None
+                                         or self._last_ok > asked or self._stopped),
                     timeout=max(0.0, deadline - asked),
                 )
-                if self._verdict is not None:
-                    raise self._verdict
+                if self._verdict is not None or self._halted is not None:
+                    raise self._verdict or self._halted
             if time.monotonic() < deadline and not self._stopped:
-                now = self._parent(self.link.get_plan(self.ref, timeout=t.rpc))
+                now = self._parent(self.link.get_plan(self.ref, timeout=t.rpc), tree)
                 if now.rank != parent.rank or now.incarnation != parent.incarnation:
                     log.warning("%s failed (%s); the chief now names %s as this worker's parent", name, exc,
                                 f"worker {now.worker_id} (rank {now.rank})" if now.rank >= 0 else "the chief")
@@ -419,7 +495,7 @@ class WorkerAgent:
                 raise RelayError(f"{name}, which this worker receives from, failed during receive: {exc}",
                                  culprit=parent.worker_id, phase="receive") from exc
             with self._beat:  # ask again in a while: the chief may not have noticed yet
-                self._beat.wait_for(lambda: self._verdict is not None or self._stopped,
+                self._beat.wait_for(lambda: self._verdict is not None or self._halted is not None or self._stopped,
                                     timeout=min(left, t.heartbeat, PROGRESS_INTERVAL))
 
     def _prepared(self, plan: pb.Plan) -> None:
@@ -472,7 +548,7 @@ class WorkerAgent:
             self._last_ok = time.monotonic()
         while True:
             with self._beat:
-                relay_fed = self._source is not None
+                relay_fed = bool(self._sources)
                 interval = min(t.heartbeat, PROGRESS_INTERVAL) if relay_fed else t.heartbeat
                 self._beat.wait_for(lambda: self._stopped or self._beat_now, timeout=interval)
                 if self._stopped:
@@ -568,8 +644,7 @@ class WorkerAgent:
             (arena, verified, plan), via = self._receive(plan, served), "the network"
         else:
             if self.relay is not None:
-                self.relay.feed(plan, arena)
-                self.relay.progress(plan.total_bytes)
+                self.relay.feed(plan, arena)  # every chunk here at once
             if plan.digests_follow:  # hashed now, while the chief may still be reading its files
                 verified = chunk_digests(arena.reshape(-1).view(np.uint8), plan.chunk_bytes)
                 plan = self._complete(plan)

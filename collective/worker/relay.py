@@ -4,7 +4,10 @@ For the tree and chain topologies each worker runs a small gRPC server speaking 
 Collective service, of which only the data stream (``Fetch`` and its raw-frame form ``FetchRaw``)
 is answered, and its raw TCP data port (`collective.transport.rawtcp`). The stream it serves is cut from its
 own arena by the same ``Chunker`` as the chief's, each chunk released as soon as its bytes have
-arrived here (``progress``), so a chain pipelines: every link carries the model once.
+arrived here and matched the plan's digest (``progress``), in whatever order they land, so a
+chain or a double tree pipelines: every link carries the model about once. A child may ask for
+a selection of the chunks (``WorkerRef.chunk_stride``): a double tree's child takes each tree's
+half from that tree's parent.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 from collective._proto import collective_pb2 as pb
 from collective.errors import AbortedError, DeadlineError, PreconditionError, UnimplementedError
 from collective.logs import printable
-from collective.plan import Chunker, with_bytes
+from collective.plan import Chunker, Select, with_bytes
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +60,25 @@ class RelayHandler:
         self._plan: pb.Plan | None = None
         self._arena: np.ndarray | None = None
         self._known: list[str] | None = None
-        self._available = 0
+        self._landed = lambda i: False
         self._failed: str | None = None
         self._stall = stall_timeout
 
-    def feed(self, plan: pb.Plan, arena: np.ndarray, known: list[str] | None = None) -> None:
+    def feed(self, plan: pb.Plan, arena: np.ndarray, known: list[str] | None = None, landed=None) -> None:
         """Serve ``arena`` under ``plan``; ``known``: the chunk digests this worker verified so
-        far (its Receiver's, growing), the trailers sent while the plan's digests follow."""
+        far by index (its Receiver's ``verified``, growing), the trailers sent while the plan's
+        digests follow; ``landed(i)``: whether chunk i is here, verified (its Receiver's). Each
+        chunk goes out once it has landed, whatever the order the chunks land in (a double
+        tree's two streams); one that failed its check never lands, so it is never forwarded.
+        Without ``landed``: every chunk is here (an arena mapped whole)."""
         with self._cond:
             self._plan, self._arena, self._known = plan, arena, known
+            self._landed = landed or (lambda i: True)
             self._cond.notify_all()
 
-    def progress(self, nbytes: int) -> None:
+    def progress(self) -> None:
+        """A chunk landed: wake the streams waiting for it."""
         with self._cond:
-            self._available = nbytes
             self._cond.notify_all()
 
     def fail(self, reason: str) -> None:
@@ -88,8 +96,10 @@ class RelayHandler:
         return with_bytes(self.stream_views([ref]))
 
     def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
-        """Each chunk without its bytes and a view of them, released once they have landed."""
+        """Each chunk the child asked for (``WorkerRef.chunk_stride``) without its bytes and a
+        view of them, released once it has landed here."""
         [ref] = refs
+        select = Select.of(ref)
         with self._cond:
             self._wait(lambda: self._plan is not None, "waiting for the plan")
             plan, arena, known = self._plan, self._arena, self._known
@@ -97,13 +107,16 @@ class RelayHandler:
             # incarnation this plan has never seen.
             if not any(w.worker_id == ref.worker_id for w in plan.workers):
                 raise PreconditionError(f"worker {ref.worker_id!r} is not in this round's plan")
-        log.info("relaying to worker %s%s", printable(ref.worker_id),
-                 f" from byte {ref.resume_from}" if ref.resume_from else "")
-        def landed(end: int) -> None:
-            with self._cond:
-                self._wait(lambda: self._available >= end, f"relaying to {ref.worker_id}")
+        resumed = ref.resume_from > select.phase * plan.chunk_bytes  # past the selection's first chunk
+        log.info("relaying to worker %s%s%s", printable(ref.worker_id),
+                 f" from byte {ref.resume_from}" if resumed else "",
+                 f" chunks {select.phase} mod {select.stride}" if select.stride > 1 else "")
 
-        yield from Chunker(plan, arena, known).frames(ref.resume_from, landed)
+        def landed(i: int) -> None:
+            with self._cond:
+                self._wait(lambda: self._landed(i), f"relaying to {ref.worker_id}")
+
+        yield from Chunker(plan, arena, known).frames(ref.resume_from, landed, select)
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         log.info("relay stream to worker %s ended early: %s", printable(ref.worker_id), reason)
@@ -135,11 +148,11 @@ class Relay:
         self.port = self._endpoint.port
         self._started = time.monotonic()
 
-    def feed(self, plan: pb.Plan, arena: np.ndarray, known: list[str] | None = None) -> None:
-        self.handler.feed(plan, arena, known)
+    def feed(self, plan: pb.Plan, arena: np.ndarray, known: list[str] | None = None, landed=None) -> None:
+        self.handler.feed(plan, arena, known, landed)
 
-    def progress(self, nbytes: int) -> None:
-        self.handler.progress(nbytes)
+    def progress(self) -> None:
+        self.handler.progress()
 
     def stop(self, reason: str = "the round is over") -> None:
         self.handler.fail(reason)

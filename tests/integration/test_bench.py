@@ -55,7 +55,7 @@ def test_json_has_one_result_per_project_topology_with_the_asked_bytes_and_worke
     out = one_json_line(bench(*SMALL, "--json"))
     assert set(out) == {"results", "link_seconds"} and out["link_seconds"] is None
     # every topology launch offers; no peers unless asked
-    assert [e["name"] for e in out["results"]] == ["star", "tree", "chain"]
+    assert [e["name"] for e in out["results"]] == ["star", "tree", "chain", "dtree"]
     for entry in out["results"]:
         check_entry(entry, workers=2, size=MIB)
 
@@ -208,10 +208,10 @@ def test_the_model_spec_has_k_float32_variables_totalling_the_size(tmp_path):
 
 
 def test_candidates_are_every_topology_but_auto_or_those_asked_and_mpi():
-    assert candidates(["grpc", "mpi"], []) == [Candidate(n, "grpc", n) for n in ("star", "tree", "chain")] + [
+    assert candidates(["grpc", "mpi"], []) == [Candidate(n, "grpc", n) for n in ("star", "tree", "chain", "dtree")] + [
         Candidate("mpi", "mpi")]
     assert candidates(["grpc"], ["tree"]) == [Candidate("tree", "grpc", "tree")]
-    with pytest.raises(UsageError, match="use one of: auto, star, tree, chain"):
+    with pytest.raises(UsageError, match="use one of: auto, star, tree, chain, dtree"):
         candidates(["grpc"], ["ring"])
     with pytest.raises(UsageError, match="applies to the grpc transport"):
         candidates(["mpi"], ["tree"])

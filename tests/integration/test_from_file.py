@@ -203,15 +203,15 @@ _FORGING_RELAY = tampering_relay(forge_trailer=True)
 ASKING = "holds every byte, checked against the trailers; asking the chief for its digests"
 
 
-def _gated_chain(tmp_path: Path, cluster, liar: int | None):
-    """A chain of 3 network workers under a gated chief; the gate opens once every worker holds
-    every byte. Returns the chief, the workers and the checkpoint's tensors."""
+def _gated_chain(tmp_path: Path, cluster, liar: int | None, topology: str = "chain"):
+    """A chain (or ``topology``) of 3 network workers under a gated chief; the gate opens once
+    every worker holds every byte. Returns the chief, the workers and the checkpoint's tensors."""
     from tests.procs import wait_for
 
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, 2 << 20, 2, tensor_bytes=300_000)
     gate = tmp_path / "gate"
-    chief = cluster.chief("--workers", "3", "--model", str(ckpt), "--from-file", "--topology", "chain", "--no-shm",
+    chief = cluster.chief("--workers", "3", "--model", str(ckpt), "--from-file", "--topology", topology, "--no-shm",
                           "--chunk-bytes", "65536", *CHIEF, code=_GATED_CHIEF, env={"GATE": str(gate)})
     workers = []
     for i in range(3):
@@ -235,15 +235,18 @@ def test_the_plan_goes_out_before_the_files_are_read_and_workers_check_the_diges
         assert "the chief's digests came" in w.output()
 
 
-def test_a_relay_that_forges_trailers_is_named_once_the_chiefs_digests_come(tmp_path, cluster):
-    chief, workers, _ = _gated_chain(tmp_path, cluster, liar=1)
+# chain: rank 1 relays to rank 2; a double tree of 3: rank 0 relays tree B's chunks to rank 1.
+@pytest.mark.parametrize(("topology", "liar", "via", "victim"), [("chain", 1, "", 2), ("dtree", 0, ", tree B", 1)])
+def test_a_relay_that_forges_trailers_is_named_once_the_chiefs_digests_come(tmp_path, cluster, topology, liar, via,
+                                                                            victim):
+    chief, workers, _ = _gated_chain(tmp_path, cluster, liar=liar, topology=topology)
     assert chief.wait(60) != 0
     aborted = error_line(chief.output(), "round aborted:")
-    assert "worker w2 (rank 2" in aborted and "differs from the chief's" in aborted, aborted
-    assert ("the bytes came from relay worker w1 (rank 1): its trailers agree with those bytes, "
+    assert f"worker w{victim} (rank {victim}" in aborted and "differs from the chief's" in aborted, aborted
+    assert (f"the bytes came from relay worker w{liar} (rank {liar}{via}): its trailers agree with those bytes, "
             "the chief's digests do not") in aborted, aborted
     result = json.loads((tmp_path / "result.json").read_text())
-    assert (result["culprit"], result["error_phase"]) == ("w1", "receive"), result
+    assert (result["culprit"], result["error_phase"]) == (f"w{liar}", "receive"), result
     for w in workers:
         assert w.wait(30) != 0
         assert "training started" not in w.output()

@@ -274,7 +274,7 @@ def test_sigterm_mid_broadcast_tells_everyone_and_releases_the_port(cluster):
         s.bind((host, int(port)))  # the chief released its port
 
 
-@pytest.mark.parametrize("topology", ["chain", "tree"])
+@pytest.mark.parametrize("topology", ["chain", "tree", "dtree"])
 def test_relay_topologies_deliver_bit_exact_replicas(cluster, topology):
     chief = cluster.chief("--workers", "3", "--topology", topology, "--no-shm", "--chunk-bytes", "65536",
                           *HB)
@@ -283,18 +283,25 @@ def test_relay_topologies_deliver_bit_exact_replicas(cluster, topology):
         assert w.wait(60) == 0, w.output()
     assert chief.wait(30) == 0, chief.output()
     assert f"topology {topology}" in chief.output()
-    # chain: rank 1 receives from rank 0; tree (binomial): rank 1 from the chief, rank 2 from rank 0
-    child = {"chain": "w1", "tree": "w2"}[topology]
+    # chain: rank 1 receives from rank 0; tree (binomial): rank 1 from the chief, rank 2 from rank 0;
+    # dtree (topology.dtree_parents(3)): tree A 1 <- chief, 0 and 2 <- 1; tree B 2 <- chief, 0 <- 2, 1 <- 0
+    child = {"chain": "w1", "tree": "w2", "dtree": "w1 chunks 1 mod 2"}[topology]
     assert f"relaying to worker {child}" in workers[0].output()
+    if topology == "dtree":
+        assert "relaying to worker w0 chunks 0 mod 2" in workers[1].output()
+        assert "relaying to worker w0 chunks 1 mod 2" in workers[2].output()
     assert len({w.output().rsplit("worker digest ", 1)[1].strip() for w in workers}) == 1
 
 
-def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
-    chief = cluster.chief("--workers", "3", "--topology", "chain", "--no-shm", "--model", "transformer-100m",
+@pytest.mark.parametrize(("topology", "relay_rank"), [("chain", 0), ("dtree", 1)])
+def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster, topology, relay_rank):
+    # chain: rank 0 relays to 1, 1 to 2; dtree of 3: rank 1 relays tree A to 0 and 2
+    chief = cluster.chief("--workers", "3", "--topology", topology, "--no-shm", "--model", "transformer-100m",
                           "--chunk-bytes", "65536", *HB)
-    relay = cluster.worker("relay", "--rank", "0", *HB, code=SLOW_RECEIVER)
-    downstream = [cluster.worker(f"d{i}", "--rank", str(i), *HB) for i in (1, 2)]
-    wait_for(relay, "relaying to worker d1")
+    relay = cluster.worker("relay", "--rank", str(relay_rank), *HB, code=SLOW_RECEIVER)
+    others = [r for r in range(3) if r != relay_rank]
+    downstream = [cluster.worker(f"d{i}", "--rank", str(i), *HB) for i in others]
+    wait_for(relay, f"relaying to worker d{others[0]}")
     relay.signal(signal.SIGKILL)
     assert chief.wait(30) != 0
     error = error_line(chief.output(), "round aborted:")
@@ -308,10 +315,13 @@ def test_a_relay_worker_killed_mid_broadcast_is_named_as_the_culprit(cluster):
 _LYING_RELAY = tampering_relay(forge_trailer=False)
 
 
-@pytest.mark.parametrize(("topology", "liar"), [("chain", 1), ("tree", 0)])
-def test_a_relay_that_forwards_corrupted_bytes_is_named_and_start_is_never_released(cluster, topology, liar):
-    # chain: rank 2 receives from rank 1; tree (binomial): rank 2 from rank 0. Before, the chief
-    # blamed the receiver alone ("worker w2 failed during receive: ... differ").
+@pytest.mark.parametrize(("topology", "liar", "via", "victim"),
+                         [("chain", 1, "", 2), ("tree", 0, "", 2), ("dtree", 0, ", tree B", 1)])
+def test_a_relay_that_forwards_corrupted_bytes_is_named_and_start_is_never_released(cluster, topology, liar, via,
+                                                                                    victim):
+    # chain: rank 2 receives from rank 1; tree (binomial): rank 2 from rank 0; dtree: rank 1
+    # receives tree B's chunks from rank 0, its only child (and tree A's from the chief). Before,
+    # the chief blamed the receiver alone ("worker w2 failed during receive: ... differ").
 
     chief = cluster.chief("--workers", "3", "--topology", topology, "--no-shm", "--chunk-bytes", "65536",
                           *HB)
@@ -320,8 +330,8 @@ def test_a_relay_that_forwards_corrupted_bytes_is_named_and_start_is_never_relea
         workers.append(cluster.worker(f"w{i}", "--rank", str(i), *HB, code=_LYING_RELAY if i == liar else None))
     assert chief.wait(60) != 0
     aborted = error_line(chief.output(), "round aborted:")
-    assert "worker w2 (rank 2" in aborted and "differ from the chief's" in aborted, aborted
-    assert f"the bytes came from relay worker w{liar} (rank {liar}): its relay or the link from it changed them" in aborted
+    assert f"worker w{victim} (rank {victim}" in aborted and "differ from the chief's" in aborted, aborted
+    assert f"the bytes came from relay worker w{liar} (rank {liar}{via}): its relay or the link from it changed them" in aborted
     # The culprit is the relay, not the worker that found the bad bytes.
     result = json.loads((cluster.tmp / "result.json").read_text())
     assert (result["culprit"], result["error_phase"]) == (f"w{liar}", "receive"), result

@@ -100,21 +100,25 @@ def test_doctor_checks_a_mutual_tls_chief_with_the_workers_certificates(cluster,
     assert not ok and {c.name: c for c in checks}["grpc health"].ok is False
 
 
-CHAIN = ["--workers", "3", "--topology", "chain", "--no-shm", "--chunk-bytes", "65536", "--join-timeout", "60"]
+CHAIN = ["--workers", "3", "--no-shm", "--chunk-bytes", "65536", "--join-timeout", "60"]
+# Who relays to whom (ranks): a chain 0 -> 1 -> 2; a double tree of 3 (topology.dtree_parents):
+# tree A 1 -> 0 and 2, tree B 2 -> 0 -> 1.
+RELAYS = {"chain": [(0, 1), (1, 2)], "dtree": [(1, 0), (1, 2), (0, 1), (2, 0)]}
 
 
-def _chain_round(cluster, chief_args, worker_args):
-    """A chain of three workers over the network: rank 0 from the chief, 1 from 0's relay, 2 from 1's."""
-    chief = cluster.chief(*CHAIN, *chief_args)
+def _chain_round(cluster, chief_args, worker_args, topology="chain"):
+    """Three workers over the network through relays: a chain (rank 0 from the chief, 1 from 0's
+    relay, 2 from 1's) or a double tree."""
+    chief = cluster.chief(*CHAIN, "--topology", topology, *chief_args)
     ids = ["worker-1", "worker-2", "worker-3"]
     workers = [cluster.worker(w, "--rank", str(i), "--no-shm", *worker_args(w))
                for i, w in enumerate(ids)]
     for w in workers:
         assert w.wait(90) == 0, w.output()
     assert chief.wait(30) == 0, chief.output()
-    assert "topology chain" in chief.output()
-    for parent, child in zip(workers[:-1], ids[1:], strict=True):  # every hop but the first went through a relay
-        assert f"relaying to worker {child}" in parent.output(), parent.output()
+    assert f"topology {topology}" in chief.output()
+    for parent, child in RELAYS[topology]:  # every hop but the first went through a relay
+        assert f"relaying to worker {ids[child]}" in workers[parent].output(), workers[parent].output()
     assert len({w.output().rsplit("worker digest ", 1)[1].strip() for w in workers}) == 1
 
 
@@ -126,10 +130,11 @@ def test_server_only_tls_runs_a_chain_through_the_relays(cluster, certs):
                  lambda w: ["--tls-ca", str(good / "ca.pem")])
 
 
-def test_mutual_tls_runs_a_chain_through_the_relays(cluster, certs):
+@pytest.mark.parametrize("topology", ["chain", "dtree"])
+def test_mutual_tls_runs_a_chain_through_the_relays(cluster, certs, topology):
     """Relays serve their worker certificate and are dialled by IP: verified against the name
     the plan gives them (their worker id), not the address."""
     good, _ = certs
     _chain_round(cluster, ["--tls-cert", str(good / "chief.pem"), "--tls-key", str(good / "chief.key"),
                            "--tls-ca", str(good / "ca.pem")],
-                 lambda w: worker_tls(good, w))
+                 lambda w: worker_tls(good, w), topology)

@@ -49,11 +49,11 @@ def _counter(net: Topology, host: str, which: str) -> int:
 
 
 def _round(tmp_path, hosts: list[str], workers_per_host: int, *, worker_options: dict[str, list[str]] | None = None,
-           shape: dict[str, dict] | None = None, flood: str | None = None):
+           shape: dict[str, dict] | None = None, flood: str | None = None, topology: str = "auto"):
     """Chief on host ``chief``; ``workers_per_host`` workers on each of ``hosts``, ranks dealt
     round-robin over the hosts (so rank order alone would cross a host boundary at every hop);
     ``shape`` maps a host to ``Topology.shape``'s arguments for its link; a bulk flow from the
-    chief's host keeps the link into host ``flood`` full for the whole round.
+    chief's host keeps the link into host ``flood`` full for the whole round; ``topology``: the chief's.
     Returns the result file, every process's output and each host's rx/tx bytes in the round."""
     spec = write_spec(tmp_path / "model.yaml", SIZE, 16)
     result_file = tmp_path / "result.json"
@@ -71,7 +71,8 @@ def _round(tmp_path, hosts: list[str], workers_per_host: int, *, worker_options:
         before = {h: (_counter(net, h, "rx_bytes"), _counter(net, h, "tx_bytes")) for h in ["chief", *hosts]}
         chief = net.run("chief", ["python", "-m", "collective.chief", "--workers", str(n), "--model", str(spec),
                                   "--bind", "0.0.0.0:50051", "--result-file", str(result_file),
-                                  "--ready-timeout", "60", "--join-timeout", "60"], env=env, name="chief")
+                                  "--ready-timeout", "60", "--join-timeout", "60", "--topology", topology],
+                        env=env, name="chief")
         chief.wait_for("serving on", 60)
         procs = []
         for rank in range(n):
@@ -90,10 +91,14 @@ def _round(tmp_path, hosts: list[str], workers_per_host: int, *, worker_options:
     return result, outputs, moved
 
 
+# auto: a chain between the three hosts' leaders; dtree: both trees over them, each leader
+# receiving half the chunks from each of its two parents (still the model once per host link).
+@pytest.mark.parametrize(("topology", "laid_out"), [("auto", "chain"), ("dtree", "dtree")])
 def test_each_host_receives_the_model_once_and_its_other_workers_map_the_receivers_arena(tmp_path, namespaces,
-                                                                                       report_figure):
+                                                                                       report_figure, topology,
+                                                                                       laid_out):
     hosts = ["host-a", "host-b", "host-c"]
-    result, outputs, moved = _round(tmp_path, hosts, 3)
+    result, outputs, moved = _round(tmp_path, hosts, 3, topology=topology)
     size = result["bytes"]
     # Bit-identical everywhere: one worker digest, reported by all nine workers.
     digests = {w["digest"] for w in result["workers"]}
@@ -107,11 +112,11 @@ def test_each_host_receives_the_model_once_and_its_other_workers_map_the_receive
         via_shm = [name for name, out in here.items() if "through shared memory" in out]
         assert len(via_net) == 1 and len(via_shm) == 2, {n: re.findall(r"(?:received|mapped) \d+ bytes through [a-z ]+", o)
                                                          for n, o in here.items()}
-    # The chief's link carries it once too: the hosts form a chain, not a star.
+    # The chief's link carries it once too: the hosts form a chain (or a double tree), not a star.
     assert moved["chief"][1] <= 1.10 * size, moved["chief"]
-    assert re.search(r"topology chain over 3 network receiver\(s\); workers on 3 host\(s\)", outputs["chief"]), outputs["chief"]
+    assert re.search(rf"topology {laid_out} over 3 network receiver\(s\); workers on 3 host\(s\)", outputs["chief"]), outputs["chief"]
     report_figure(
-        f"host topology: 9 workers on 3 hosts, {size} bytes; bytes received per host link: "
+        f"host topology ({laid_out}): 9 workers on 3 hosts, {size} bytes; bytes received per host link: "
         + ", ".join(f"{h} {moved[h][0]} ({moved[h][0] / size:.3f}x)" for h in hosts)
         + f"; chief sent {moved['chief'][1]} ({moved['chief'][1] / size:.3f}x)"
     )

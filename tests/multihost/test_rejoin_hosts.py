@@ -1,6 +1,6 @@
 """A worker killed mid-broadcast (kill -9 by pid) and restarted with the same worker id rejoins
 on emulated hosts, and the others go on: the round completes, every digest is the chief's, no
-other worker process restarted, in a chain and in a tree. The links are shaped so the broadcast
+other worker process restarted, in a chain, a tree and a double tree. The links are shaped so the broadcast
 takes seconds; the victim's own interface counter says when half the model has reached it.
 
 Prints the detection time (kill -> the chief's "was lost" line) and the healing time (restart
@@ -27,8 +27,10 @@ SIZE = 256 << 20
 WORKERS = 4
 RATE = "200mbit"  # about 11 s for 256 MiB per link
 HB = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "10"]
-# chain: 0 <- chief, 1 <- 0, 2 <- 1, 3 <- 2; tree (binomial): 0, 1, 3 <- chief, 2 <- 0.
-CASES = {"chain": (1, [2]), "tree": (0, [2])}
+# chain: 0 <- chief, 1 <- 0, 2 <- 1, 3 <- 2; tree (binomial): 0, 1, 3 <- chief, 2 <- 0; dtree
+# (topology.dtree_parents(4)): tree A 0 <- chief, 2 <- 0, 1 and 3 <- 2; tree B 3 <- chief,
+# 1 <- 3, 0 and 2 <- 1 (rank 2 is interior in tree A only, its children resume tree A's half).
+CASES = {"chain": (1, [2]), "tree": (0, [2]), "dtree": (2, [1, 3])}
 
 
 def _stamp(line: str) -> float:

@@ -963,10 +963,10 @@ def test_a_relays_chunker_sends_the_digests_it_verified_once_the_bytes_landed(fo
     known, landed = ["k0", "k1"], []
     frames = Chunker(provisional, arena, known).frames(0, landed.append)
     got = [(m.offset, m.digest) for m, _ in frames]
-    # The two known digests are sent as they are; the rest are hashed, each after landed(end).
+    # The two known digests are sent as they are; the rest are hashed, each after landed(its index).
     assert got == [(0, "k0"), (128, "k1"), (256, complete.chunk_digests[2]), (384, complete.chunk_digests[3]),
                    (392, "")]
-    assert landed == [128, 256, 384, 392, 392]
+    assert landed == [0, 1, 2, 3]
 
 
 def test_under_a_provisional_plan_a_chunk_without_its_trailer_is_refused(follow):

@@ -17,6 +17,7 @@ from collective.chief.rejoin import nearest_live
 from collective.chief.service import Phase
 from collective.chief.supervise import CAUSE_GRACE
 from collective.errors import AbortedError, AlreadyExistsError, PreconditionError
+from collective.plan import parent_in, trees_of
 from collective.transport.inmemory import InMemoryEndpoint, InMemoryLink
 from collective.worker.agent import WorkerAgent
 from collective.worker.relay import RelayHandler
@@ -40,30 +41,47 @@ class MemoryRelay:
         self.endpoint = InMemoryEndpoint(f"relay-{port}")
         self.endpoint.start(self.handler)
 
-    def feed(self, plan, arena, known=None) -> None:
-        self.handler.feed(plan, arena, known)
+    def feed(self, plan, arena, known=None, landed=None) -> None:
+        self.handler.feed(plan, arena, known, landed)
 
-    def progress(self, nbytes: int) -> None:
-        self.handler.progress(nbytes)
+    def progress(self) -> None:
+        self.handler.progress()
 
     def stop(self, reason: str = "the round is over") -> None:
         self.handler.fail(reason)
 
 
+class Death:
+    """One agent's death, shared by its links: the first link to reach its chunk dies (once the
+    test has seen ``died`` and cleared it), the agent's others (a double tree's second stream)
+    with it."""
+
+    def __init__(self, died: threading.Event) -> None:
+        self.died, self.killed, self._lock, self._claimed = died, threading.Event(), threading.Lock(), False
+
+    def now(self) -> None:
+        with self._lock:
+            first, self._claimed = not self._claimed, True
+        if first:
+            self.died.set()
+            wait_until(lambda: not self.died.is_set())
+            self.killed.set()
+        wait_until(self.killed.is_set)
+        raise Killed
+
+
 class Dying(InMemoryLink):
     """A link (to the chief or a relay) that delivers ``after`` chunks, then kills its agent
-    once ``died`` has been set and cleared (the test saw its children take some of them)."""
+    (``Death``) once the test saw its children take some of them."""
 
-    def __init__(self, endpoint: InMemoryEndpoint, after: int, died: threading.Event) -> None:
+    def __init__(self, endpoint: InMemoryEndpoint, after: int, death: Death) -> None:
         super().__init__(endpoint, peer=PEER)
-        self._after, self._died = after, died
+        self._after, self._death = after, death
 
     def receive_into(self, ref, receiver, stall_timeout: float) -> None:
         for i, chunk in enumerate(self.fetch(ref, stall_timeout)):
-            if i == self._after:
-                self._died.set()
-                wait_until(lambda: not self._died.is_set())
-                raise Killed
+            if i == self._after or self._death.killed.is_set():
+                self._death.now()
             receiver.accept(chunk)
 
 
@@ -81,8 +99,10 @@ class Cluster:
         relay = MemoryRelay(41000 + len(self.relays))
         self.relays[f"127.0.0.1:{relay.port}"] = relay
 
+        death = Death(died) if died is not None else None
+
         def link(endpoint):
-            return InMemoryLink(endpoint, peer=PEER) if dies_after is None else Dying(endpoint, dies_after, died)
+            return InMemoryLink(endpoint, peer=PEER) if death is None else Dying(endpoint, dies_after, death)
 
         def connect(parent, name):
             return link(self.relays[parent.relay_address].endpoint)
@@ -124,13 +144,19 @@ def join_all(threads, timeout: float = 120.0) -> None:
 @pytest.mark.parametrize(("topology", "workers", "victim", "orphans"), [
     ("chain", 3, 1, [2]),  # 0 <- chief, 1 <- 0, 2 <- 1
     ("tree", 6, 0, [2, 4]),  # binomial: 2 and 4 receive from 0, 5 from 1
+    # double tree A: 0 <- chief, 4 <- 0, 2 <- 4, 5 <- 4, 1 <- 2, 3 <- 2; B: 5 <- chief, 1 <- 5,
+    # 3 <- 1, 0 <- 1, 2 <- 3, 4 <- 3 (topology.dtree_parents(6))
+    ("dtree", 6, 2, [1, 3]),  # 2 is interior in tree A only
+    ("dtree", 6, 1, [0, 3]),  # 1 is interior in tree B only
 ])
 def test_a_worker_killed_mid_stream_rejoins_its_children_resume_and_the_round_completes(
         topology, workers, victim, orphans, caplog):
     caplog.set_level(logging.INFO)
     c = Cluster(workers, topology)
     died = threading.Event()
-    agents = [c.agent(f"w{r}", r, **({"dies_after": 8, "died": died} if r == victim else {})) for r in range(workers)]
+    # Half of the stream; a double tree's victim has two streams of half each: half of one.
+    after = 4 if topology == "dtree" else 8
+    agents = [c.agent(f"w{r}", r, **({"dies_after": after, "died": died} if r == victim else {})) for r in range(workers)]
     results, threads = run_in_threads([a.run for a in agents] + [c.service.supervise])
     assert died.wait(60), "the victim never reached half of the stream"
     wait_until(lambda: all(agents[r].bytes_received > 0 for r in orphans))  # they hold part of the stream
@@ -158,10 +184,16 @@ def test_a_worker_killed_mid_stream_rejoins_its_children_resume_and_the_round_co
     assert by_rank[victim]["incarnation"] == reborn.incarnation
     assert all(by_rank[r]["incarnation"] == agents[r].incarnation for r in range(workers) if r != victim)
     # The orphans moved to the victim's nearest live ancestor and resumed where they stood.
-    parent = nearest_live({w.rank: w.parent for w in done[0].plan.workers}, {victim}, victim)
-    plan = c.service._plan
-    for r in orphans:
-        assert next(w for w in plan.workers if w.rank == r).parent == parent
+    # In a double tree, in the tree where the victim was their parent.
+    first, plan = done[0].plan, c.service._plan
+    for tree in range(trees_of(first)):
+        ancestors = {w.rank: parent_in(w, tree) for w in first.workers}
+        parent = nearest_live(ancestors, {victim}, victim)
+        for r in orphans:
+            if ancestors[r] == victim:
+                assert parent_in(next(w for w in plan.workers if w.rank == r), tree) == parent
+    assert {r for r in range(workers) for t in range(trees_of(first))
+            if parent_in(next(w for w in first.workers if w.rank == r), t) == victim} == set(orphans)
     resumed = [rec.getMessage() for rec in caplog.records if "resuming the stream at byte" in rec.getMessage()]
     assert len(resumed) == len(orphans) and all(" at byte 0 " not in m for m in resumed), resumed
     assert "rejoined as incarnation" in caplog.text

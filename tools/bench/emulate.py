@@ -40,7 +40,7 @@ from typing import Protocol
 
 # The directory holding the collective, chief and worker packages: processes on emulated hosts
 # import them from here (PYTHONPATH), as the machine's own processes do.
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "10.77.0"  # only ever assigned inside namespaces this module creates
 NETNS_RUN = Path("/run/netns")
 ETC_NETNS = Path("/etc/netns")
