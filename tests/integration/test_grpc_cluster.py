@@ -301,4 +301,6 @@ def test_every_collective_rpc_refuses_a_wrong_token_before_any_state_changes(clu
             list(raw(ref, timeout=5, metadata=(("x-collective-token", "wrong"),)))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, "FetchRaw"
         status = stub.Status(pb.StatusRequest(), timeout=5, metadata=(("x-collective-token", "right"),))
-    assert status.joined == 0 and status.phase == "joining"
+    # Nothing changed: no one joined. (The chief binds before it loads its model, so on a busy
+    # machine it may still be loading.)
+    assert status.joined == 0 and status.phase in ("loading", "joining"), status
