@@ -28,6 +28,7 @@ from collective.model import Aggregation, Synchronization, VariableSpec, check_s
 from collective.stream import (  # noqa: F401  (re-exported: the package imports them from here)
     PAGE,
     Chunker,
+    Lockstep,
     Receiver,
     Select,
     culprit,
@@ -421,6 +422,18 @@ def parent_in(w: pb.WorkerInfo, tree: int) -> int:
     """Whom ``w`` receives tree ``tree``'s chunks from: ``parent_b`` for a double tree's second
     (when it has one: a worker mapping its host leader's arena has one parent), else ``parent``."""
     return w.parent_b if tree == 1 and w.HasField("parent_b") else w.parent
+
+
+def sibling_streams(plan: pb.Plan, ref: pb.WorkerRef) -> int:
+    """How many selected streams the sender of ``ref``'s stream serves under ``plan``
+    (``Lockstep``): a double tree's chief its two roots, a relay its children in its tree; 1
+    for a whole stream or a worker the plan does not name."""
+    select = Select.of(ref)
+    child = next((w for w in plan.workers if w.worker_id == ref.worker_id), None)
+    if select.stride <= 1 or child is None:
+        return 1
+    sender = parent_in(child, select.phase)
+    return sum(parent_in(w, t) == sender for w in plan.workers if w.HasField("parent_b") for t in (0, 1))
 
 
 def trees_of(plan: pb.Plan) -> int:

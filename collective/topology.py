@@ -62,11 +62,11 @@ ASSUMED_LINK_BPS = 25e9 / 8
 # 12 ms with other work on its 2 cores.
 HOP_SECONDS = 0.002
 # What ``auto`` multiplies a topology's prediction by, for what the model leaves out: the double
-# tree took 1.4x its prediction on emulated 200 Mbit/s hosts (BENCHMARKS.md: the medians at 4, 8
-# and 16 hosts on a quiet machine; not explained yet, perhaps the links' queues, every link
-# carrying the model both ways at once), so auto takes it only where it wins by that much (many
-# hosts, where the chain's hops and the tree's copies cost far more), and a chain below.
-UNMODELLED = {"dtree": 1.5}
+# tree's medians on emulated 200 Mbit/s hosts, once a sender kept its streams in step
+# (``stream.Lockstep``; 1.4x before), were 1.06-1.14x its prediction for 16 MiB at 4, 8 and 16
+# hosts and 1.03x for 64 MiB at 8 (BENCHMARKS.md, a loaded machine): about 0.1 s at the start,
+# the inner hops' streams starting behind the other tree's queue on a shared downlink.
+UNMODELLED = {"dtree": 1.15}
 # On the chief's own host (no shared network link), ``auto`` streams to at most this many
 # receivers straight from the chief, and builds a tree for more (bounding the chief's streams).
 SAME_HOST_STAR_MAX = 8

@@ -44,8 +44,10 @@ from collective.model import ModelSource
 from collective.plan import (
     MAX_CHUNK_BYTES,
     Chunker,
+    Lockstep,
     Select,
     complete_plan,
+    sibling_streams,
     with_bytes,
 )
 from collective.topology import Layout, arrange, choose, chunk_bytes_for
@@ -115,6 +117,7 @@ class ChiefService(Admission):
         self.materialize_seconds = time.monotonic() - t0
         # reentrant: fail() may run under it; a parking.Condition, so a server may park the calls that wait on it
         self._cond = parking.Condition(threading.RLock())
+        self._lockstep = Lockstep()
         self._arena.serve(self._shm_admit)
         self._members: dict[str, Member] = {}
         # Comparing a declaration takes time and memory in proportion to it (100,000 variables:
@@ -309,7 +312,9 @@ class ChiefService(Admission):
             select = Select.of(refs[0])  # one stream to many (MPI) is always the whole stream
             if any(Select.of(ref) != select for ref in refs):
                 raise PreconditionError("one stream to many workers must carry the same chunks to each")
-        for chunk, data in chunker.frames(min(ref.resume_from for ref in refs), select=select):
+        # A double tree's two root streams kept in step (``Lockstep``: they race for this link).
+        start = min(ref.resume_from for ref in refs)
+        for chunk, data in self._lockstep.frames(chunker, start, select, expected=sibling_streams(self._plan, refs[0])):
             if self._phase is Phase.FAILED:
                 with self._cond:
                     for m in members:

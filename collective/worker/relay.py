@@ -24,7 +24,7 @@ import numpy as np
 from collective._proto import collective_pb2 as pb
 from collective.errors import AbortedError, DeadlineError, PreconditionError, UnimplementedError
 from collective.logs import printable
-from collective.plan import Chunker, Select, with_bytes
+from collective.plan import Chunker, Lockstep, Select, sibling_streams, with_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class RelayHandler:
         self._landed = lambda i: False
         self._failed: str | None = None
         self._stall = stall_timeout
+        self._lockstep = Lockstep()
 
     def feed(self, plan: pb.Plan, arena: np.ndarray, known: list[str] | None = None, landed=None) -> None:
         """Serve ``arena`` under ``plan``; ``known``: the chunk digests this worker verified so
@@ -116,7 +117,9 @@ class RelayHandler:
             with self._cond:
                 self._wait(lambda: self._landed(i), f"relaying to {ref.worker_id}")
 
-        yield from Chunker(plan, arena, known).frames(ref.resume_from, landed, select)
+        # A double tree's relay with two children keeps their streams in step (``Lockstep``).
+        chunker = Chunker(plan, arena, known)
+        yield from self._lockstep.frames(chunker, ref.resume_from, select, landed, sibling_streams(plan, ref))
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         log.info("relay stream to worker %s ended early: %s", printable(ref.worker_id), reason)

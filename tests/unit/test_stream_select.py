@@ -4,12 +4,15 @@ stream (``Receiver(span=, base=)``, ``Chunker.frames(stop=)``: a snapshot fetch'
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from collective._proto import collective_pb2 as pb
 from collective.errors import IntegrityError, ProtocolError
-from collective.plan import Chunker, Receiver, Select, with_bytes
+from collective.plan import Chunker, Lockstep, Receiver, Select, sibling_streams, with_bytes
+from collective.topology import dtree_parents
 from tests.unit.test_plan import make_plan, worker_arena
 
 ARRAYS = {"w": np.arange(40_000, dtype=np.uint8), "b": np.arange(100, dtype=np.float32)}  # 10 chunks of 4 KiB
@@ -129,3 +132,69 @@ def test_a_stripes_part_whose_stream_stops_short_names_the_missing_chunk():
     with pytest.raises(IntegrityError, match=f"stream ended early: {5 * size} of {6 * size} bytes"):
         r.finish()
     assert r.verified_to == 5 * size  # chunks 2, 3, 4 from the start; 5 never came
+
+
+# --- Lockstep: a sender's selected streams kept in step (they race for one link) ----------------
+
+def _paced(step: Lockstep, plan, arena, select: Select, expected: int = 2):
+    return Lockstep.frames(step, Chunker(plan, arena), 0, select, expected=expected)
+
+
+def _pull(gen, got: list, chunk_bytes: int) -> threading.Thread:
+    """Take every message from ``gen`` in a thread (a transport sending them), each chunk's
+    index into ``got``; started, a daemon: the test joins it with a deadline."""
+    def run() -> None:
+        got.extend(msg.offset // chunk_bytes for msg, _ in gen if not msg.HasField("end"))
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_selected_stream_waits_for_its_sibling_before_its_first_chunk_then_both_run_to_the_end():
+    plan, arena, _, _ = make_plan(ARRAYS)
+    step = Lockstep(hold=30.0)  # far beyond the test: only the sibling can release it
+    a, b = [], []
+    ta = _pull(_paced(step, plan, arena, Select(2, 0)), a, plan.chunk_bytes)
+    ta.join(0.3)
+    assert a == []  # its sibling has not asked yet
+    tb = _pull(_paced(step, plan, arena, Select(2, 1)), b, plan.chunk_bytes)
+    for t in (ta, tb):
+        t.join(10)
+        assert not t.is_alive()
+    assert a == list(range(0, 10, 2)) and b == list(range(1, 10, 2))
+
+
+def test_a_stream_runs_ahead_of_a_stuck_sibling_by_lead_chunks_only_then_for_hold_seconds_at_most():
+    plan, arena, _, _ = make_plan(ARRAYS)
+    step = Lockstep(lead=2, hold=1.0)
+    a = []
+    ta = _pull(_paced(step, plan, arena, Select(2, 0)), a, plan.chunk_bytes)
+    stuck = _paced(step, plan, arena, Select(2, 1))
+    next(stuck)  # chunk 1 taken; the transport never hands it over (a link held by the other stream)
+    ta.join(0.3)
+    assert a == [0, 2]  # chunk 4 waits for chunk 1 to be handed over
+    ta.join(15)  # the sibling has not moved for hold seconds: not waited for any more
+    assert not ta.is_alive() and a == list(range(0, 10, 2))
+    stuck.close()  # a stream that ends leaves: nobody waits for it
+
+
+def test_a_whole_stream_and_a_sender_with_one_selected_stream_never_wait():
+    plan, arena, _, _ = make_plan(ARRAYS)
+    step = Lockstep(hold=30.0)
+    assert len(list(_paced(step, plan, arena, Select()))) == 11
+    assert len(list(_paced(step, plan, arena, Select(2, 0), expected=1))) == 6
+
+
+def test_sibling_streams_counts_a_double_tree_senders_streams():
+    a, b = dtree_parents(6)
+    plan = pb.Plan(workers=[pb.WorkerInfo(worker_id=f"w{r}", rank=r, parent=a[r], parent_b=b[r]) for r in range(6)])
+
+    def ask(r: int, tree: int) -> pb.WorkerRef:
+        return Select(2, tree).ask(pb.WorkerRef(worker_id=f"w{r}"))
+    for r in range(6):
+        for tree, parents in enumerate((a, b)):  # a sender's streams: its children in both trees
+            assert sibling_streams(plan, ask(r, tree)) == a.count(parents[r]) + b.count(parents[r]) <= 2
+    root_a = a.index(-1)
+    assert sibling_streams(plan, ask(root_a, 0)) == 2  # the chief: one root in each tree
+    assert sibling_streams(plan, pb.WorkerRef(worker_id="w0")) == 1  # the whole stream
+    assert sibling_streams(plan, pb.WorkerRef(worker_id="nobody", chunk_stride=2)) == 1  # not in the plan
