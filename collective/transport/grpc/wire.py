@@ -37,6 +37,14 @@ SERVER_OPTIONS = _MESSAGE_OPTIONS + [
     # A connection that has not sent its HTTP/2 preface and settings within this is closed
     # (gRPC's default: 120 s): idle strangers must not hold the server's descriptors for long.
     ("grpc.server_handshake_timeout_ms", 20_000),
+    # Calls gRPC has accepted but the asyncio server has not yet picked up (it takes them one
+    # at a time on its loop). Past gRPC's defaults (1,000, and 3,000 at most) it drops new calls
+    # at random, and the client sees CANCELLED (details "CANCELLED", nothing else): with 1,024 workers each holding
+    # its plan, presence and heartbeat calls while the chief's loop was busy with the join
+    # storm, a worker's GetPlan or AwaitPrepared was dropped so, and the round failed. Room for
+    # 16 calls a worker at 1,024 workers; still a bound on what strangers can queue.
+    ("grpc.server.max_pending_requests", 16_384),
+    ("grpc.server.max_pending_requests_hard_limit", 32_768),
 ]
 
 # The error table is errors.py's: each class's ``code`` is its status code on the wire, and its
