@@ -210,10 +210,14 @@ class Servicer:
                 self._plan_bytes = (plan, plan.SerializeToString())
             return self._plan_bytes[1]
 
-    async def AwaitPrepared(self, request, context):  # noqa: N802
+    async def _parked_answer(self, context, method: str, fn, request, what: str):
+        """A call that waits for the round (AwaitPrepared, AwaitStart): the caller's identity
+        checked, then ``fn`` parked until it answers; a call cut off meanwhile is reported lost."""
         await self._identity(context, request.worker_id)
-        return await self._answer(context, "AwaitPrepared", self._parked(context, self._h.await_prepared, request),
-                                  request, "prepared")
+        return await self._answer(context, method, self._parked(context, fn, request), request, what)
+
+    async def AwaitPrepared(self, request, context):  # noqa: N802
+        return await self._parked_answer(context, "AwaitPrepared", self._h.await_prepared, request, "prepared")
 
     async def FetchRaw(self, request, context):  # noqa: N802
         """Fetch as raw frames (see ``frame``): the chunk's bytes are copied once, into the frame."""
@@ -257,9 +261,7 @@ class Servicer:
         return await self._run(self._h.report_ready, request)
 
     async def AwaitStart(self, request, context):  # noqa: N802
-        await self._identity(context, request.worker_id)
-        return await self._answer(context, "AwaitStart", self._parked(context, self._h.await_start, request),
-                                  request, "start")
+        return await self._parked_answer(context, "AwaitStart", self._h.await_start, request, "start")
 
     async def Heartbeat(self, request, context):  # noqa: N802
         await self._identity(context, request.worker_id)
