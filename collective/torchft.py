@@ -149,7 +149,7 @@ class Transport(CheckpointTransport[dict]):
         deadline = time.monotonic() + seconds
         while True:
             try:
-                # The fetch's arena is populated in 4 KiB pages (fetcher.receive_arena): no
+                # The fetch's arena is populated in 4 KiB pages (stream.new_arena): no
                 # huge-page compaction stall before the first byte.
                 state = collective.fetch(sources, step=step, token=self._token,
                                          timeout=max(deadline - time.monotonic(), 0.1),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import mmap
 import os
 import threading
 import time
@@ -414,23 +413,6 @@ def _attach(ready: list[_Holder], plan: pb.Plan, ident: str) -> np.ndarray | Non
     return None
 
 
-def receive_arena(nbytes: int) -> np.ndarray:
-    """A fetch's receive arena: anonymous memory in 4 KiB pages, populated by the kernel at once.
-
-    The broadcast's ``new_arena`` (numpy's ``empty``, then one write per page) asks for huge
-    pages and faults the pages in one by one: on a 2-core VM 0.35-0.4 s per 512 MiB before the
-    first byte, up to 2.7 s per GiB where the kernel had to compact memory for huge pages.
-    ``MAP_POPULATE`` fills the page table in one call (0.17-0.22 s per 512 MiB). Faulting the
-    pages in lazily, as the socket writes them, measured slower still end to end (a 512 MiB
-    fetch from one holder: 0.66-0.76 s lazy, 0.41-0.44 s populated, 0.30-0.56 s with
-    ``new_arena``, the spread being whether huge pages were at hand); so was populating in a
-    thread ahead of the stream (0.55-0.61 s)."""
-    if nbytes <= 0:
-        return np.empty(0, dtype=np.uint8)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=np.uint8)
-
-
 def _views(plan: pb.Plan, arena: np.ndarray) -> dict[str, np.ndarray]:
     """Every variable as a view of the received arena (zero copy)."""
     return {v.name: arena[v.offset : v.offset + v.nbytes].view(dtypes.from_wire(v.dtype)).reshape(tuple(v.shape))
@@ -498,7 +480,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
             if scatter is not None:
                 scatter(mapped, 0, 0, plan.total_bytes)
         else:
-            arena = receive_arena(plan.total_bytes) if scatter is None else None
+            arena = new_arena(plan.total_bytes) if scatter is None else None
             _Striper(plan, ready, arena, scatter, stall_timeout, ident).run(deadline, timeout)
         arrays = _views(plan, arena) if scatter is None else scatter.arrays()
         sender = ", ".join(h.name() for h in ready)

@@ -1006,3 +1006,21 @@ def test_a_receiver_with_the_complete_plan_takes_the_stream_of_a_provisional_sen
     provisional plan: the trailers are the same digests; the end carries no manifest."""
     provisional, complete, arena = follow
     assert receive(complete, stream(provisional, arena)).tobytes() == arena.tobytes()
+
+
+def test_a_receive_arena_is_mapped_with_its_pages_populated(monkeypatch):
+    # One allocator for the broadcast's and the fetch's arenas: the kernel fills the page table
+    # in one call, so no page is faulted in between two chunks of a stream, and no huge-page
+    # compaction stalls the first byte.
+    import mmap
+
+    from collective.plan import new_arena
+
+    maps = []
+    real = mmap.mmap
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: maps.append(k.get("flags", 0)) or real(*a, **k))
+    arena = new_arena(3 << 20)
+    assert (arena.size, arena.dtype, arena.flags.writeable) == (3 << 20, np.uint8, True)
+    arena[:] = 7
+    assert maps and all(f & mmap.MAP_POPULATE for f in maps), maps
+    assert new_arena(0).size == 0
