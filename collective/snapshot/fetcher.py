@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import threading
@@ -33,7 +34,7 @@ from collective._proto import collective_pb2 as pb
 from collective.digest import bytes_digest, chunk_digests
 from collective.limits import MAX_HOLDER_NAME_CHARS, MAX_SNAPSHOT_PLAN_BYTES
 from collective.logs import printable
-from collective.plan import new_arena, validate_plan
+from collective.plan import align, new_arena, validate_plan
 from collective.sizes import format_bytes
 from collective.snapshot import tree
 from collective.snapshot.holder import HOLDER_SEP, MODEL_PREFIX, cluster_token
@@ -226,8 +227,11 @@ class _Striper:
         size, total = plan.chunk_bytes, plan.total_bytes
         chunks = -(-total // size)
         per = max(1, min(-(-chunks // (4 * len(holders))), max(1, STRIPE_BYTES // size)))
-        self.queue = collections.deque((i * size, min((i + per) * size, total)) for i in range(0, chunks, per))
-        self.stripe_bytes = per * size
+        self.queue = collections.deque(_stripes(plan, per, scatter is not None))
+        # With ``into``: the largest stripe that is not received in place, the size of each
+        # holder's buffer (a stripe given back is part of one, never larger).
+        self.mixed_bytes = max((b - a for a, b in self.queue if scatter is not None and scatter.target(a, b) is None),
+                               default=0)
         self.left = len(self.queue)
         self.cond = threading.Condition()
         self.failure: BaseException | None = None
@@ -288,9 +292,10 @@ class _Striper:
             return None
 
     def _take(self, h: _Holder) -> None:
-        # With ``into``, each holder's thread receives its stripes into one buffer of its own,
-        # made once (its pages faulted in once), and copies each out once verified.
-        own = new_arena(min(self.stripe_bytes, self.plan.total_bytes)) if self.arena is None else None
+        # With ``into``, a stripe that lies inside one tensor is received into it; each holder's
+        # thread receives the others into one buffer of its own, made once (its pages populated
+        # once), and copies each out once verified.
+        own = new_arena(self.mixed_bytes) if self.arena is None else None
         try:
             while (span := self._next()) is not None:
                 if not self._receive(h, span, own):
@@ -306,8 +311,10 @@ class _Striper:
     def _receive(self, h: _Holder, span: tuple[int, int], own: np.ndarray | None) -> bool:
         a, b = span
         total = self.plan.total_bytes
-        buf = self.arena if own is None else own[: b - a]
-        base = 0 if own is None else a
+        if self.arena is not None:
+            buf, base = self.arena, 0
+        else:
+            buf, base = self.scatter.target(a, b) or (own[: b - a], a)
         receiver = Receiver(self.plan, buf, span=span, base=base, table=self.table)
         ref = pb.WorkerRef(worker_id=self.ident, resume_from=a, stop_at=b if b < total else 0)
         try:
@@ -356,11 +363,33 @@ class _Striper:
             h.bytes += b - a
 
 
+def _stripes(plan: pb.Plan, per: int, inside: bool) -> list[tuple[int, int]]:
+    """The arena's chunks in stripes of at most ``per`` chunks.
+
+    ``inside`` (a fetch ``into`` arrays): a variable whose own chunks (those holding none of
+    another's bytes nor padding) make at least an eighth of a stripe is also cut at them, so
+    those stripes lie inside it and are received into its array in place. Smaller ones stay in
+    the stripes around them (copied out): many small variables do not make many small streams."""
+    size, total = plan.chunk_bytes, plan.total_bytes
+    chunks = -(-total // size)
+    cuts = set(range(0, chunks, per))
+    if inside:
+        least = max(1, per // 8)
+        for v in plan.variables:
+            end = v.offset + v.nbytes
+            first, last = -(-v.offset // size), (chunks if end == total else end // size)
+            if last - first >= least:
+                cuts.update((first, last))
+    edges = sorted(cuts - {chunks}) + [chunks]
+    return [(i * size, min(j * size, total)) for i, j in itertools.pairwise(edges)]
+
+
 class _Into:
-    """Where each variable's bytes go when the caller gave ``into`` arrays: those arrays, or one
-    of the fetch's own (the others, and the skeleton). Each stripe is received into a buffer of
-    its own and copied out once verified, so the fetch holds the state once plus a stripe per
-    holder."""
+    """Where each variable's bytes go when the caller gave ``into`` arrays: those arrays, or the
+    fetch's own (the others, and the skeleton: one populated arena). A stripe that lies inside
+    one variable is received straight into its array (``target``); any other stripe into a
+    buffer of its holder's and copied out once verified, so the fetch holds the state once plus
+    at most one such stripe per holder."""
 
     def __init__(self, plan: pb.Plan, into: Mapping[str, np.ndarray]) -> None:
         names = {v.name: v for v in plan.variables}
@@ -377,14 +406,30 @@ class _Into:
                 raise E.UsageError(f"into[{name!r}] must be a writable C-contiguous array")
             self.targets[name] = a
         self.plan = plan
-        self.flat = {v.name: (self.targets[v.name] if v.name in self.targets
-                              else np.empty(v.shape, dtypes.from_wire(v.dtype))).reshape(-1).view(np.uint8)
-                     for v in plan.variables}
+        self.flat = {name: a.reshape(-1).view(np.uint8) for name, a in self.targets.items()}
+        # The other variables in one arena of the fetch's own, populated before the stream (as a
+        # receive arena is), each aligned as in the plan's layout.
+        rest = [v for v in plan.variables if v.name not in self.targets]
+        own, pos = new_arena(sum(align(v.nbytes) for v in rest)), 0
+        for v in rest:
+            self.flat[v.name] = own[pos : pos + v.nbytes]
+            pos += align(v.nbytes)
+
+    def target(self, a: int, b: int) -> tuple[np.ndarray, int] | None:
+        """The array and the arena offset it starts at, when bytes ``a..b`` lie inside one
+        variable (no padding, no other variable): the stripe is received there, in place."""
+        inside = overlapping(self.plan, a, b)
+        if len(inside) != 1 or not inside[0].offset <= a < b <= inside[0].offset + inside[0].nbytes:
+            return None
+        return self.flat[inside[0].name], inside[0].offset
 
     def __call__(self, buf: np.ndarray, base: int, a: int, b: int) -> None:
         for v in overlapping(self.plan, a, b):
+            dst = self.flat[v.name]
+            if dst is buf:  # received in place (``target``)
+                continue
             lo, hi = max(a, v.offset), min(b, v.offset + v.nbytes)
-            self.flat[v.name][lo - v.offset : hi - v.offset] = buf[lo - base : hi - base]
+            dst[lo - v.offset : hi - v.offset] = buf[lo - base : hi - base]
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {v.name: self.targets.get(v.name, self.flat[v.name].view(dtypes.from_wire(v.dtype)).reshape(tuple(v.shape)))
@@ -434,9 +479,10 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     :param timeout: seconds for the whole fetch.
     :param stall_timeout: seconds a holder may send nothing before it counts as lost.
     :param into: name -> preallocated writable C-contiguous numpy array of that tensor's shape
-        and dtype: those tensors are received into them (each stripe lands in a buffer of its
-        own and is copied out once verified), so a recovering process need not hold the state
-        twice. The result's leaves are those very arrays.
+        and dtype: those tensors are received into them (a stripe inside one tensor in place,
+        checked as it lands; the rest in a buffer per holder, copied out once verified), so a
+        recovering process need not hold the state twice. The result's leaves are those very
+        arrays. A fetch that fails leaves them partly written.
     :param manifest: the manifest digest the state must have (from a source trusted more than
         the holders: what catches a holder that lies consistently in its own plan).
     :param max_bytes: the largest state accepted (default: this machine's memory); a plan that

@@ -200,6 +200,32 @@ def test_a_lying_holder_among_honest_ones_is_dropped_and_its_share_retaken(holde
     assert got.stats[liar]["bytes"] == 0 and got.stats[honest]["dropped"] is None
 
 
+def test_into_a_stripe_inside_one_tensor_lands_in_place_and_a_liars_is_retaken(holders, monkeypatch):
+    # A stripe that lies inside one tensor is received straight into the caller's array, not
+    # into a buffer then copied; a liar's bytes written there are overwritten by the honest
+    # holder's, and only the boundary chunks (another tensor's bytes, padding) are copied.
+    from collective.snapshot import fetcher
+
+    mib = ["--state", "big", "--mib", "16", "--chunk-bytes", str(1 << 20)]
+    liar, _, _ = holders(*mib, "--flip", "*")  # a changed byte in every MiB it serves
+    honest, published, _ = holders(*mib)
+    into = {f"block.{i}.weight": np.zeros((16 << 20) // 4 // 8, np.float32) for i in range(8)}
+    copied = []
+    real = fetcher._Into.__call__
+
+    def spy(self, buf, base, a, b):
+        copied.extend(v.nbytes and (min(b, v.offset + v.nbytes) - max(a, v.offset))
+                      for v in fetcher.overlapping(self.plan, a, b) if self.flat[v.name] is not buf and v.name in into)
+        return real(self, buf, base, a, b)
+
+    monkeypatch.setattr(fetcher._Into, "__call__", spy)
+    got = collective.fetch([liar, honest], step=8, token=TOKEN, timeout=60, into=into)
+    _same(got, published)
+    assert all(got[n] is into[n] for n in into)
+    assert "that differ from its own plan" in got.stats[liar]["dropped"]
+    assert sum(copied) < (16 << 20) // 2, f"{sum(copied)} of the tensors' bytes copied out of stripe buffers"
+
+
 def test_wrong_step_is_one_line(holders):
     address, _, _ = holders("--state", "nested", "--step", "7")
     with pytest.raises(collective.FetchError, match=rf"^holder h0 at {address} publishes step 7, not step 8$"):
