@@ -227,17 +227,10 @@ def test_the_last_json_object_is_found_even_with_a_log_line_glued_to_it():
 
 def test_without_the_checkouts_tools_collective_bench_says_where_it_lives(monkeypatch, capsys):
     # An installed package has no tools/bench: the command must say so, not crash on an import.
-    import logging
-
     from collective import cli
 
     monkeypatch.setattr(cli, "_bench_tools", lambda: None)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        code = cli.main(["bench", "--workers", "2"])
-    finally:
-        root.handlers[:], root.level = handlers, level
+    code = cli.main(["bench", "--workers", "2"])  # the root logger it configures: see conftest
     assert code == 2
     assert "collective bench runs from a source checkout (tools/bench is not installed)" in capsys.readouterr().err
 
