@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from collective import dtypes
 from collective._proto import collective_pb2 as pb
 from collective.digest import chunk_digests, worker_digest
 from collective.errors import CollectiveError, IntegrityError
@@ -52,6 +53,13 @@ class SyncResult:
         return {v.name: v.replicas[device] for v in self.variables}
 
 
+def variable_view(arena: np.ndarray, v: pb.VariableInfo, base: int = 0) -> np.ndarray:
+    """Variable ``v`` as an array over its bytes in ``arena`` (no copy): a received arena, a
+    replica's, or one that holds the plan's bytes from offset ``base`` on."""
+    lo = v.offset - base
+    return arena[lo : lo + v.nbytes].view(dtypes.from_wire(v.dtype)).reshape(tuple(v.shape))
+
+
 def make_replicas(plan: pb.Plan, arena: np.ndarray, devices: Sequence[str]) -> tuple[VariableStore, list[np.ndarray]]:
     """One replica of every variable per device, and the arenas that hold them.
 
@@ -66,10 +74,8 @@ def make_replicas(plan: pb.Plan, arena: np.ndarray, devices: Sequence[str]) -> t
 
     def make(i: int):
         spec = spec_of(variables[i])
-        v = variables[i]
-        views = [a[v.offset : v.offset + v.nbytes].view(spec.np_dtype).reshape(spec.shape) for a in arenas]
         return variable_over(
-            spec.name, views, devices,
+            spec.name, [variable_view(a, variables[i]) for a in arenas], devices,
             synchronization=spec.synchronization, aggregation=spec.aggregation, trainable=spec.trainable,
         )
 

@@ -35,6 +35,7 @@ from collective.digest import bytes_digest, chunk_digests
 from collective.limits import MAX_HOLDER_NAME_CHARS, MAX_SNAPSHOT_PLAN_BYTES
 from collective.logs import printable
 from collective.plan import align, new_arena, validate_plan
+from collective.replicas import variable_view
 from collective.sizes import format_bytes
 from collective.snapshot import tree
 from collective.snapshot.holder import HOLDER_SEP, MODEL_PREFIX, cluster_token
@@ -432,8 +433,7 @@ class _Into:
             dst[lo - v.offset : hi - v.offset] = buf[lo - base : hi - base]
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {v.name: self.targets.get(v.name, self.flat[v.name].view(dtypes.from_wire(v.dtype)).reshape(tuple(v.shape)))
-                for v in self.plan.variables}
+        return {v.name: self.targets.get(v.name, variable_view(self.flat[v.name], v, v.offset)) for v in self.plan.variables}
 
 
 def _attach(ready: list[_Holder], plan: pb.Plan, ident: str) -> np.ndarray | None:
@@ -456,12 +456,6 @@ def _attach(ready: list[_Holder], plan: pb.Plan, ident: str) -> np.ndarray | Non
         h.bytes, h.shared = plan.total_bytes, True
         return arena
     return None
-
-
-def _views(plan: pb.Plan, arena: np.ndarray) -> dict[str, np.ndarray]:
-    """Every variable as a view of the received arena (zero copy)."""
-    return {v.name: arena[v.offset : v.offset + v.nbytes].view(dtypes.from_wire(v.dtype)).reshape(tuple(v.shape))
-            for v in plan.variables}
 
 
 def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, timeout: float = 300.0,
@@ -528,7 +522,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
         else:
             arena = new_arena(plan.total_bytes) if scatter is None else None
             _Striper(plan, ready, arena, scatter, stall_timeout, ident).run(deadline, timeout)
-        arrays = _views(plan, arena) if scatter is None else scatter.arrays()
+        arrays = {v.name: variable_view(arena, v) for v in plan.variables} if scatter is None else scatter.arrays()
         sender = ", ".join(h.name() for h in ready)
         state = tree.unflatten(tree.decode(arrays[tree.TREE], step, sender), arrays, sender)
     finally:
