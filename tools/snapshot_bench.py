@@ -2,6 +2,7 @@
 
     python -m tools.snapshot_bench --mib 256 --holders 1,3 --reps 5
     sudo python -m tools.snapshot_bench --mib 64 --holders 1,3 --emulate 200mbit
+    python -m tools.snapshot_bench --mib 256 --holders 1,3 --into
 
 Starts the largest number of holders asked for (each publishes the same seeded float32 state in
 16 tensors, ``copy=False``), then for each holder count runs ``--reps`` fetches, each in a fresh
@@ -40,9 +41,11 @@ time.sleep(3600)
 """
 
 FETCHER = """
-import json, resource, sys, time, collective
+import json, resource, sys, time, numpy as np, collective
+mib = int(sys.argv[2])  # > 0: into arrays of the holders' 16 tensors, allocated and written first
+into = {f"w{i}": np.ones(mib * (1 << 20) // 4 // 16, dtype=np.float32) for i in range(16)} if mib else None
 t = time.perf_counter()
-got = collective.fetch(sys.argv[1].split(","), step=1)
+got = collective.fetch(sys.argv[1].split(","), step=1, into=into)
 seconds = time.perf_counter() - t
 print(json.dumps({"seconds": seconds, "bytes": got.total_bytes,
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -55,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=256, help="state size in MiB")
     p.add_argument("--holders", default="1,3", help="holder counts to fetch from, comma-separated")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--into", action="store_true",
+                   help="fetch into preallocated arrays (fetch(into=)), as a recovering process would")
     p.add_argument("--emulate", metavar="RATE", default=None,
                    help="each holder on an emulated host whose link is RATE (e.g. 200mbit; needs root)")
     a = p.parse_args(argv)
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             _wait_files(files, lambda: any(pr.poll() is not None for pr in procs))
 
             def fetch(addresses: str) -> dict:
-                return json.loads(subprocess.run([sys.executable, "-c", FETCHER, addresses], env=env, check=True,
+                return json.loads(subprocess.run([sys.executable, "-c", FETCHER, addresses, _into(a)], env=env, check=True,
                                                  capture_output=True, text=True, timeout=300).stdout)
 
             _table(a, counts, [f.read_text() for f in files], fetch, "loopback")
@@ -80,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                 pr.kill()
                 pr.wait(10)
     return 0
+
+
+def _into(a) -> str:
+    return str(a.mib if a.into else 0)
 
 
 def _wait_files(files: list[Path], dead) -> None:
@@ -98,7 +107,7 @@ def _table(a, counts: list[int], addresses: list[str], fetch, link: str) -> None
         med = statistics.median(r["seconds"] for r in runs)
         rss = max(r["rss"] for r in runs)
         shares = "/".join(str(s >> 20) for s in runs[-1]["shares"])
-        print(f"| {n} | {a.mib} MiB | {link} | {med:.2f} | {a.mib / med:.0f} | {rss / 2**20:.0f} MiB | {shares} |",
+        print(f"| {n} | {a.mib} MiB{' into' if a.into else ''} | {link} | {med:.2f} | {a.mib / med:.0f} | {rss / 2**20:.0f} MiB | {shares} |",
               flush=True)
 
 
@@ -123,7 +132,7 @@ def _emulated(a, counts: list[int], tmp: Path) -> int:
             raise SystemExit("a holder did not start: " + " | ".join(p.output()[-300:] for p in net.procs)) from None
 
         def fetch(addresses: str) -> dict:
-            done = net.exec("fetcher", ["python", "-c", FETCHER, addresses], env={"PYTHONPATH": str(ROOT)}, timeout=300)
+            done = net.exec("fetcher", ["python", "-c", FETCHER, addresses, _into(a)], env={"PYTHONPATH": str(ROOT)}, timeout=300)
             if done.returncode:
                 raise SystemExit(f"the fetch failed: {done.stderr.strip().splitlines()[-1:]}")
             return json.loads(done.stdout)
