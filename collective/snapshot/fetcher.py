@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import logging
@@ -407,6 +408,7 @@ class _Into:
                 raise E.UsageError(f"into[{name!r}] must be a writable C-contiguous array")
             self.targets[name] = a
         self.plan = plan
+        self.ends = [v.offset + v.nbytes for v in plan.variables]  # in arena order (validate_plan)
         self.flat = {name: a.reshape(-1).view(np.uint8) for name, a in self.targets.items()}
         # The other variables in one arena of the fetch's own, populated before the stream (as a
         # receive arena is), each aligned as in the plan's layout.
@@ -419,10 +421,11 @@ class _Into:
     def target(self, a: int, b: int) -> tuple[np.ndarray, int] | None:
         """The array and the arena offset it starts at, when bytes ``a..b`` lie inside one
         variable (no padding, no other variable): the stripe is received there, in place."""
-        inside = overlapping(self.plan, a, b)
-        if len(inside) != 1 or not inside[0].offset <= a < b <= inside[0].offset + inside[0].nbytes:
+        i = bisect.bisect_right(self.ends, a)  # the first variable that ends past ``a``
+        v = self.plan.variables[i] if i < len(self.ends) else None
+        if v is None or not v.offset <= a < b <= v.offset + v.nbytes:
             return None
-        return self.flat[inside[0].name], inside[0].offset
+        return self.flat[v.name], v.offset
 
     def __call__(self, buf: np.ndarray, base: int, a: int, b: int) -> None:
         for v in overlapping(self.plan, a, b):

@@ -174,3 +174,31 @@ def test_a_stripe_that_stops_short_or_runs_past_its_end_is_refused():
     end = pb.Chunk(offset=2048, end=pb.StreamEnd(total_bytes=plan.total_bytes))
     with pytest.raises(IntegrityError, match="stream end claims"):
         r.accept(end, placed=True)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stripes_cover_the_arena_and_a_large_tensors_own_chunks_land_in_place(seed):
+    # fetch(into=): the stripes partition the arena at chunk boundaries, none longer than a
+    # stripe, and a tensor with an eighth of a stripe of its own chunks is cut out, so those
+    # stripes are received into its array (``_Into.target``), never one that holds other bytes.
+    from collective.snapshot import fetcher
+    from tests.unit.test_plan import make_plan
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 40_000, rng.integers(1, 12))
+    plan, _, _, _ = make_plan({f"v{i}": np.ones(int(n), np.float32) for i, n in enumerate(sizes)}, chunk_bytes=4096)
+    per = int(rng.integers(1, 12))
+    stripes = fetcher._stripes(plan, per, inside=True)
+    edges = [a for a, _ in stripes] + [stripes[-1][1]]
+    assert edges[0] == 0 and edges[-1] == plan.total_bytes and edges == sorted(set(edges))
+    assert all(a % 4096 == 0 and b - a <= per * 4096 for a, b in stripes)
+    assert fetcher._stripes(plan, per, inside=False) == [
+        (a, min(a + per * 4096, plan.total_bytes)) for a in range(0, plan.total_bytes, per * 4096)]
+    into = fetcher._Into(plan, {})
+    for v in plan.variables:
+        own = (v.offset + v.nbytes) // 4096 - -(-v.offset // 4096)
+        placed = [s for s in stripes if (t := into.target(*s)) is not None and t[1] == v.offset]
+        for a, b in placed:
+            assert v.offset <= a < b <= v.offset + v.nbytes
+        if v.offset + v.nbytes < plan.total_bytes and own >= max(1, per // 8):
+            assert sum(b - a for a, b in placed) == own * 4096, (v.name, own)
