@@ -149,8 +149,8 @@ class Transport(CheckpointTransport[dict]):
         deadline = time.monotonic() + seconds
         while True:
             try:
-                # The fetch's arena is populated in 4 KiB pages (stream.new_arena): no
-                # huge-page compaction stall before the first byte.
+                # The fetch's arena has its pages in place before the first byte, at about
+                # the cost of the faster of huge and small pages (stream.new_arena).
                 state = collective.fetch(sources, step=step, token=self._token,
                                          timeout=max(deadline - time.monotonic(), 0.1),
                                          stall_timeout=self._stall, tls=self._tls)

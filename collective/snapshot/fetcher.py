@@ -295,7 +295,7 @@ class _Striper:
 
     def _take(self, h: _Holder) -> None:
         # With ``into``, a stripe that lies inside one tensor is received into it; each holder's
-        # thread receives the others into one buffer of its own, made once (its pages populated
+        # thread receives the others into one buffer of its own, made once (its pages in place
         # once), and copies each out once verified.
         own = new_arena(self.mixed_bytes) if self.arena is None else None
         try:
@@ -388,7 +388,7 @@ def _stripes(plan: pb.Plan, per: int, inside: bool) -> list[tuple[int, int]]:
 
 class _Into:
     """Where each variable's bytes go when the caller gave ``into`` arrays: those arrays, or the
-    fetch's own (the others, and the skeleton: one populated arena). A stripe that lies inside
+    fetch's own (the others, and the skeleton: one receive arena). A stripe that lies inside
     one variable is received straight into its array (``target``); any other stripe into a
     buffer of its holder's and copied out once verified, so the fetch holds the state once plus
     at most one such stripe per holder."""
@@ -410,8 +410,8 @@ class _Into:
         self.plan = plan
         self.ends = [v.offset + v.nbytes for v in plan.variables]  # in arena order (validate_plan)
         self.flat = {name: a.reshape(-1).view(np.uint8) for name, a in self.targets.items()}
-        # The other variables in one arena of the fetch's own, populated before the stream (as a
-        # receive arena is), each aligned as in the plan's layout.
+        # The other variables in one receive arena of the fetch's own (its pages in place before
+        # the stream), each aligned as in the plan's layout.
         rest = [v for v in plan.variables if v.name not in self.targets]
         own, pos = new_arena(sum(align(v.nbytes) for v in rest)), 0
         for v in rest:
