@@ -562,12 +562,17 @@ class ChiefService(Admission):
 
         Before the broadcast its slot is freed for a restarted worker; during the broadcast it
         may rejoin within the rejoin window (``chief/rejoin.py``), else the round is aborted
-        naming it; after start it no longer matters.
+        naming it; after the outcome the chief no longer waits for it to hear it (``Supervisor.linger``).
         """
         with self._cond:
             self._supervisor.stopped()  # woken from a stop, the chief names itself, not the workers it lost
             m = self._holds(ref)  # a call cut under another's name is no news of that member
             if m is None or m.told:
+                return
+            if self._phase in (Phase.STARTED, Phase.FAILED):
+                # Its process is gone (or its link): the chief's linger need not wait for it to hear.
+                m.gone = True
+                self._cond.notify_all()
                 return
             if self._phase is Phase.BROADCASTING and m.phase != "lost" and "cut off" in reason and not after_grace:
                 self._supervisor.await_cause(m, ref, reason)  # its own report may yet say why
