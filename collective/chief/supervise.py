@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from collective import logs
+from collective import logs, parking
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
 from collective.chief.members import Phase
@@ -189,6 +189,10 @@ class Supervisor:
             reports.write_outcome(svc)  # before lingering: the outcome may be all a stopped chief leaves
             self.linger()
             svc._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
+            parked = parking.stats()
+            if parked["tries"] or parked["checks"]:  # a server that parks its calls (collective.parking)
+                log.info("parked calls: %d tried again, %d predicates asked, %d still parked",
+                         parked["tries"], parked["checks"], parked["parked"])
             if svc._phase is Phase.FAILED:
                 raise svc._error or AbortedError("the round failed")
 

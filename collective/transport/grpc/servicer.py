@@ -105,13 +105,12 @@ class Servicer:
         tried_at = parking.generation
         try:
             return await self._run(parking.poll, call)
-        except parking.NotYet:
-            pass
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        parker = parking.parker()
-        key = parker.park(call, deadline, lambda result, error: loop.call_soon_threadsafe(
-            _settle, fut, result, error), tried_at)
+        except parking.NotYet as waiting:
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            parker = parking.parker()
+            key = parker.park(call, deadline, lambda result, error: loop.call_soon_threadsafe(
+                _settle, fut, result, error), tried_at, waiting)
         try:
             return await fut
         finally:
