@@ -17,6 +17,7 @@ import functools
 import logging
 import threading
 import time
+from concurrent import futures
 
 import grpc
 
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 # Threads that run the handler's logic, per server: calls wait as coroutines or parked, so these
 # only compute (a join, a heartbeat, a status) or stream the data (the chief's few direct children).
 POOL_THREADS = 16
+# Threads that answer Status (``Servicer.Status``), apart from the pool.
+STATUS_THREADS = 2
 _END = object()
 
 
@@ -88,6 +91,8 @@ class Servicer:
         self._pool = pool
         self._bind_identity = bind_identity
         self._plan_lock = threading.Lock()
+        # Started on the first Status call; idle threads end with the process.
+        self._status_pool = futures.ThreadPoolExecutor(max_workers=STATUS_THREADS, thread_name_prefix=f"{name}-status")
         self._plan_bytes: tuple[pb.Plan | None, bytes] = (None, b"")
         self._name = name
 
@@ -269,7 +274,11 @@ class Servicer:
         return await self._answer(context, "ReportFailure", self._run(self._h.report_failure, request))
 
     async def Status(self, request, context):  # noqa: N802
-        return await self._answer(context, "Status", self._run(self._h.status))
+        # On threads of its own, not the pool: a join storm queues 1,024 joins on the pool (each
+        # waits there for its turn to compare declarations), and a Status behind them waited
+        # seconds (6 s at 1,024 workers); `collective status` must answer throughout.
+        fut = asyncio.get_running_loop().run_in_executor(self._status_pool, self._h.status)
+        return await self._answer(context, "Status", fut)
 
     async def Presence(self, request, context):  # noqa: N802
         await self._identity(context, request.worker_id)
