@@ -219,17 +219,17 @@ class Supervisor:
         if untold:
             log.warning("%d worker(s) did not hear the outcome: %s", len(untold), _first(untold))
 
-    def _heard(self, m, since: float) -> bool:
+    def _heard(self, m, since: float, now: float | None = None) -> bool:
         """``m`` was told the outcome, or cannot be (``linger``)."""
         if m.told or m.gone:
             return True
         svc = self._svc
-        return svc.heartbeats and time.monotonic() - max(m.last_seen, since) > svc.timeouts.lease
+        return svc.heartbeats and (now or time.monotonic()) - max(m.last_seen, since) > svc.timeouts.lease
 
     def _everyone_heard(self, since: float) -> bool:
         """Every member heard the outcome or cannot (``_heard``); after an SPMD failure, every rank did (members or not)."""
-        svc = self._svc
-        if not all(self._heard(m, since) for m in svc._members.values()):
+        svc, now = self._svc, time.monotonic()
+        if not all(self._heard(m, since, now) for m in svc._members.values()):
             return False
         if svc.spmd and svc._phase is Phase.FAILED:
             return len(svc._told_outside | set(svc._members)) >= svc.num_workers
