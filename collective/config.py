@@ -51,7 +51,9 @@ class Timeouts:
     stall: float = 30.0          # longest gap between two messages of a data stream
     ready: float = 600.0         # chief: from plan release until every worker reported ready
     start: float = 900.0         # worker: from ready until start is released
-    linger: float = 5.0          # chief: how long to keep serving after the outcome so workers hear it
+    # chief: the most it keeps serving after the outcome until every worker heard it (one that
+    # cannot, gone or silent for a lease, is not waited for: chief/supervise.py, Supervisor.linger)
+    linger: float = 30.0
     status_grace: float = 0.5    # chief: keep answering Status this long after the outcome, for watchers
     heartbeat: float = 5.0       # worker: seconds between heartbeats, from join until start
     lease: float = 15.0          # both: a peer silent this long is dead (chief: no heartbeat; worker: no answer)
@@ -149,6 +151,8 @@ def parse_address(text: str, *, what: str) -> tuple[str, int]:
 def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
     fields = {k: getattr(args, k + "_timeout") for k in ("join", "stall", "ready", "start", "rejoin")
               if hasattr(args, k + "_timeout")}
+    if getattr(args, "linger", None) is not None:
+        fields["linger"] = args.linger
     if hasattr(args, "heartbeat_interval"):
         fields["heartbeat"] = args.heartbeat_interval
         fields["lease"] = args.heartbeat_timeout
@@ -227,7 +231,11 @@ def timeout_flags(*phases: str) -> tuple[Flag, ...]:
         out.append(Flag("heartbeat-timeout", f"a peer silent this long is declared dead; default {defaults.lease:g}",
                         positive_float, defaults.lease))
     out += [Flag(f"{p}-timeout", helps[p] + f"; default {getattr(defaults, p):g}", positive_float, getattr(defaults, p))
-            for p in phases if p not in ("heartbeat", "rejoin")]
+            for p in phases if p not in ("heartbeat", "rejoin", "linger")]
+    if "linger" in phases:
+        out.append(Flag("linger", "the most seconds the chief keeps serving after the outcome until every worker has "
+                        f"heard it (a worker gone, or silent for a heartbeat timeout, is not waited for); default "
+                        f"{defaults.linger:g}", positive_float, defaults.linger))
     if "rejoin" in phases:
         out.append(Flag("rejoin-timeout", helps["rejoin"] + "; default 0: a loss fails the round at once",
                         non_negative_float, defaults.rejoin))

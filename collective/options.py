@@ -70,7 +70,7 @@ CHIEF_FLAGS: tuple[Flag, ...] = (
          "a star, without shared memory", parse_shards),
     Flag("from-file", "serve a .safetensors model straight from its file(s), mapped read-only, instead of a copy "
          "in memory (same-host workers map the files)", parse_bool, False, boolean=True),
-    *timeout_flags("join", "ready", "heartbeat", "rejoin"),
+    *timeout_flags("join", "ready", "heartbeat", "rejoin", "linger"),
     Flag("log-format", "text or json", default="text", choices=("text", "json")),
     max_model_bytes_flag(),
     Flag("port-file", "write the bound port here once serving (for launchers)"),

@@ -27,7 +27,18 @@ generation = 0  # bumped by every notify_all of a Condition: a parked call tried
 
 
 class NotYet(Exception):  # noqa: N818 - not an error: "ask again when something changed"
-    """Raised by ``wait_for`` in poll mode when its predicate is still false."""
+    """Raised by ``wait_for`` in poll mode when its predicate is still false. With a ``key``,
+    it carries the wait (its condition, predicate and key), so a ``Parker`` can ask the
+    predicate alone, once for every call parked on the same key, instead of each call again."""
+
+    def __init__(self, cond: threading.Condition | None = None, predicate: Callable[[], bool] | None = None,
+                 key: str | None = None) -> None:
+        super().__init__()
+        self.cond, self.predicate, self.key = cond, predicate, key
+
+    @property
+    def group(self) -> tuple[int, str] | None:
+        return None if self.key is None else (id(self.cond), self.key)
 
 
 class Condition(threading.Condition):
@@ -41,17 +52,21 @@ class Condition(threading.Condition):
             listener()
 
 
-def wait_for(cond: threading.Condition, predicate: Callable[[], bool], timeout: float) -> bool:
+def wait_for(cond: threading.Condition, predicate: Callable[[], bool], timeout: float, key: str | None = None) -> bool:
     """``cond.wait_for(predicate, timeout)`` (call with ``cond`` held), or in poll mode: True at
     once if ``predicate()``, else ``NotYet`` (a wait of 0 s answers at once, as ever); in expired
-    mode: ``predicate()``, without waiting."""
+    mode: ``predicate()``, without waiting.
+
+    ``key``: a name for what the wait waits for, the same for every wait on ``cond`` whose
+    predicate is the same (reads only shared state, not the caller's): a parked call is then
+    tried again only once that predicate holds (or at its deadline), not at every notify."""
     mode = getattr(_local, "mode", None)
     if mode is None:
         return cond.wait_for(predicate, timeout=max(0.0, timeout))
     if predicate():
         return True
     if mode == "poll" and timeout > 0:
-        raise NotYet
+        raise NotYet(cond, predicate, key)
     return False
 
 
@@ -78,13 +93,25 @@ def poll(fn: Callable, *args):
         return fn(*args)
 
 
+class _Parked:
+    __slots__ = ("fn", "deadline", "done", "waiting")
+
+    def __init__(self, fn: Callable, deadline: float, done: Callable, waiting: NotYet | None) -> None:
+        self.fn, self.deadline, self.done, self.waiting = fn, deadline, done, waiting
+
+
 class Parker:
     """One thread that answers parked calls: each is tried again (poll mode) after a
     ``Condition`` changed, and answered at its deadline (expired mode). ``done(result, error)``
     is called on this thread, once per call, unless the call was ``unpark``ed first.
 
+    A call whose wait has a key (``wait_for``) is tried again only when its predicate holds:
+    the predicate is asked once per key and notify, so 1,024 calls parked on "start" cost one
+    look at the round per notify, not 1,024 tries (each takes the lock and looks up its
+    worker; the prepared barrier's predicate reads every member: 1,024 x 1,024 per notify).
     Tries come in batches: after one, the thread rests as long as it took (at least
-    ``MIN_REST`` s), so 1,024 parked calls woken by 1,024 joins cost at most half a core."""
+    ``MIN_REST`` s), so a storm of notifies costs at most half a core. ``tries`` and ``checks``
+    count the calls tried again and the predicates asked."""
 
     MIN_REST = 0.01
     MAX_WAIT = 0.25
@@ -92,9 +119,10 @@ class Parker:
     def __init__(self, name: str = "parked-calls") -> None:
         self._lock = threading.Lock()
         self._changed = threading.Event()
-        self._parked: dict[int, tuple[Callable, float, Callable]] = {}
+        self._parked: dict[int, _Parked] = {}
         self._keys = itertools.count()
         self._closed = False
+        self.tries = self.checks = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _listeners.append(self._notified)
@@ -108,11 +136,14 @@ class Parker:
         if threading.current_thread() is not self._thread:
             self._changed.set()
 
-    def park(self, fn: Callable[[], object], deadline: float, done: Callable, tried_at: int) -> int:
-        """Park ``fn`` (it raised NotYet when tried at ``tried_at``, the then ``generation``)."""
+    def park(self, fn: Callable[[], object], deadline: float, done: Callable, tried_at: int,
+             waiting: NotYet | None = None) -> int:
+        """Park ``fn`` (it raised ``waiting``, a NotYet, when tried at ``tried_at``, the then ``generation``)."""
+        if waiting is not None:
+            waiting.__traceback__ = None  # its frames (the pool thread's, the handler's) are no use here
         with self._lock:
             key = next(self._keys)
-            self._parked[key] = (fn, deadline, done)
+            self._parked[key] = _Parked(fn, deadline, done, waiting)
         if generation != tried_at:  # it changed since that try: try again now
             self._changed.set()
         return key
@@ -125,34 +156,52 @@ class Parker:
         _local.retry = True
         while not self._closed:
             with self._lock:
-                nearest = min((d for _, d, _ in self._parked.values()), default=None)
+                nearest = min((p.deadline for p in self._parked.values()), default=None)
             # At most MAX_WAIT: a call parked meanwhile is answered that late past its deadline at worst.
             wait = self.MAX_WAIT if nearest is None else min(max(nearest - time.monotonic(), 0.0), self.MAX_WAIT)
-            self._changed.wait(wait)
+            news = self._changed.wait(wait)
             self._changed.clear()
             t0 = time.monotonic()
-            with self._lock:
-                batch = list(self._parked.items())
-            for key, (fn, deadline, done) in batch:
-                self._try(key, fn, deadline, done)
+            with self._lock:  # no news: only the calls whose deadline passed
+                batch = [(k, p) for k, p in self._parked.items() if news or p.deadline <= t0]
+            holds: dict[tuple[int, str], bool] = {}  # this batch's answer of each key's predicate
+            for key, p in batch:
+                group = p.waiting.group if p.waiting is not None else None
+                if group is not None and t0 < p.deadline:
+                    if group not in holds:
+                        holds[group] = self._holds(p.waiting)
+                    if not holds[group]:
+                        continue
+                self._try(key, p)
             if batch:
                 time.sleep(max(time.monotonic() - t0, self.MIN_REST))
 
-    def _try(self, key: int, fn: Callable, deadline: float, done: Callable) -> None:
+    def _holds(self, waiting: NotYet) -> bool:
+        self.checks += 1
+        try:
+            with waiting.cond:
+                return bool(waiting.predicate())
+        except Exception:  # noqa: BLE001 - the call itself will say what is wrong
+            return True
+
+    def _try(self, key: int, p: _Parked) -> None:
         with self._lock:
             if key not in self._parked:
                 return  # ended meanwhile (the client went)
+        self.tries += 1
         try:
-            with mode("expired" if time.monotonic() >= deadline else "poll"):
-                result = fn()
-        except NotYet:
+            with mode("expired" if time.monotonic() >= p.deadline else "poll"):
+                result = p.fn()
+        except NotYet as again:
+            again.__traceback__ = None
+            p.waiting = again  # it may wait for something else now
             return
         except BaseException as exc:  # noqa: BLE001 - handed to the call, which answers with it
             self.unpark(key)
-            done(None, exc)
+            p.done(None, exc)
             return
         self.unpark(key)
-        done(result, None)
+        p.done(result, None)
 
     def close(self) -> None:
         self._closed = True
@@ -164,6 +213,13 @@ class Parker:
 
 _parker: Parker | None = None
 _parker_lock = threading.Lock()
+
+
+def stats() -> dict[str, int]:
+    """The process's Parker's counts (none started: zeros): calls parked now, tried again, predicates asked."""
+    p = _parker
+    return {"parked": len(p), "tries": p.tries, "checks": p.checks} if p is not None else \
+        {"parked": 0, "tries": 0, "checks": 0}
 
 
 def parker() -> Parker:

@@ -37,6 +37,7 @@ class Member:
     prepared: bool = False
     mapped: bool = False  # took the chief's arena through shared memory (no stream)
     told: bool = False
+    gone: bool = False  # after the outcome, a call of its was cut off: it cannot be told (Supervisor.linger)
     joined_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     relay_port: int = 0

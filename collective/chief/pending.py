@@ -76,7 +76,7 @@ class PendingChief:
     def _target(self, hold: float = 0.0):
         """The round's service, waiting up to ``hold`` s for it; else raise why there is none."""
         with self._cond:
-            parking.wait_for(self._cond, lambda: self._service is not None or self._error is not None, hold)
+            parking.wait_for(self._cond, lambda: self._service is not None or self._error is not None, hold, "service")
             if self._service is not None:
                 return self._service
             if self._error is not None:

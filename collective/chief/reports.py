@@ -69,6 +69,7 @@ def status_reply(svc) -> pb.StatusReply:
     """Who has joined, each worker's phase and progress, and whom the chief waits for."""
     with svc._cond:
         now = time.monotonic()
+        ends: dict = {}  # per plan (one, or each shard's): where each variable ends
         return pb.StatusReply(
             phase=svc._phase.value,
             expected=svc.num_workers,
@@ -77,15 +78,21 @@ def status_reply(svc) -> pb.StatusReply:
             seconds_in_phase=now - svc._phase_at,
             model=svc.source.description,
             waiting_for="" if svc._phase in (Phase.STARTED, Phase.FAILED) else svc._supervisor.waiting_for(),
-            workers=[_worker_status(svc, m, now) for m in sorted(svc._members.values(), key=lambda m: m.rank)],
+            workers=[_worker_status(svc, m, now, ends) for m in sorted(svc._members.values(), key=lambda m: m.rank)],
             error=str(svc._error or ""),
         )
 
 
-def _worker_status(svc, m, now: float) -> pb.WorkerStatus:
-    """One worker's line: its progress through the bytes it receives (with shards, its own)."""
+def _worker_status(svc, m, now: float, ends_of: dict) -> pb.WorkerStatus:
+    """One worker's line: its progress through the bytes it receives (with shards, its own).
+    ``ends_of``: the variables' ends per plan, sorted once for all workers that share it (sorted
+    for each worker: 3 ms for 20,000 variables, 3.3 s a Status at 1,024 workers, under the lock)."""
     plan = svc.plan_of(m) if svc._plan is not None else None
-    ends = sorted(v.offset + v.nbytes for v in plan.variables) if plan is not None else []
+    ends: list[int] = []
+    if plan is not None:
+        if id(plan) not in ends_of:  # the plan is held there too, so its id is not reused meanwhile
+            ends_of[id(plan)] = (plan, sorted(v.offset + v.nbytes for v in plan.variables))
+        ends = ends_of[id(plan)][1]
     return pb.WorkerStatus(
         rank=m.rank, worker_id=m.worker_id, host=m.host, devices=m.devices,
         phase=m.phase, bytes_received=m.received(), bytes_total=svc.bytes_total(m),

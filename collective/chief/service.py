@@ -208,9 +208,10 @@ class ChiefService(Admission):
             log.error("round aborted: %s", error)
             self._cond.notify_all()
 
-    def _wait(self, predicate, timeout: float) -> bool:
-        # Blocks, or in a server's poll mode raises parking.NotYet: the caller parks, holding no thread.
-        return parking.wait_for(self._cond, predicate, timeout)
+    def _wait(self, predicate, timeout: float, key: str | None = None) -> bool:
+        # Blocks, or in a server's poll mode raises parking.NotYet: the caller parks, holding no
+        # thread. ``key``: what it waits for, the same predicate for every caller (parking.wait_for).
+        return parking.wait_for(self._cond, predicate, timeout, key)
 
     # --- ChiefHandler --------------------------------------------------------------------
 
@@ -268,9 +269,9 @@ class ChiefService(Admission):
             self._member(ref)
             if ref.want_digests:
                 self._wait(lambda: self._phase is Phase.FAILED or (self._plan is not None and not self._plan.digests_follow),
-                           timeout)
+                           timeout, "plan-complete")
             else:
-                self._wait(lambda: self._phase is not Phase.JOINING, timeout)
+                self._wait(lambda: self._phase is not Phase.JOINING, timeout, "plan")
             m = self._member(ref)  # raises the failure if the round failed meanwhile
             if self._plan is None:
                 raise DeadlineError(
@@ -478,7 +479,7 @@ class ChiefService(Admission):
                 m.phase = "prepared"
             self._cond.notify_all()
             prepared = lambda: all(x.prepared for x in self._members.values())  # noqa: E731 - a rejoin replaces members
-            self._wait(lambda: self._phase is not Phase.BROADCASTING or prepared(), timeout)
+            self._wait(lambda: self._phase is not Phase.BROADCASTING or prepared(), timeout, "prepared")
             if self._phase is Phase.FAILED:
                 m.told = True
                 raise self._error.same_round()
@@ -490,7 +491,7 @@ class ChiefService(Admission):
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
         with self._cond:
             m = self._member(ref)
-            self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout)
+            self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout, "outcome")
             m = self._member(ref)
             if self._phase is not Phase.STARTED:
                 raise DeadlineError(f"start not released within {timeout:g} s; waiting for: {self._supervisor.waiting_for()}")
@@ -503,7 +504,7 @@ class ChiefService(Admission):
         transport reports it as ``lost`` if it ends unanswered (the process is gone)."""
         with self._cond:
             self._member(ref)
-            self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout)
+            self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout, "outcome")
             return pb.HeartbeatReply(
                 chief_incarnation=self.incarnation, phase=self._phase.value, error=str(self._error or "")
             )
@@ -562,12 +563,17 @@ class ChiefService(Admission):
 
         Before the broadcast its slot is freed for a restarted worker; during the broadcast it
         may rejoin within the rejoin window (``chief/rejoin.py``), else the round is aborted
-        naming it; after start it no longer matters.
+        naming it; after the outcome the chief no longer waits for it to hear it (``Supervisor.linger``).
         """
         with self._cond:
             self._supervisor.stopped()  # woken from a stop, the chief names itself, not the workers it lost
             m = self._holds(ref)  # a call cut under another's name is no news of that member
             if m is None or m.told:
+                return
+            if self._phase in (Phase.STARTED, Phase.FAILED):
+                # Its process is gone (or its link): the chief's linger need not wait for it to hear.
+                m.gone = True
+                self._cond.notify_all()
                 return
             if self._phase is Phase.BROADCASTING and m.phase != "lost" and "cut off" in reason and not after_grace:
                 self._supervisor.await_cause(m, ref, reason)  # its own report may yet say why

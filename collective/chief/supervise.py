@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from collective import logs
+from collective import logs, parking
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
 from collective.chief.members import Phase
@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 # How long a worker's call cut off mid-broadcast waits for that worker's own report of why it
 # went (seconds): the report and the cut travel on different connections, in either order.
 CAUSE_GRACE = 0.75
+
+
+def _first(names: list[str], n: int = 20) -> str:
+    """The first ``n`` of ``names`` for a log line (1,024 workers make a line too long to read)."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 class Supervisor:
@@ -182,16 +187,49 @@ class Supervisor:
                 if not svc._wait(lambda: svc._phase is not Phase.BROADCASTING, min(left, self._poll())):
                     self._log_stragglers("broadcasting; waiting for %s", self.waiting_for())
             reports.write_outcome(svc)  # before lingering: the outcome may be all a stopped chief leaves
-            # Keep serving a little so every worker hears the outcome from us, not from a dead port.
-            svc._wait(self._everyone_heard, t.linger)
+            self.linger()
             svc._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
+            parked = parking.stats()
+            if parked["tries"] or parked["checks"]:  # a server that parks its calls (collective.parking)
+                log.info("parked calls: %d tried again, %d predicates asked, %d still parked",
+                         parked["tries"], parked["checks"], parked["parked"])
             if svc._phase is Phase.FAILED:
                 raise svc._error or AbortedError("the round failed")
 
-    def _everyone_heard(self) -> bool:
-        """Every member was told the outcome; after an SPMD failure, every rank was (members or not)."""
+    def linger(self) -> None:
+        """Keep serving after the outcome until every worker has heard it from us, not from a dead
+        port: a worker on a loaded host may ask for start long after it was released, and one the
+        chief stopped for first would fail its job. A worker that cannot hear is not waited for:
+        one whose call was cut off (its process gone: ``ChiefService.lost``), or one silent for a
+        lease since the outcome (frozen; with heartbeats only: a worker asking for start still
+        heartbeats). At most ``Timeouts.linger`` s (``--linger``); who was not told is logged then."""
+        svc, t = self._svc, self._svc.timeouts
+        since = time.monotonic()
+        end = since + t.linger
+        while not svc._wait(lambda: self._everyone_heard(since), min(max(end - time.monotonic(), 0.0), self._poll())):
+            if time.monotonic() >= end:
+                untold = [m.name() for m in sorted(svc._members.values(), key=lambda m: m.rank) if not self._heard(m, since)]
+                log.warning("stopping after the %g s linger (--linger) with %d worker(s) not told the outcome: %s",
+                            t.linger, len(untold), _first(untold))
+                return
+            self._log_stragglers("%s; telling the outcome to %d worker(s) that have not asked for it yet",
+                                 svc._phase.value, sum(not self._heard(m, since) for m in svc._members.values()))
+        untold = [m.name() + (" (a call of its was cut off)" if m.gone else " (silent for a lease)")
+                  for m in sorted(svc._members.values(), key=lambda m: m.rank) if not m.told]
+        if untold:
+            log.warning("%d worker(s) did not hear the outcome: %s", len(untold), _first(untold))
+
+    def _heard(self, m, since: float, now: float | None = None) -> bool:
+        """``m`` was told the outcome, or cannot be (``linger``)."""
+        if m.told or m.gone:
+            return True
         svc = self._svc
-        if not all(m.told for m in svc._members.values()):
+        return svc.heartbeats and (now or time.monotonic()) - max(m.last_seen, since) > svc.timeouts.lease
+
+    def _everyone_heard(self, since: float) -> bool:
+        """Every member heard the outcome or cannot (``_heard``); after an SPMD failure, every rank did (members or not)."""
+        svc, now = self._svc, time.monotonic()
+        if not all(self._heard(m, since, now) for m in svc._members.values()):
             return False
         if svc.spmd and svc._phase is Phase.FAILED:
             return len(svc._told_outside | set(svc._members)) >= svc.num_workers

@@ -13,15 +13,16 @@ from collective import parking
 class Round:
     """A stand-in for the chief's state: one flag behind a parking.Condition."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str | None = None) -> None:
         self.cond = parking.Condition(threading.RLock())
         self.released = False
+        self.key = key
         self.asked_by: list[bool] = []
 
     def await_release(self, timeout: float) -> str:
         with self.cond:
             self.asked_by.append(parking.retrying())
-            if not parking.wait_for(self.cond, lambda: self.released, timeout):
+            if not parking.wait_for(self.cond, lambda: self.released, timeout, self.key):
                 return f"not released within {timeout:g} s"
             return "released"
 
@@ -65,5 +66,49 @@ def test_a_parked_call_is_answered_at_its_deadline_in_the_logics_own_words():
                     lambda result, error: (got.append(result), done.set()), parking.generation)
         assert done.wait(5.0) and got == ["not released within 0.5 s"]
         assert len(parker) == 0
+    finally:
+        parker.close()
+
+
+def _park_many(r: Round, parker: parking.Parker, n: int) -> tuple[list, threading.Event]:
+    got, done = [], threading.Event()
+
+    def answered(result, error) -> None:
+        got.append(result)
+        if len(got) == n:
+            done.set()
+
+    for _ in range(n):
+        try:
+            parking.poll(r.await_release, 30.0)
+        except parking.NotYet as waiting:
+            parker.park(lambda: r.await_release(30.0), time.monotonic() + 30.0, answered, parking.generation, waiting)
+    return got, done
+
+
+def _notify_without_news(r: Round, times: int) -> None:
+    for _ in range(times):  # the round changed, but not what the calls wait for
+        with r.cond:
+            r.cond.notify_all()
+        time.sleep(0.03)  # past the parker's rest, so each notify is a batch of its own
+
+
+@pytest.mark.parametrize("key", [None, "released"])
+def test_a_parked_call_with_a_key_is_tried_again_only_once_its_predicate_holds(key):
+    """Issue 31: every notify tried every parked call again (1,024 calls x ~1,000 notifies per
+    round at 1,024 workers). With a key, the parker asks the predicate once per notify and
+    tries no call until it holds."""
+    r, parker = Round(key), parking.Parker("test-parker")
+    try:
+        got, done = _park_many(r, parker, 50)
+        _notify_without_news(r, 10)
+        before = parker.tries
+        r.release()
+        assert done.wait(10.0) and got == ["released"] * 50
+        if key is None:  # without one, as before: each notify tried each call again
+            assert before >= 50, before
+        else:
+            assert before == 0 and parker.tries == 50, (before, parker.tries)
+            assert 1 <= parker.checks <= 20, parker.checks  # one per notify (11 here) at most, and none idle
     finally:
         parker.close()

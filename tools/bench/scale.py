@@ -12,6 +12,8 @@ process imports first; then all N join within the same instant (a join storm). M
   each on the raw data port while they last, are over then);
 * ``chief_rss_mib``: the chief's peak RSS (VmHWM);
 * ``status_max_s``: the slowest of the Status calls made every 0.2 s throughout;
+* ``parked_tries`` / ``parked_checks``: the parked calls the chief tried again, and the
+  predicates it asked to know whether to (``collective.parking``; its log);
 * ``plan_bytes``: the plan the chief sent each worker (its log), and ``plan_20k_bytes``: the plan
   of N workers and 20,000 variables as the chief's own plan code builds it (nothing sent);
 * ``frozen_detect_s`` (unless ``--no-freeze``): a second round; one worker in a process of its own is
@@ -145,7 +147,9 @@ def _chief(procs: _Procs, workers: int, spec: Path, topology: str, lease: float,
     chief = procs.start("chief", "-m", "collective.chief", "--workers", str(workers), "--model", str(spec),
                         "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--no-shm",
                         "--topology", topology, "--join-timeout", str(join_timeout),
-                        "--heartbeat-timeout", str(lease))
+                        "--heartbeat-timeout", str(lease), "--linger", str(join_timeout))
+    # A long --linger: on one host of few cores, starved worker processes ask for start many
+    # seconds after it was released (the chief still stops once every worker heard it).
     _until(lambda: port_file.exists() and port_file.read_text().strip(), "port file", 60.0, chief)
     return chief, f"127.0.0.1:{port_file.read_text().strip()}"
 
@@ -200,11 +204,14 @@ def scale_round(workers: int, per_process: int, tmp: Path, *, variables: int = 1
         digests = {d for r in results for d in r.get("digests", [])}
         log = (tmp / "chief.log").read_text(errors="replace")
         plan = re.search(r"plan of (\d+) bytes", log)
+        parked = re.search(r"parked calls: (\d+) tried again, (\d+) predicates asked", log)
         return {"workers": workers, "per_process": per_process, "ok": code == 0 and outs == [0] * len(outs)
                 and len(digests) == 1 and sum(r.get("started", 0) for r in results) == workers,
                 "chief_exit": code, "started": sum(r.get("started", 0) for r in results), "digests": sorted(digests), "round_s": round_s, "admitted_s": admitted,
                 "chief_threads": watch.threads, "chief_threads_end": watch.threads_end, "chief_rss_mib": watch.hwm / MiB, "status_max_s": watch.status_max,
                 "plan_bytes": int(plan.group(1)) if plan else None,
+                "parked_tries": int(parked.group(1)) if parked else None,
+                "parked_checks": int(parked.group(2)) if parked else None,
                 "errors": [e for r in results for e in r.get("errors", [])][:5]}
     finally:
         procs.close()
@@ -327,12 +334,14 @@ def run_scale(args, say) -> int:
         print(json.dumps({"scale": rows}), flush=True)
         return 0
     head = ["workers", "round s", "admitted s", "chief threads (peak / end)", "chief peak RSS MiB", "status max s",
-            "plan bytes", f"plan bytes, {PLAN_VARIABLES:,} vars", "frozen detected s (lease)"]
+            "plan bytes", f"plan bytes, {PLAN_VARIABLES:,} vars", "frozen detected s (lease)", "heard start",
+            "parked calls tried again / predicates asked"]
     print(" | ".join(head))
     for r in rows:
         frozen = f"{r['frozen_detect_s']:.1f} ({r['lease_s']:g})" if "frozen_detect_s" in r else "-"
         print(" | ".join([str(r["workers"]), f"{r['round_s']:.1f}", f"{r['admitted_s']:.1f}",
                           f"{r['chief_threads']} / {r['chief_threads_end']}",
                           f"{r['chief_rss_mib']:.0f}", f"{r['status_max_s']:.2f}", str(r["plan_bytes"]),
-                          str(r[f"plan_{PLAN_VARIABLES}_bytes"]), frozen]))
+                          str(r[f"plan_{PLAN_VARIABLES}_bytes"]), frozen, str(r["started"]),
+                          f"{r['parked_tries']} / {r['parked_checks']}"]))
     return 0

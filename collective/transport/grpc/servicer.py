@@ -17,6 +17,7 @@ import functools
 import logging
 import threading
 import time
+from concurrent import futures
 
 import grpc
 
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 # Threads that run the handler's logic, per server: calls wait as coroutines or parked, so these
 # only compute (a join, a heartbeat, a status) or stream the data (the chief's few direct children).
 POOL_THREADS = 16
+# Threads that build Status answers (``Servicer.Status``), apart from the pool.
+STATUS_THREADS = 1
 _END = object()
 
 
@@ -88,6 +91,9 @@ class Servicer:
         self._pool = pool
         self._bind_identity = bind_identity
         self._plan_lock = threading.Lock()
+        # Started on the first Status call; idle threads end with the process.
+        self._status_pool = futures.ThreadPoolExecutor(max_workers=STATUS_THREADS, thread_name_prefix=f"{name}-status")
+        self._status_building: asyncio.Future | None = None  # the Status answer being built (``Status``)
         self._plan_bytes: tuple[pb.Plan | None, bytes] = (None, b"")
         self._name = name
 
@@ -105,13 +111,12 @@ class Servicer:
         tried_at = parking.generation
         try:
             return await self._run(parking.poll, call)
-        except parking.NotYet:
-            pass
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        parker = parking.parker()
-        key = parker.park(call, deadline, lambda result, error: loop.call_soon_threadsafe(
-            _settle, fut, result, error), tried_at)
+        except parking.NotYet as waiting:
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            parker = parking.parker()
+            key = parker.park(call, deadline, lambda result, error: loop.call_soon_threadsafe(
+                _settle, fut, result, error), tried_at, waiting)
         try:
             return await fut
         finally:
@@ -272,7 +277,18 @@ class Servicer:
         return await self._answer(context, "ReportFailure", self._run(self._h.report_failure, request))
 
     async def Status(self, request, context):  # noqa: N802
-        return await self._answer(context, "Status", self._run(self._h.status))
+        """The status, serialized (``handlers``: sent as it is). Built on threads of its own, not
+        the pool: a join storm queues 1,024 joins on the pool (each waits there for its turn to
+        compare declarations), and a Status behind them waited seconds (6 s at 1,024 workers).
+        Calls that come while one is being built share it: every ``collective.join`` worker asks
+        once its round took ``straggler_log`` s (whom it waits for), 1,024 of them within a
+        second, and each answer lists every worker (100 KB at 1,024): built for each, they
+        held the chief's lock for seconds."""
+        building = self._status_building
+        if building is None or building.done():
+            building = self._status_building = asyncio.get_running_loop().run_in_executor(
+                self._status_pool, lambda: self._h.status().SerializeToString())
+        return await self._answer(context, "Status", asyncio.shield(building))
 
     async def Presence(self, request, context):  # noqa: N802
         await self._identity(context, request.worker_id)
@@ -293,6 +309,7 @@ class Servicer:
         async def data_path(request, context) -> bytes:
             return data_answer
 
+        table["Status"] = admission.wrap("Status", self.Status, pb.StatusRequest.FromString, None)  # bytes already
         table["FetchRaw"] = admission.wrap("FetchRaw", self.FetchRaw, pb.WorkerRef.FromString, None,
                                            response_streaming=True)
         table["DataPath"] = admission.wrap("DataPath", data_path, None, None)
