@@ -15,6 +15,7 @@ import time
 from collective import errors as E
 from collective import parking
 from collective._proto import collective_pb2 as pb
+from collective.logs import printable
 
 # How long a join is held while the model loads; under the client's 5 s per-try deadline, so
 # the worker gets an answer ("still loading") and tries again at once.
@@ -130,6 +131,17 @@ class PendingChief:
             raise AttributeError(name)
 
         def call(*args, **kwargs):  # looked up when called, inside the server's error boundary
+            with self._cond:
+                loading = self._service is None and self._error is None
+            if loading:
+                # Only a join reaches a chief whose round does not exist yet (joins are held):
+                # any other call comes from a worker that joined an earlier chief on this
+                # port. "Still loading" would read as "ask again" and not say why it ended.
+                who = printable(getattr(args[0], "worker_id", "") if args else "")
+                raise E.PreconditionError(
+                    f"chief restarted: worker {who!r} joined an earlier chief on this address; this one is "
+                    f"still loading the model ({time.monotonic() - self._since:.0f} s so far) and knows no round "
+                    "yet: start the worker again to join it")
             return getattr(self._target(), name)(*args, **kwargs)
 
         return call

@@ -146,7 +146,10 @@ def test_a_chief_killed_mid_broadcast_fails_every_worker_fast(cluster):
     assert time.monotonic() - t0 < 10
 
 
-def test_a_restarted_chief_makes_connected_workers_abort_naming_the_restart(cluster, tmp_path):
+# The new chief binds, then loads its model: a worker of the old one may reach it either while
+# it loads (a model of 100M parameters takes seconds: several heartbeats) or after.
+@pytest.mark.parametrize("model", [[], ["--model", "transformer-100m"]], ids=["small", "loading"])
+def test_a_restarted_chief_makes_connected_workers_abort_naming_the_restart(cluster, tmp_path, model):
     first = cluster.chief("--workers", "2", *HB)
     port = cluster.address.rsplit(":", 1)[1]
     worker = cluster.worker("loyal", *HB)
@@ -154,7 +157,7 @@ def test_a_restarted_chief_makes_connected_workers_abort_naming_the_restart(clus
     first.signal(signal.SIGKILL)
     first.wait(10)
     (tmp_path / "chief.port").unlink()
-    cluster.chief("--workers", "2", "--bind", f"127.0.0.1:{port}", *HB)
+    cluster.chief("--workers", "2", "--bind", f"127.0.0.1:{port}", *model, *HB)
     assert worker.wait(30) != 0
     out = worker.output()
     assert "restarted" in out, out

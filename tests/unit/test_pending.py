@@ -90,3 +90,14 @@ def test_a_retired_chief_answers_status_from_its_outcome_and_holds_no_service():
     assert chief.service is None and chief.status().phase == "joining"
     with pytest.raises(E.AbortedError, match="the round is over"):
         chief.join(pb.JoinRequest(worker_id="late"), "peer")
+
+
+def test_a_call_other_than_join_while_loading_names_a_restarted_chief_and_the_worker():
+    """Only a join reaches a chief before its round exists: a heartbeat or a plan request then
+    comes from a worker of an earlier chief on the same port (killed, restarted)."""
+    chief = PendingChief(2)
+    for call, req in ((chief.heartbeat, pb.HeartbeatRequest(worker_id="loyal")), (chief.get_plan, pb.WorkerRef(worker_id="loyal"))):
+        with pytest.raises(E.PreconditionError, match="chief restarted: worker 'loyal' joined an earlier chief"):
+            call(req)
+    chief.serve(Service())
+    assert chief.status().phase == "joining"
