@@ -142,7 +142,7 @@ def chunk_bytes_for(topology: str) -> int:
 
 def predict(
     topology: str, receivers: int, total_bytes: int, *, bytes_per_second: float = ASSUMED_LINK_BPS,
-    hop_seconds: float = HOP_SECONDS, chunk_bytes: int | None = None,
+    hop_seconds: float = HOP_SECONDS, chunk_bytes: int | None = None, bucket_seconds: float = 0.0,
 ) -> float:
     """Predicted broadcast seconds for ``receivers`` network receivers, one per host.
 
@@ -154,6 +154,9 @@ def predict(
     has left the chief. Then that chunk goes down the tree: every hop after the first takes one
     chunk at its stream's share (a chain: one chunk per hop; a double tree: two, each of its
     streams at half a link), and every hop adds ``hop_seconds``; the slowest receiver counts.
+    ``bucket_seconds``: a token bucket's head start (emulated links: tc tbf's burst at the rate),
+    taken off each hop into a receiver with one stream, whose downlink idles between chunks and so
+    refills; a double tree's receiver takes two streams from two senders and keeps it busy.
     """
     if receivers <= 0:
         return 0.0
@@ -175,7 +178,7 @@ def predict(
         for r in top_down(ps):
             p = ps[r]
             down = 0.0 if p < 0 else after[p] + chunk * max(out[p + 1], into[r]) / bytes_per_second
-            after[r] = down + hop_seconds
+            after[r] = down + hop_seconds - (bucket_seconds if into[r] == 1 else 0.0)
         fill = max(fill, max(after))
     return chief_link + fill
 

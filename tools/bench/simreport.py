@@ -37,6 +37,7 @@ SIZES = (("64 MiB", 64 << 20), ("10 GiB", 10 << 30))
 PLOT_HOSTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10_000)
 COLOURS = {"star": "#d62728", "tree": "#1f77b4", "chain": "#2ca02c", "dtree": "#9467bd"}
 EMULATED_BURST = 256 << 10  # tbf's bucket on every emulated link (tools/bench/emulate.py: shape)
+DEFAULT_QUEUE = "100ms"  # tbf's latency on every emulated link unless a set says otherwise
 FASTER_RELAY = 10  # the projection's second column: a relay this many times faster per chunk
 
 
@@ -53,10 +54,20 @@ class Run:
         return self.bytes / self.bytes_per_second
 
 
-def load_runs(path: Path = RUNS) -> list[Run]:
+def load_runs(path: Path = RUNS, *, queue: str = DEFAULT_QUEUE) -> list[Run]:
+    """The runs of every set whose links had ``queue`` (tbf's latency; a set without one had
+    the emulation's default)."""
     data = json.loads(path.read_text())
     return [Run(topo, int(hosts), s["bytes"], parse_rate(s["rate"]) / 8, secs)
-            for s in data["sets"] for topo, by_hosts in s["seconds"].items() for hosts, secs in by_hosts.items()]
+            for s in data["sets"] if s.get("queue", DEFAULT_QUEUE) == queue
+            for topo, by_hosts in s["seconds"].items() for hosts, secs in by_hosts.items()]
+
+
+def other_queues(path: Path = RUNS) -> list[str]:
+    """The shallower link queues some sets were run with (``collective bench --queue``)."""
+    sets = json.loads(path.read_text())["sets"]
+    return sorted({s["queue"] for s in sets if s.get("queue", DEFAULT_QUEUE) != DEFAULT_QUEUE},
+                  key=lambda q: -float(q.rstrip("ms")))
 
 
 def _error(runs: list[Run], net: Net) -> tuple[float, Net]:
@@ -87,15 +98,33 @@ def fit(runs: list[Run]) -> Net:
     return best[1]
 
 
+def queue_text(runs: list[Run]) -> str:
+    """The fit again on the runs made with each shallower link queue (``collective bench
+    --queue``), beside the fit of the default-queue runs of the same topologies, hosts and size:
+    how much of the fitted per-chunk cost is the emulated links' queueing."""
+    lines = []
+    for queue in other_queues():
+        shallow = load_runs(queue=queue)
+        same = {(r.topology, r.hosts, r.bytes) for r in shallow}
+        deep = [r for r in runs if (r.topology, r.hosts, r.bytes) in same]
+        for name, chosen in ([(DEFAULT_QUEUE, deep)] if not lines else []) + [(queue, shallow)]:
+            net = fit(chosen)
+            worst = max(abs(r["sim"] / r["measured"] - 1) for r in fit_rows(chosen, net))
+            lines.append(f"queue {name:>6}: {len(chosen)} runs ({', '.join(sorted({r.topology for r in chosen}))}), "
+                         f"per-chunk cost {net.chunk_seconds * 1e3:.2f} ms, efficiency {net.efficiency:.4f}, "
+                         f"fixed {net.fixed_seconds:+.3f} s, largest error {worst * 100:.1f} %")
+    return "\n".join(lines)
+
+
 def fit_rows(runs: list[Run], net: Net) -> list[dict]:
     rows = []
     for r in runs:
         sim = simulate(r.topology, r.hosts, r.bytes, replace(net, bytes_per_second=r.bytes_per_second))
         rate = r.bytes_per_second * net.efficiency
-        # predict knows no token bucket: each hop's head start from it (burst / rate) comes off
-        # its per-hop seconds, as on a relay's link, which the bucket refills while it waits.
-        model = predict(r.topology, r.hosts, r.bytes, bytes_per_second=rate,
-                        hop_seconds=net.hop_seconds + net.chunk_seconds - net.burst_bytes / rate) + net.fixed_seconds
+        # The token bucket's head start (burst / rate) comes off each hop whose link idles between
+        # chunks (``predict``'s ``bucket_seconds``), as on a relay's link, refilled while it waits.
+        model = predict(r.topology, r.hosts, r.bytes, bytes_per_second=rate, bucket_seconds=net.burst_bytes / rate,
+                        hop_seconds=net.hop_seconds + net.chunk_seconds) + net.fixed_seconds
         rows.append({"topology": r.topology, "hosts": r.hosts, "bytes": r.bytes, "measured": r.seconds,
                      "link_seconds": r.link_seconds, "sim": sim, "predict": model})
     return rows
@@ -261,6 +290,9 @@ def run_sim(args, say) -> int:
         return 0
     print("Emulated (200 Mbit/s) against the simulator and the time model (topology.predict):\n")
     print(fit_text(fits, net))
+    if other_queues():
+        print("\nThe same fit on runs with shallower link queues (tbf latency), beside the default's:\n")
+        print(queue_text(runs))
     print("\nProjection (simulated; x S/B against one link carrying the model once):\n")
     print(projection_text(proj, net))
     return 0
