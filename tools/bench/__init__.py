@@ -425,7 +425,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("what", nargs="?", metavar="sim|hops|scale",
                    help="sim: fit the simulator (tools/bench/sim.py) to the emulated runs and project every "
                         "topology to 64, 1,024 and 10,000 hosts (tools/bench/simreport.py); no byte is sent. "
-                        "hops: a chain of --workers relays on this host without a control plane, the slope of "
+                        "hops: a chain (or --topology dtree) of --workers relays on this host without a control plane, the slope of "
                         "a chunk's arrival over the hops: the relay's own cost per hop (tools/bench/hops.py). "
                         "scale: one chief and many workers, K per process (tools/bench/scale.py): round and "
                         "join-storm seconds, the chief's threads, peak RSS and status latency, plan bytes, "
