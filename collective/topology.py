@@ -57,16 +57,17 @@ CHAIN_CHUNK_BYTES = 512 << 10
 # A faster link makes per-hop latency weigh more, so it is the assumption that favours the chain
 # least; on slower links the chain only gains.
 ASSUMED_LINK_BPS = 25e9 / 8
-# Per hop beyond its chunk (a relay's stream setup, receiving, checking and forwarding), seconds:
-# fitted to chain runs on emulated 200 Mbit/s hosts (BENCHMARKS.md): 1.3 ms on a quiet machine,
-# 12 ms with other work on its 2 cores.
+# Per hop beyond its chunk (a relay's stream setup, receiving, checking and forwarding), seconds.
+# Measured (BENCHMARKS.md): 0.41 ms for a relay with a core to itself (`collective bench hops`,
+# one chunk through a chain on loopback), 2.5-3.8 ms with every relay of a pipelined stream busy on
+# 2 shared cores, 2.9-3.3 ms fitted to emulated hosts, whose relays share 2 cores too. 2 ms sits
+# between: a relay on a host whose cores the training job also wants.
 HOP_SECONDS = 0.002
-# What ``auto`` multiplies a topology's prediction by, for what the model leaves out: the double
-# tree's medians on emulated 200 Mbit/s hosts, once a sender kept its streams in step
-# (``stream.Lockstep``; 1.4x before), were 1.06-1.14x its prediction for 16 MiB at 4, 8 and 16
-# hosts and 1.03x for 64 MiB at 8 (BENCHMARKS.md, a loaded machine): about 0.1 s at the start,
-# the inner hops' streams starting behind the other tree's queue on a shared downlink.
-UNMODELLED = {"dtree": 1.15}
+# What ``auto`` multiplies a topology's prediction by, for what the model leaves out. The double
+# tree's emulated runs (16 MiB at 2-16 hosts, 64 MiB at 8, BENCHMARKS.md) took up to 1.08x its
+# prediction once the model stopped giving a token bucket's head start to a downlink fed by two
+# senders (up to 1.14x before, which set 1.15 here; 1.4x before ``stream.Lockstep``).
+UNMODELLED = {"dtree": 1.08}
 # On the chief's own host (no shared network link), ``auto`` streams to at most this many
 # receivers straight from the chief, and builds a tree for more (bounding the chief's streams).
 SAME_HOST_STAR_MAX = 8
