@@ -143,7 +143,7 @@ def chunk_bytes_for(topology: str) -> int:
 
 def predict(
     topology: str, receivers: int, total_bytes: int, *, bytes_per_second: float = ASSUMED_LINK_BPS,
-    hop_seconds: float = HOP_SECONDS, chunk_bytes: int | None = None, bucket_seconds: float = 0.0,
+    hop_seconds: float = HOP_SECONDS, chunk_bytes: int | None = None, burst_bytes: int = 0,
 ) -> float:
     """Predicted broadcast seconds for ``receivers`` network receivers, one per host.
 
@@ -155,9 +155,9 @@ def predict(
     has left the chief. Then that chunk goes down the tree: every hop after the first takes one
     chunk at its stream's share (a chain: one chunk per hop; a double tree: two, each of its
     streams at half a link), and every hop adds ``hop_seconds``; the slowest receiver counts.
-    ``bucket_seconds``: a token bucket's head start (emulated links: tc tbf's burst at the rate),
-    taken off each hop into a receiver with one stream, whose downlink idles between chunks and so
-    refills; a double tree's receiver takes two streams from two senders and keeps it busy.
+    ``burst_bytes``: a token bucket on every link (emulated links: tc tbf's), which refills while
+    a relay's link waits for the next chunk: each hop is that much at the link's rate shorter (at
+    most its chunk's time), or ``bucket_bytes`` of it into a receiver with two streams.
     """
     if receivers <= 0:
         return 0.0
@@ -178,10 +178,20 @@ def predict(
         after = [0.0] * receivers  # seconds from the last chunk leaving the chief to it landing at r
         for r in top_down(ps):
             p = ps[r]
-            down = 0.0 if p < 0 else after[p] + chunk * max(out[p + 1], into[r]) / bytes_per_second
-            after[r] = down + hop_seconds - (bucket_seconds if into[r] == 1 else 0.0)
+            share = max(out[p + 1], into[r])
+            down = 0.0 if p < 0 else after[p] + chunk * share / bytes_per_second
+            # The bucket lets at most the chunk itself through at once.
+            after[r] = down + hop_seconds - min(bucket_bytes(burst_bytes, chunk, into[r]), chunk * share) / bytes_per_second
         fill = max(fill, max(after))
     return chief_link + fill
+
+
+def bucket_bytes(burst: int, chunk: int, streams_in: int) -> int:
+    """What of a link's token bucket (``burst`` bytes) a stream into a receiver can use on a hop:
+    all of it when the stream has the receiver's downlink to itself; on a downlink fed by two
+    senders (a double tree's receiver), the bucket less one ``chunk``, the other sender's chunk
+    always in flight through it (emulated hosts, BENCHMARKS.md)."""
+    return burst if streams_in <= 1 else max(0, burst - chunk)
 
 
 def top_down(ps: Sequence[int]) -> list[int]:

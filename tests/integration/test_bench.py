@@ -129,6 +129,7 @@ def test_the_network_path_can_be_pinned_to_tcp_or_grpc_and_says_so(data_path, pa
     (["--chunk-bytes", "0"], "--chunk-bytes"),
     (["scale", "--per-process", "0"], "--per-process must be at least 1"),
     (["--queue", "5ms"], "--queue applies to emulated hosts"),
+    (["--burst", "1mb"], "--burst applies to emulated hosts"),
     (["hops", "--workers", "1"], "needs --workers 2 or more"),
     (["hops", "--data-path", "grpc"], "--data-path 'grpc': use tcp"),
     (["hops", "--topology", "star"], "--topology 'star': use chain or dtree"),

@@ -146,6 +146,7 @@ class Settings:
     workers_per_host: int = 1  # emulated hosts only
     data_path: str | None = None
     queue: str = "100ms"  # emulated links: tbf's latency, how long a packet may wait in a link's queue
+    burst: str = "256kb"  # emulated links: tbf's bucket
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -189,19 +190,20 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(workers, size, variables, repeat, transports, topologies, bool(args.peers), bool(args.json),
                     plot, bool(args.emulate_hosts), rate, bool(getattr(args, "no_shm", False)),
                     parse_size(args.chunk_bytes, option="--chunk-bytes") if getattr(args, "chunk_bytes", None) else None,
-                    per_host, data_path, _queue(args))
+                    per_host, data_path, *_shaping(args))
 
 
-def _queue(args: argparse.Namespace) -> str:
-    """``--queue`` (emulated hosts only): a tc time such as 100ms or 5ms."""
-    queue = getattr(args, "queue", None)
-    if queue is None:
-        return "100ms"
-    if not args.emulate_hosts:
-        raise UsageError("--queue applies to emulated hosts; add --emulate-hosts")
-    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?(us|ms|s)", queue):
+def _shaping(args: argparse.Namespace) -> tuple[str, str]:
+    """``--queue`` and ``--burst`` (emulated hosts only): a tc time such as 100ms, a tc size such
+    as 256kb (tbf's latency and bucket)."""
+    queue, burst = getattr(args, "queue", None), getattr(args, "burst", None)
+    if (queue or burst) and not args.emulate_hosts:
+        raise UsageError(f"{'--queue' if queue else '--burst'} applies to emulated hosts; add --emulate-hosts")
+    if queue is not None and not re.fullmatch(r"[0-9]+(\.[0-9]+)?(us|ms|s)", queue):
         raise UsageError(f"--queue {queue!r} is not a time such as 100ms or 5ms")
-    return queue
+    if burst is not None and not re.fullmatch(r"[0-9]+(kb|mb)", burst):
+        raise UsageError(f"--burst {burst!r} is not a size such as 256kb or 1mb")
+    return queue or "100ms", burst or "256kb"
 
 
 def _check_plot_available() -> None:
@@ -247,7 +249,7 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
     if settings.emulate:
         assert settings.rate is not None
         runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra, chunk, settings.workers_per_host,
-                                queue=settings.queue)
+                                queue=settings.queue, burst=settings.burst)
     else:
         runner = LocalRunner(workdir, say, extra, chunk, settings.data_path)
     ok = False
@@ -463,6 +465,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"link rate of every emulated host, a tc rate (default {DEFAULT_RATE})")
     p.add_argument("--queue", default=None, metavar="TIME",
                    help="how long a packet may wait in an emulated link's queue (tc tbf latency; default 100ms)")
+    p.add_argument("--burst", default=None, metavar="SIZE",
+                   help="the token bucket of every emulated link (tc tbf burst, e.g. 1mb; default 256kb)")
     p.add_argument("--hosts", action="append", metavar="H",
                    help="emulated worker hosts (repeatable or a comma list; instead of --workers): "
                         "H x --workers-per-host workers, the chief on a host of its own")

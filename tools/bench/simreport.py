@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from collective.errors import UsageError
+from collective.sizes import parse_size
 from collective.topology import MODELLED, choose, predict
 from tools.bench.sim import Net, simulate
 from tools.bench.spec import parse_rate
@@ -39,6 +40,7 @@ PLOT_HOSTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10_000)
 COLOURS = {"star": "#d62728", "tree": "#1f77b4", "chain": "#2ca02c", "dtree": "#9467bd"}
 EMULATED_BURST = 256 << 10  # tbf's bucket on every emulated link (tools/bench/emulate.py: shape)
 DEFAULT_QUEUE = "100ms"  # tbf's latency on every emulated link unless a set says otherwise
+DEFAULT_BURST = "256kb"  # tbf's bucket on every emulated link unless a set says otherwise (EMULATED_BURST)
 # The projection's second column: the relay's own cost per hop, measured with a core to itself
 # (`collective bench hops --workers 8 --chunk-bytes C --size C --repeat 9`, C = 16 KiB .. 2 MiB: one
 # chunk through a chain of relays on loopback, the slope of its arrival over the hops is 0.41 ms +
@@ -61,12 +63,12 @@ class Run:
         return self.bytes / self.bytes_per_second
 
 
-def load_runs(path: Path = RUNS, *, queue: str = DEFAULT_QUEUE) -> list[Run]:
-    """The runs of every set whose links had ``queue`` (tbf's latency; a set without one had
-    the emulation's default)."""
+def load_runs(path: Path = RUNS, *, queue: str = DEFAULT_QUEUE, burst: str = DEFAULT_BURST) -> list[Run]:
+    """The runs of every set whose links had ``queue`` and ``burst`` (tbf's latency and bucket; a
+    set without them had the emulation's defaults)."""
     data = json.loads(path.read_text())
     return [Run(topo, int(hosts), s["bytes"], parse_rate(s["rate"]) / 8, secs)
-            for s in data["sets"] if s.get("queue", DEFAULT_QUEUE) == queue
+            for s in data["sets"] if (s.get("queue", DEFAULT_QUEUE), s.get("burst", DEFAULT_BURST)) == (queue, burst)
             for topo, by_hosts in s["seconds"].items() for hosts, secs in by_hosts.items()]
 
 
@@ -75,6 +77,25 @@ def other_queues(path: Path = RUNS) -> list[str]:
     sets = json.loads(path.read_text())["sets"]
     return sorted({s["queue"] for s in sets if s.get("queue", DEFAULT_QUEUE) != DEFAULT_QUEUE},
                   key=lambda q: -float(q.rstrip("ms")))
+
+
+def other_buckets(path: Path = RUNS) -> list[str]:
+    """The other link buckets some sets were run with (``collective bench --burst``)."""
+    sets = json.loads(path.read_text())["sets"]
+    return sorted({s["burst"] for s in sets if s.get("burst", DEFAULT_BURST) != DEFAULT_BURST})
+
+
+def bucket_text(net: Net) -> str:
+    """The runs made with another link bucket against the fit (not refitted: a check of the
+    bucket's model, ``topology.bucket_bytes``)."""
+    rows = []
+    for burst in other_buckets():
+        size = parse_size(burst.replace("kb", "KiB").replace("mb", "MiB"))
+        rows += [dict(r, burst=burst) for r in fit_rows(load_runs(burst=burst), replace(net, burst_bytes=size))]
+    body = [[r["burst"], r["topology"], str(r["hosts"]), _size(r["bytes"]), f"{r['measured']:.3f}", f"{r['sim']:.3f}",
+             _pct(r["sim"], r["measured"]), f"{r['predict']:.3f}", _pct(r["predict"], r["measured"])] for r in rows]
+    return _table(["bucket", "topology", "hosts", "size", "measured s", "simulated s", "error", "predict s", "error"],
+                  body)
 
 
 def _error(runs: list[Run], net: Net) -> tuple[float, Net]:
@@ -128,9 +149,9 @@ def fit_rows(runs: list[Run], net: Net) -> list[dict]:
     for r in runs:
         sim = simulate(r.topology, r.hosts, r.bytes, replace(net, bytes_per_second=r.bytes_per_second))
         rate = r.bytes_per_second * net.efficiency
-        # The token bucket's head start (burst / rate) comes off each hop whose link idles between
-        # chunks (``predict``'s ``bucket_seconds``), as on a relay's link, refilled while it waits.
-        model = predict(r.topology, r.hosts, r.bytes, bytes_per_second=rate, bucket_seconds=net.burst_bytes / rate,
+        # The token bucket's head start (burst / rate) comes off each hop, as on a relay's link,
+        # refilled while it waits (on a double tree's receiver, less one chunk: ``bucket_bytes``).
+        model = predict(r.topology, r.hosts, r.bytes, bytes_per_second=rate, burst_bytes=net.burst_bytes,
                         hop_seconds=net.hop_seconds + net.chunk_seconds) + net.fixed_seconds
         rows.append({"topology": r.topology, "hosts": r.hosts, "bytes": r.bytes, "measured": r.seconds,
                      "link_seconds": r.link_seconds, "sim": sim, "predict": model})
@@ -298,6 +319,9 @@ def run_sim(args, say) -> int:
         return 0
     print("Emulated (200 Mbit/s) against the simulator and the time model (topology.predict):\n")
     print(fit_text(fits, net))
+    if other_buckets():
+        print("\nRuns with another link bucket, against the fit (not refitted):\n")
+        print(bucket_text(net))
     if other_queues():
         print("\nThe same fit on runs with shallower link queues (tbf latency), beside the default's:\n")
         print(queue_text(runs))
