@@ -60,7 +60,7 @@ ASSUMED_LINK_BPS = 25e9 / 8
 # Per hop beyond its chunk (a relay's stream setup, receiving, checking and forwarding), seconds.
 # Measured (BENCHMARKS.md): 0.41 ms for a relay with a core to itself (`collective bench hops`,
 # one chunk through a chain on loopback), 2.5-3.8 ms with every relay of a pipelined stream busy on
-# 2 shared cores, 2.9-3.3 ms fitted to emulated hosts, whose relays share 2 cores too. 2 ms sits
+# 2 shared cores, 2.6-3.3 ms fitted to emulated hosts, whose relays share 2 cores too. 2 ms sits
 # between: a relay on a host whose cores the training job also wants.
 HOP_SECONDS = 0.002
 # What ``auto`` multiplies a topology's prediction by, for what the model leaves out. The double
