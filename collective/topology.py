@@ -57,16 +57,17 @@ CHAIN_CHUNK_BYTES = 512 << 10
 # A faster link makes per-hop latency weigh more, so it is the assumption that favours the chain
 # least; on slower links the chain only gains.
 ASSUMED_LINK_BPS = 25e9 / 8
-# Per hop beyond its chunk (a relay's stream setup, receiving, checking and forwarding), seconds:
-# fitted to chain runs on emulated 200 Mbit/s hosts (BENCHMARKS.md): 1.3 ms on a quiet machine,
-# 12 ms with other work on its 2 cores.
+# Per hop beyond its chunk (a relay's stream setup, receiving, checking and forwarding), seconds.
+# Measured (BENCHMARKS.md): 0.41 ms for a relay with a core to itself (`collective bench hops`,
+# one chunk through a chain on loopback), 2.5-3.8 ms with every relay of a pipelined stream busy on
+# 2 shared cores, 2.6-3.3 ms fitted to emulated hosts, whose relays share 2 cores too. 2 ms sits
+# between: a relay on a host whose cores the training job also wants.
 HOP_SECONDS = 0.002
-# What ``auto`` multiplies a topology's prediction by, for what the model leaves out: the double
-# tree's medians on emulated 200 Mbit/s hosts, once a sender kept its streams in step
-# (``stream.Lockstep``; 1.4x before), were 1.06-1.14x its prediction for 16 MiB at 4, 8 and 16
-# hosts and 1.03x for 64 MiB at 8 (BENCHMARKS.md, a loaded machine): about 0.1 s at the start,
-# the inner hops' streams starting behind the other tree's queue on a shared downlink.
-UNMODELLED = {"dtree": 1.15}
+# What ``auto`` multiplies a topology's prediction by, for what the model leaves out. The double
+# tree's emulated runs (16 MiB at 2-16 hosts, 64 MiB at 8, BENCHMARKS.md) took up to 1.08x its
+# prediction once the model stopped giving a token bucket's head start to a downlink fed by two
+# senders (up to 1.14x before, which set 1.15 here; 1.4x before ``stream.Lockstep``).
+UNMODELLED = {"dtree": 1.08}
 # On the chief's own host (no shared network link), ``auto`` streams to at most this many
 # receivers straight from the chief, and builds a tree for more (bounding the chief's streams).
 SAME_HOST_STAR_MAX = 8
@@ -142,7 +143,7 @@ def chunk_bytes_for(topology: str) -> int:
 
 def predict(
     topology: str, receivers: int, total_bytes: int, *, bytes_per_second: float = ASSUMED_LINK_BPS,
-    hop_seconds: float = HOP_SECONDS, chunk_bytes: int | None = None,
+    hop_seconds: float = HOP_SECONDS, chunk_bytes: int | None = None, burst_bytes: int = 0,
 ) -> float:
     """Predicted broadcast seconds for ``receivers`` network receivers, one per host.
 
@@ -154,6 +155,9 @@ def predict(
     has left the chief. Then that chunk goes down the tree: every hop after the first takes one
     chunk at its stream's share (a chain: one chunk per hop; a double tree: two, each of its
     streams at half a link), and every hop adds ``hop_seconds``; the slowest receiver counts.
+    ``burst_bytes``: a token bucket on every link (emulated links: tc tbf's), which refills while
+    a relay's link waits for the next chunk: each hop is that much at the link's rate shorter (at
+    most its chunk's time), or ``bucket_bytes`` of it into a receiver with two streams.
     """
     if receivers <= 0:
         return 0.0
@@ -174,10 +178,20 @@ def predict(
         after = [0.0] * receivers  # seconds from the last chunk leaving the chief to it landing at r
         for r in top_down(ps):
             p = ps[r]
-            down = 0.0 if p < 0 else after[p] + chunk * max(out[p + 1], into[r]) / bytes_per_second
-            after[r] = down + hop_seconds
+            share = max(out[p + 1], into[r])
+            down = 0.0 if p < 0 else after[p] + chunk * share / bytes_per_second
+            # The bucket lets at most the chunk itself through at once.
+            after[r] = down + hop_seconds - min(bucket_bytes(burst_bytes, chunk, into[r]), chunk * share) / bytes_per_second
         fill = max(fill, max(after))
     return chief_link + fill
+
+
+def bucket_bytes(burst: int, chunk: int, streams_in: int) -> int:
+    """What of a link's token bucket (``burst`` bytes) a stream into a receiver can use on a hop:
+    all of it when the stream has the receiver's downlink to itself; on a downlink fed by two
+    senders (a double tree's receiver), the bucket less one ``chunk``, the other sender's chunk
+    always in flight through it (emulated hosts, BENCHMARKS.md)."""
+    return burst if streams_in <= 1 else max(0, burst - chunk)
 
 
 def top_down(ps: Sequence[int]) -> list[int]:

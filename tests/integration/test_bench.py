@@ -128,6 +128,11 @@ def test_the_network_path_can_be_pinned_to_tcp_or_grpc_and_says_so(data_path, pa
     (["--data-path", "pigeon"], "--data-path 'pigeon' is not one of auto, tcp, grpc"),
     (["--chunk-bytes", "0"], "--chunk-bytes"),
     (["scale", "--per-process", "0"], "--per-process must be at least 1"),
+    (["--queue", "5ms"], "--queue applies to emulated hosts"),
+    (["--burst", "1mb"], "--burst applies to emulated hosts"),
+    (["hops", "--workers", "1"], "needs --workers 2 or more"),
+    (["hops", "--data-path", "grpc"], "--data-path 'grpc': use tcp"),
+    (["hops", "--topology", "star"], "--topology 'star': use chain or dtree"),
     (["scale", "--lease", "soon"], "--lease 'soon' is not a number of seconds"),
 ])
 def test_bad_options_exit_2_with_one_line_and_no_traceback(args, says):
@@ -277,6 +282,20 @@ def test_sim_prints_the_fit_and_the_projection_and_draws_an_svg(monkeypatch, cap
     assert "fitted: efficiency" in out and "dtree meets <= 1.5x S/B at 1,024 hosts" in out
     lines = ET.parse(svg).getroot().findall("{http://www.w3.org/2000/svg}polyline")
     assert len(lines) == 8  # per topology: the projection and the fitted emulated setting
+
+
+@pytest.mark.parametrize("topology", ["chain", "dtree"])
+def test_hops_times_relays_without_a_control_plane(topology):
+    """`collective bench hops`: every relay lands every chunk (one per tree), the chain's later the
+    further it is from the source."""
+    got = one_json_line(bench("hops", "--workers", "3", "--topology", topology, "--repeat", "2", "--json", timeout=60))
+    trees = 2 if topology == "dtree" else 1
+    assert (got["topology"], got["workers"], got["bytes"], got["chunk_bytes"], got["path"]) == (
+        topology, 3, trees * 512 << 10, 512 << 10, "tcp")
+    assert len(got["hop_samples"]) == 2 and got["hop_seconds"] > 0
+    assert all(a > 0 for a in got["arrival_seconds"])
+    if topology == "chain":
+        assert got["arrival_seconds"][0] < got["arrival_seconds"][1] < got["arrival_seconds"][2]
 
 
 def test_sim_takes_no_other_mode(capsys):

@@ -59,6 +59,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -144,6 +145,8 @@ class Settings:
     chunk_bytes: int | None = None
     workers_per_host: int = 1  # emulated hosts only
     data_path: str | None = None
+    queue: str = "100ms"  # emulated links: tbf's latency, how long a packet may wait in a link's queue
+    burst: str = "256kb"  # emulated links: tbf's bucket
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -187,7 +190,20 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(workers, size, variables, repeat, transports, topologies, bool(args.peers), bool(args.json),
                     plot, bool(args.emulate_hosts), rate, bool(getattr(args, "no_shm", False)),
                     parse_size(args.chunk_bytes, option="--chunk-bytes") if getattr(args, "chunk_bytes", None) else None,
-                    per_host, data_path)
+                    per_host, data_path, *_shaping(args))
+
+
+def _shaping(args: argparse.Namespace) -> tuple[str, str]:
+    """``--queue`` and ``--burst`` (emulated hosts only): a tc time such as 100ms, a tc size such
+    as 256kb (tbf's latency and bucket)."""
+    queue, burst = getattr(args, "queue", None), getattr(args, "burst", None)
+    if (queue or burst) and not args.emulate_hosts:
+        raise UsageError(f"{'--queue' if queue else '--burst'} applies to emulated hosts; add --emulate-hosts")
+    if queue is not None and not re.fullmatch(r"[0-9]+(\.[0-9]+)?(us|ms|s)", queue):
+        raise UsageError(f"--queue {queue!r} is not a time such as 100ms or 5ms")
+    if burst is not None and not re.fullmatch(r"[0-9]+(kb|mb)", burst):
+        raise UsageError(f"--burst {burst!r} is not a size such as 256kb or 1mb")
+    return queue or "100ms", burst or "256kb"
 
 
 def _check_plot_available() -> None:
@@ -232,7 +248,8 @@ def run(settings: Settings, say: Callable[[str], None]) -> tuple[list[Result], f
     runner: LocalRunner | EmulatedRunner
     if settings.emulate:
         assert settings.rate is not None
-        runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra, chunk, settings.workers_per_host)
+        runner = EmulatedRunner(workdir, say, settings.rate, settings.size, extra, chunk, settings.workers_per_host,
+                                queue=settings.queue, burst=settings.burst)
     else:
         runner = LocalRunner(workdir, say, extra, chunk, settings.data_path)
     ok = False
@@ -353,12 +370,17 @@ def run_bench(args: argparse.Namespace) -> int:
         from tools.bench.simreport import run_sim
 
         return run_sim(args, say)
+    if what == "hops":
+        from tools.bench.hops import run_hops
+
+        return run_hops(args, say)
     if what == "scale":
         from tools.bench.scale import run_scale
 
         return run_scale(args, say)
     if what is not None:
-        raise UsageError(f"collective bench {what!r}: the modes are 'sim' and 'scale' (or none, to run the benchmark)")
+        raise UsageError(f"collective bench {what!r}: the modes are 'sim' and 'scale' (the simulator, many workers) "
+                         "and 'hops' (a relay's cost per hop), or none, to run the benchmark")
     if getattr(args, "from_file", False):
         from tools.bench.fromfile import run_from_file
 
@@ -402,9 +424,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Time the broadcast phase (first byte sent until every worker is ready) for each "
                     "configuration, median of --repeat runs; with --peers also MPI_Bcast (mpi4py) and "
                     "gloo (torch) moving the same bytes to the same number of receivers.")
-    p.add_argument("what", nargs="?", metavar="sim|scale",
+    p.add_argument("what", nargs="?", metavar="sim|hops|scale",
                    help="sim: fit the simulator (tools/bench/sim.py) to the emulated runs and project every "
                         "topology to 64, 1,024 and 10,000 hosts (tools/bench/simreport.py); no byte is sent. "
+                        "hops: a chain (or --topology dtree) of --workers relays on this host without a control plane, the slope of "
+                        "a chunk's arrival over the hops: the relay's own cost per hop (tools/bench/hops.py). "
                         "scale: one chief and many workers, K per process (tools/bench/scale.py): round and "
                         "join-storm seconds, the chief's threads, peak RSS and status latency, plan bytes, "
                         "frozen-worker detection (default --workers 1024)")
@@ -439,6 +463,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="run on emulated hosts (network namespaces, every link shaped with tc; needs root)")
     p.add_argument("--rate", default=None, metavar="RATE",
                    help=f"link rate of every emulated host, a tc rate (default {DEFAULT_RATE})")
+    p.add_argument("--queue", default=None, metavar="TIME",
+                   help="how long a packet may wait in an emulated link's queue (tc tbf latency; default 100ms)")
+    p.add_argument("--burst", default=None, metavar="SIZE",
+                   help="the token bucket of every emulated link (tc tbf burst, e.g. 1mb; default 256kb)")
     p.add_argument("--hosts", action="append", metavar="H",
                    help="emulated worker hosts (repeatable or a comma list; instead of --workers): "
                         "H x --workers-per-host workers, the chief on a host of its own")

@@ -383,14 +383,16 @@ class Topology:
         """Pull ``host``'s cable: its link on the switch goes down; nothing reaches it any more."""
         _run("ip", "-n", self.switch, "link", "set", self.hosts[host].link, "down")
 
-    def shape(self, host: str, rate: str, *, queue: str = "100ms") -> None:
+    def shape(self, host: str, rate: str, *, queue: str = "100ms", burst: str = "256kb") -> None:
         """Limit ``host``'s link to ``rate`` (e.g. ``20mbit``) both ways with tbf: on the host's
         side for its uplink, on the switch's side for its downlink (netem is not available).
         ``queue`` is how long a packet may wait in the link's queue: a link kept full by a bulk
-        flow delays every other packet on it by about that much (a long, busy path's RTT)."""
+        flow delays every other packet on it by about that much (a long, busy path's RTT).
+        ``burst``: the token bucket, what an idle link lets through at once (above the kernel's
+        64 KiB segments, or tbf drops them)."""
         h = self.hosts[host]
         for ns, dev in ((h.ns, "eth0"), (self.switch, h.link)):
-            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
+            _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
                  "latency", queue)
 
     def heal(self, host: str) -> None:

@@ -294,8 +294,10 @@ class EmulatedRunner:
     when the count changes."""
 
     def __init__(self, workdir: Path, say: Callable[[str], None], rate: str, size: int,
-                 extra: Sequence[str] = (), chunk: Sequence[str] = (), per_host: int = 1) -> None:
+                 extra: Sequence[str] = (), chunk: Sequence[str] = (), per_host: int = 1,
+                 queue: str = "100ms", burst: str = "256kb") -> None:
         self.workdir, self.say, self.rate = workdir, say, rate
+        self.queue, self.burst = queue, burst  # a shaped link's tbf latency and bucket
         self.per_host = per_host
         self.extra = list(extra)  # more chief and worker options (--no-shm)
         self.chunk = list(chunk)  # --chunk-bytes N for the chief (gRPC) or rank 0 (MPI)
@@ -323,10 +325,10 @@ class EmulatedRunner:
         net.__enter__()
         self.net, self.workers = net, workers
         for host in net.hosts:
-            net.shape(host, self.rate)
+            net.shape(host, self.rate, queue=self.queue, burst=self.burst)
         self.rsh = net.write_rsh(net.workdir / "rsh")
         self.say(f"emulated network: chief + {len(hosts) - 1} worker host(s) x {self.per_host} worker(s), "
-                 f"every link {self.rate} both ways")
+                 f"every link {self.rate} both ways, queue {self.queue}, bucket {self.burst}")
         return net
 
     def close(self) -> None:

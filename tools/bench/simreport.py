@@ -9,8 +9,9 @@ cannot be seen), each on a grid, and the round's fixed seconds in closed form fo
 run is printed beside the simulator's figure and ``topology.predict``'s (given the same link rate
 x efficiency and per-hop seconds, plus the fixed seconds), with the errors.
 
-The projection keeps the fitted per-chunk cost, and, to show what the layout alone would give,
-the same with a relay ten times faster. Links are taken at their full rate (efficiency 1: header
+The projection keeps the fitted per-chunk cost (a relay in Python on 2 cores shared by every
+emulated host's processes), and beside it the relay's own cost measured with a core to itself
+(``MEASURED_HOP_SECONDS``, ``collective bench hops``). Links are taken at their full rate (efficiency 1: header
 overhead slows every topology alike) with no fixed seconds, so ``x S/B`` is the layout's own cost.
 
 ``--svg FILE`` draws time / (S/B) against hosts, one line per topology: solid, the projection
@@ -26,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from collective.errors import UsageError
+from collective.sizes import parse_size
 from collective.topology import MODELLED, choose, predict
 from tools.bench.sim import Net, simulate
 from tools.bench.spec import parse_rate
@@ -37,7 +39,15 @@ SIZES = (("64 MiB", 64 << 20), ("10 GiB", 10 << 30))
 PLOT_HOSTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10_000)
 COLOURS = {"star": "#d62728", "tree": "#1f77b4", "chain": "#2ca02c", "dtree": "#9467bd"}
 EMULATED_BURST = 256 << 10  # tbf's bucket on every emulated link (tools/bench/emulate.py: shape)
-FASTER_RELAY = 10  # the projection's second column: a relay this many times faster per chunk
+DEFAULT_QUEUE = "100ms"  # tbf's latency on every emulated link unless a set says otherwise
+DEFAULT_BURST = "256kb"  # tbf's bucket on every emulated link unless a set says otherwise (EMULATED_BURST)
+# The projection's second column: the relay's own cost per hop, measured with a core to itself
+# (`collective bench hops --workers 8 --chunk-bytes C --size C --repeat 9`, C = 16 KiB .. 2 MiB: one
+# chunk through a chain of relays on loopback, the slope of its arrival over the hops is 0.41 ms +
+# 0.35 ms per MiB; the per-MiB part is the loopback's own copies, the wire the simulator charges on
+# its own). What a hop costs on a 25 Gbit/s datacentre link is assumed to be this: the relay's
+# wake-ups, digest and hand-off, with its transfer at the link's rate.
+MEASURED_HOP_SECONDS = 0.00041
 
 
 @dataclass(frozen=True)
@@ -53,10 +63,39 @@ class Run:
         return self.bytes / self.bytes_per_second
 
 
-def load_runs(path: Path = RUNS) -> list[Run]:
+def load_runs(path: Path = RUNS, *, queue: str = DEFAULT_QUEUE, burst: str = DEFAULT_BURST) -> list[Run]:
+    """The runs of every set whose links had ``queue`` and ``burst`` (tbf's latency and bucket; a
+    set without them had the emulation's defaults)."""
     data = json.loads(path.read_text())
     return [Run(topo, int(hosts), s["bytes"], parse_rate(s["rate"]) / 8, secs)
-            for s in data["sets"] for topo, by_hosts in s["seconds"].items() for hosts, secs in by_hosts.items()]
+            for s in data["sets"] if (s.get("queue", DEFAULT_QUEUE), s.get("burst", DEFAULT_BURST)) == (queue, burst)
+            for topo, by_hosts in s["seconds"].items() for hosts, secs in by_hosts.items()]
+
+
+def other_queues(path: Path = RUNS) -> list[str]:
+    """The shallower link queues some sets were run with (``collective bench --queue``)."""
+    sets = json.loads(path.read_text())["sets"]
+    return sorted({s["queue"] for s in sets if s.get("queue", DEFAULT_QUEUE) != DEFAULT_QUEUE},
+                  key=lambda q: -float(q.rstrip("ms")))
+
+
+def other_buckets(path: Path = RUNS) -> list[str]:
+    """The other link buckets some sets were run with (``collective bench --burst``)."""
+    sets = json.loads(path.read_text())["sets"]
+    return sorted({s["burst"] for s in sets if s.get("burst", DEFAULT_BURST) != DEFAULT_BURST})
+
+
+def bucket_text(net: Net) -> str:
+    """The runs made with another link bucket against the fit (not refitted: a check of the
+    bucket's model, ``topology.bucket_bytes``)."""
+    rows = []
+    for burst in other_buckets():
+        size = parse_size(burst.replace("kb", "KiB").replace("mb", "MiB"))
+        rows += [dict(r, burst=burst) for r in fit_rows(load_runs(burst=burst), replace(net, burst_bytes=size))]
+    body = [[r["burst"], r["topology"], str(r["hosts"]), _size(r["bytes"]), f"{r['measured']:.3f}", f"{r['sim']:.3f}",
+             _pct(r["sim"], r["measured"]), f"{r['predict']:.3f}", _pct(r["predict"], r["measured"])] for r in rows]
+    return _table(["bucket", "topology", "hosts", "size", "measured s", "simulated s", "error", "predict s", "error"],
+                  body)
 
 
 def _error(runs: list[Run], net: Net) -> tuple[float, Net]:
@@ -87,23 +126,41 @@ def fit(runs: list[Run]) -> Net:
     return best[1]
 
 
+def queue_text(runs: list[Run]) -> str:
+    """The fit again on the runs made with each shallower link queue (``collective bench
+    --queue``), beside the fit of the default-queue runs of the same topologies, hosts and size:
+    how much of the fitted per-chunk cost is the emulated links' queueing."""
+    lines = []
+    for queue in other_queues():
+        shallow = load_runs(queue=queue)
+        same = {(r.topology, r.hosts, r.bytes) for r in shallow}
+        deep = [r for r in runs if (r.topology, r.hosts, r.bytes) in same]
+        for name, chosen in ([(DEFAULT_QUEUE, deep)] if not lines else []) + [(queue, shallow)]:
+            net = fit(chosen)
+            worst = max(abs(r["sim"] / r["measured"] - 1) for r in fit_rows(chosen, net))
+            lines.append(f"queue {name:>6}: {len(chosen)} runs ({', '.join(sorted({r.topology for r in chosen}))}), "
+                         f"per-chunk cost {net.chunk_seconds * 1e3:.2f} ms, efficiency {net.efficiency:.4f}, "
+                         f"fixed {net.fixed_seconds:+.3f} s, largest error {worst * 100:.1f} %")
+    return "\n".join(lines)
+
+
 def fit_rows(runs: list[Run], net: Net) -> list[dict]:
     rows = []
     for r in runs:
         sim = simulate(r.topology, r.hosts, r.bytes, replace(net, bytes_per_second=r.bytes_per_second))
         rate = r.bytes_per_second * net.efficiency
-        # predict knows no token bucket: each hop's head start from it (burst / rate) comes off
-        # its per-hop seconds, as on a relay's link, which the bucket refills while it waits.
-        model = predict(r.topology, r.hosts, r.bytes, bytes_per_second=rate,
-                        hop_seconds=net.hop_seconds + net.chunk_seconds - net.burst_bytes / rate) + net.fixed_seconds
+        # The token bucket's head start (burst / rate) comes off each hop, as on a relay's link,
+        # refilled while it waits (on a double tree's receiver, less one chunk: ``bucket_bytes``).
+        model = predict(r.topology, r.hosts, r.bytes, bytes_per_second=rate, burst_bytes=net.burst_bytes,
+                        hop_seconds=net.hop_seconds + net.chunk_seconds) + net.fixed_seconds
         rows.append({"topology": r.topology, "hosts": r.hosts, "bytes": r.bytes, "measured": r.seconds,
                      "link_seconds": r.link_seconds, "sim": sim, "predict": model})
     return rows
 
 
 def projection_rows(net: Net) -> list[dict]:
-    fast = replace(net, chunk_seconds=net.chunk_seconds / FASTER_RELAY, hop_seconds=net.hop_seconds / FASTER_RELAY)
-    rows = []
+    fast = replace(net, chunk_seconds=MEASURED_HOP_SECONDS, hop_seconds=0.0)
+    rows = []  # "sim": with the fitted per-chunk cost; "sim_fast": with the measured one
     for rate_name, rate in RATES:
         for size_name, size in SIZES:
             for hosts in HOSTS:
@@ -177,9 +234,10 @@ def projection_text(rows: list[dict], net: Net) -> str:
                      f"{r['predict'] / r['link_seconds']:.2f}"])
     cost = (net.hop_seconds + net.chunk_seconds) * 1e3
     return "\n".join([
-        _table(["link", "size", "hosts", "topology", "simulated s", "x S/B", f"x S/B, relay {cost / FASTER_RELAY:.2f} ms",
+        _table(["link", "size", "hosts", "topology", "simulated s", "x S/B", f"x S/B, relay measured {MEASURED_HOP_SECONDS * 1e3:.2f} ms",
                 "predict x S/B"], body),
-        f"per-chunk cost {cost:.2f} ms (fitted); (auto): what `--topology auto` picks among the topologies users can pick",
+        f"per-chunk cost {cost:.2f} ms (fitted to the emulated runs; measured with a core to itself: "
+        f"{MEASURED_HOP_SECONDS * 1e3:.2f} ms); (auto): what `--topology auto` picks among the topologies users can pick",
         budget_text(),
     ])
 
@@ -261,6 +319,12 @@ def run_sim(args, say) -> int:
         return 0
     print("Emulated (200 Mbit/s) against the simulator and the time model (topology.predict):\n")
     print(fit_text(fits, net))
+    if other_buckets():
+        print("\nRuns with another link bucket, against the fit (not refitted):\n")
+        print(bucket_text(net))
+    if other_queues():
+        print("\nThe same fit on runs with shallower link queues (tbf latency), beside the default's:\n")
+        print(queue_text(runs))
     print("\nProjection (simulated; x S/B against one link carrying the model once):\n")
     print(projection_text(proj, net))
     return 0
