@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -77,11 +78,18 @@ class _JSONFormatter(_UTCFormatter):
 
 
 def configure(role: str, *, fmt: str = "text", level: int = logging.INFO, stream=None) -> None:
-    """Route the project's log lines to ``stream`` (stderr) in ``fmt`` (text or json)."""
-    if fmt not in ("text", "json"):
-        from collective.errors import UsageError
+    """Route the project's log lines to ``stream`` (stderr) in ``fmt`` (text or json), at
+    ``level`` or the one ``COLLECTIVE_LOG_LEVEL`` names (debug, info, warning, error)."""
+    from collective.errors import UsageError
 
+    if fmt not in ("text", "json"):
         raise UsageError(f"--log-format {fmt!r} is not one of text, json")
+    given = os.environ.get("COLLECTIVE_LOG_LEVEL", "")
+    named = given.strip().upper()
+    if named:
+        if named not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise UsageError(f"COLLECTIVE_LOG_LEVEL={printable(given, 40)!r} is not one of debug, info, warning, error")
+        level = getattr(logging, named)
     set_context(role=role)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(_ContextFilter())

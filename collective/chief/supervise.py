@@ -191,7 +191,7 @@ class Supervisor:
             svc._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
             parked = parking.stats()
             if parked["tries"] or parked["checks"]:  # a server that parks its calls (collective.parking)
-                log.info("parked calls: %d tried again, %d predicates asked, %d still parked",
+                log.debug("parked calls: %d tried again, %d predicates asked, %d still parked",
                          parked["tries"], parked["checks"], parked["parked"])
             if svc._phase is Phase.FAILED:
                 raise svc._error or AbortedError("the round failed")

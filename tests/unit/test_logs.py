@@ -42,3 +42,21 @@ def test_a_logged_worker_id_with_newlines_and_escapes_stays_one_safe_line(restor
     if fmt == "json":
         record = json.loads(text)
         assert "\x1b" not in record["message"] and "\n" not in record["worker_id"]
+
+
+@pytest.mark.parametrize(("named", "shown"), [("", False), ("debug", True), ("INFO", False)])
+def test_collective_log_level_names_the_level_of_every_line(restore_logging, monkeypatch, named, shown):
+    monkeypatch.setenv("COLLECTIVE_LOG_LEVEL", named)
+    out = io.StringIO()
+    logs.configure("chief", stream=out)
+    logging.getLogger("collective.chief.supervise").debug("parked calls: 3 tried again")
+    logging.getLogger("collective.chief.supervise").info("start released")
+    assert ("parked calls" in out.getvalue()) is shown and "start released" in out.getvalue()
+
+
+def test_a_collective_log_level_that_is_no_level_is_a_usage_error_naming_it(restore_logging, monkeypatch):
+    from collective.errors import UsageError
+
+    monkeypatch.setenv("COLLECTIVE_LOG_LEVEL", "loud\n")
+    with pytest.raises(UsageError, match=r"COLLECTIVE_LOG_LEVEL='loud\\\\x0a' is not one of debug, info, warning, error"):
+        logs.configure("chief", stream=io.StringIO())

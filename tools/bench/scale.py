@@ -71,6 +71,7 @@ class _Procs:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
         # The lease for the workers too: one that hears nothing from the chief that long gives up.
         self.env.update(COLLECTIVE_TOKEN=TOKEN, PYTHONUNBUFFERED="1", COLLECTIVE_HEARTBEAT_TIMEOUT=str(lease),
+                        COLLECTIVE_LOG_LEVEL="debug",  # the chief's parked-call counter is a debug line
                         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
 
     def start(self, name: str, *args: str, nice: int = 0) -> subprocess.Popen:
