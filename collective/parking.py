@@ -162,19 +162,26 @@ class Parker:
             news = self._changed.wait(wait)
             self._changed.clear()
             t0 = time.monotonic()
-            with self._lock:  # no news: only the calls whose deadline passed
-                batch = [(k, p) for k, p in self._parked.items() if news or p.deadline <= t0]
-            holds: dict[tuple[int, str], bool] = {}  # this batch's answer of each key's predicate
-            for key, p in batch:
-                group = p.waiting.group if p.waiting is not None else None
-                if group is not None and t0 < p.deadline:
-                    if group not in holds:
-                        holds[group] = self._holds(p.waiting)
-                    if not holds[group]:
-                        continue
-                self._try(key, p)
-            if batch:
+            if self._batch(news, t0):
                 time.sleep(max(time.monotonic() - t0, self.MIN_REST))
+
+    def _batch(self, news: bool, t0: float) -> bool:
+        """Try the calls due (all on news, else those past their deadline); True if any was due.
+        A method of its own: the batch (each call's wait, its predicate, the service it reads)
+        must not stay alive in ``_run``'s locals while the thread waits for the next notify, or a
+        finished round's service outlives its call until then."""
+        with self._lock:  # no news: only the calls whose deadline passed
+            batch = [(k, p) for k, p in self._parked.items() if news or p.deadline <= t0]
+        holds: dict[tuple[int, str], bool] = {}  # this batch's answer of each key's predicate
+        for key, p in batch:
+            group = p.waiting.group if p.waiting is not None else None
+            if group is not None and t0 < p.deadline:
+                if group not in holds:
+                    holds[group] = self._holds(p.waiting)
+                if not holds[group]:
+                    continue
+            self._try(key, p)
+        return bool(batch)
 
     def _holds(self, waiting: NotYet) -> bool:
         self.checks += 1
