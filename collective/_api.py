@@ -430,6 +430,8 @@ def join(
         with Awaited(who or f"worker {agent.worker_id}", worker_awaits(link, f"the chief at {chief}", t.rpc),
                       t.straggler_log):
             return agent.run()
+    except StopSignal as stop:  # a SIGTERM outside the agent's run (``agent.run`` raises the error itself)
+        raise stop.error from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

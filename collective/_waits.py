@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from collective.errors import AbortedError, CollectiveError
+from collective.errors import AbortedError, CollectiveError, StopSignal
 
 log = logging.getLogger("collective")
 
@@ -69,16 +69,6 @@ def worker_awaits(link, chief_name: str, timeout: float) -> Callable[[], str | N
     return awaited
 
 
-class StopSignal(BaseException):
-    """SIGTERM / SIGINT while the model loads, raised from the handler: a BaseException, so no
-    ``except Exception`` in the loading code it interrupts can swallow it (one did, under load:
-    the chief then served on as if never told). ``error`` is what the caller raises."""
-
-    def __init__(self, error: AbortedError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 def on_stop_signals(pending) -> dict[int, Any]:
     """On the main thread, SIGTERM / SIGINT fail the round: while the model loads, by raising
     here (the workers are told by ``pending``); once the round exists, by failing it, so every
@@ -130,7 +120,10 @@ def stop_on_sigterm(who: str, culprit: str | None) -> dict[int, Any]:
     """On the main thread, SIGTERM (``scancel``, ``kill``, a supervisor) ends the call in one
     line naming the phase, "worker w0 stopped by SIGTERM while receiving", and exit status 143,
     not a bare "Terminated": the error is raised where the call waits, so the worker tells the
-    chief why it goes, as for any failure. Returns the handlers to restore."""
+    chief why it goes, as for any failure. Raised as ``StopSignal`` (the caller raises its
+    ``error``): an ``Exception`` raised from the handler was swallowed by whatever ``except
+    Exception`` the main thread was in, such as logging's own, and the worker carried on.
+    Returns the handlers to restore."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
@@ -141,6 +134,6 @@ def stop_on_sigterm(who: str, culprit: str | None) -> dict[int, Any]:
         err = AbortedError(f"{who} stopped by {signal.Signals(signum).name} while {_DOING.get(phase, phase)}",
                            culprit=culprit, phase=phase)
         err.exit_code = 128 + signum
-        raise err
+        raise StopSignal(err)
 
     return {signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}

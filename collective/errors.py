@@ -202,3 +202,14 @@ def rebuild(info: dict | None, code: str | None, message: str) -> CollectiveErro
     info = info or {}
     cls = wire_class(info.get("class"), code)
     return cls(message, culprit=info.get("culprit"), phase=info.get("phase"))
+
+
+class StopSignal(BaseException):
+    """SIGTERM / SIGINT while the chief loads its model, or SIGTERM to a worker, raised from the
+    handler: a BaseException, so no ``except Exception`` in the code it interrupts can swallow
+    it (one did, under load: the chief then served on as if never told; logging's ``emit`` did
+    for a worker, which then finished its round). ``error`` is what the caller raises."""
+
+    def __init__(self, error: CollectiveError) -> None:
+        super().__init__(str(error))
+        self.error = error

@@ -31,6 +31,7 @@ from collective.errors import (
     DeadlineError,
     IntegrityError,
     RelayError,
+    StopSignal,
 )
 from collective.keys import parse_devices
 from collective.model import VariableSpec
@@ -216,6 +217,10 @@ class WorkerAgent:
         self._aborted: CollectiveError | None = None
         try:
             return self._run()
+        except StopSignal as stop:  # SIGTERM (``_waits.stop_on_sigterm``): a failure like any other
+            self._report_failure(stop.error)
+            outcome = f"worker {self.worker_id} stopped: {stop.error}"
+            raise stop.error from None
         except CollectiveError as exc:
             # The chief must hear of our failure at once, not at its ready deadline.
             self._report_failure(exc)

@@ -1,0 +1,54 @@
+"""_waits.stop_on_sigterm: a SIGTERM ends the worker's call wherever the main thread is.
+
+Found by CI on a loaded machine (Slurm preemption test): the SIGTERM reached a worker while it
+was inside ``log.info``; the handler's exception was caught by logging's own ``except
+Exception`` ("--- Logging error ---"), and the worker finished its round as if never told."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+
+from collective import logs
+from collective._waits import StopSignal, stop_on_sigterm
+from collective.errors import AbortedError
+
+
+class _SignalledHandler(logging.Handler):
+    """A handler that receives SIGTERM while it formats a record, as a preempted worker did."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            self.format(record)  # the handler runs at the next bytecode: inside this try
+        except Exception:  # noqa: BLE001 - logging.Handler's own policy (handleError), copied here
+            self.handleError(record)
+
+
+@pytest.fixture
+def sigterm_handled():
+    logs.set_context(phase="receive")
+    previous = stop_on_sigterm("worker w0", "w0")
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    logs.set_context(phase="-")
+
+
+def test_a_sigterm_inside_a_logging_call_still_ends_the_call_naming_the_phase(sigterm_handled):
+    log = logging.getLogger("test.stop_signal")
+    log.addHandler(_SignalledHandler())
+    log.propagate = False
+    try:
+        with pytest.raises(StopSignal) as stop:
+            log.warning("plan: 20 variables")
+    finally:
+        log.handlers.clear()
+        log.propagate = True
+    err = stop.value.error
+    assert isinstance(err, AbortedError) and err.exit_code == 143
+    assert str(err) == "worker w0 stopped by SIGTERM while receiving" and err.culprit == "w0"
+
