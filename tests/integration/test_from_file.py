@@ -13,7 +13,7 @@ import xxhash
 
 from collective.digest import combined_digest, worker_digest
 from tests.clusters import tampering_relay
-from tests.procs import error_line
+from tests.procs import error_line, wait_for
 from tools.bench.checkpoint import write_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -67,7 +67,10 @@ def test_a_sharded_checkpoint_reaches_workers_over_grpc_and_shared_memory(tmp_pa
 def test_a_shard_changed_after_it_was_hashed_fails_the_round_naming_it(tmp_path, cluster):
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, 1 << 20, 2, tensor_bytes=100_000)
-    chief = cluster.chief("--workers", "1", "--model", str(ckpt), "--from-file", *CHIEF)  # hashed once serving
+    chief = cluster.chief("--workers", "1", "--model", str(ckpt), "--from-file", *CHIEF)
+    # The chief hashes the files once serving, while workers join: change the shard after that
+    # (before it, the chief hashes the changed bytes and serves them consistently).
+    wait_for(chief, "read and hashed")
     shard = ckpt / "model-00002-of-00002.safetensors"
     with open(shard, "r+b") as f:
         f.seek(-1, os.SEEK_END)
