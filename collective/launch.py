@@ -196,7 +196,7 @@ class Launcher:
         live = [c for c in self.children if c.proc.poll() is None]
         if self.interrupted:
             # Ctrl-C is passed on as what it was, so each process names SIGINT (and mpiexec's
-            # ranks exit 130 together instead of being killed, which makes it print a banner);
+            # job ends in one MPI_Abort(130) instead of a banner and exit 9: collective.mpi._end_job);
             # a process that has not taken SIGINT over yet (still loading) gets SIGTERM next.
             for c in live:
                 c.stopped = True

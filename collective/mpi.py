@@ -82,20 +82,44 @@ class _RankZeroParser(argparse.ArgumentParser):
 
 
 def _on_interrupt(signum, frame) -> None:
-    """Ctrl-C on mpiexec reaches every rank: rank 0 says so once, every rank exits 130 at once
+    """Ctrl-C on mpiexec reaches every rank: rank 0 says so once, and the job ends with exit 130
     (so mpiexec exits 130), from the handler itself, so no KeyboardInterrupt can surface as a
-    traceback anywhere (an import, a thread's callback).
-
-    mpiexec stops forwarding output and SIGKILLs the job as soon as the first rank ends (then it
-    exits 9, not 130), so every rank waits the same short moment before exiting: rank 0's line
-    gets out, and the ranks still end together.
-    """
+    traceback anywhere (an import, a thread's callback). See ``_end_job``."""
     from collective.clusterenv import mpi_rank
 
-    if mpi_rank(os.environ) in (None, 0):
-        print("interrupted", file=sys.stderr, flush=True)
-    time.sleep(0.2)
-    os._exit(130)
+    rank = mpi_rank(os.environ)
+    if rank in (None, 0):
+        os.write(2, b"interrupted\n")
+    _end_job(130, rank)
+
+
+STOP_GRACE = 0.5  # seconds between rank 0's line and its MPI_Abort: the line gets out first
+FOLLOWER_WAIT = 2.0  # a rank other than 0 ends the job itself if rank 0 has not done so by then
+
+
+def _end_job(code: int, rank: int | None) -> None:
+    """End this rank and the whole job with exit ``code``, from a stop signal's handler. Never
+    returns.
+
+    mpiexec SIGKILLs every rank as soon as the first one ends, and then exits 9 with its "BAD
+    TERMINATION" banner: ranks that each exit after the same short moment end together only if
+    their handlers ran within a few milliseconds of each other, which a loaded machine does not
+    grant (a CI run beside two CPU-bound processes exited 9). So one rank ends the job for all:
+    rank 0, after ``STOP_GRACE`` (its line, and the other ranks' lines, get out first), calls
+    MPI_Abort(code), and mpiexec exits ``code`` whatever order the handlers ran in. Another rank
+    does the same after ``FOLLOWER_WAIT`` if it is still running (the signal reached it but
+    not rank 0). MPICH's own "application called MPI_Abort" line is not shown: ours named the
+    cause. Before MPI is up (a signal during start-up), the rank just exits ``code``."""
+    time.sleep(STOP_GRACE if rank in (None, 0) else FOLLOWER_WAIT)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 2)
+        try:
+            mpi.COMM_WORLD.Abort(code)
+        finally:
+            os._exit(code)
+    os._exit(code)
 
 
 _WATCHDOG = None  # this rank's PhaseWatchdog once it exists: the phase a SIGTERM names
@@ -103,8 +127,8 @@ _WATCHDOG = None  # this rank's PhaseWatchdog once it exists: the phase a SIGTER
 
 def _on_terminate(signum, frame) -> None:
     """SIGTERM (scancel, a preempting scheduler, mpiexec passing on its own) reaches every rank:
-    each says in one line that it was stopped and in which phase, then exits 143 (128 + 15) at
-    once, from the handler, like Ctrl-C."""
+    each says in one line that it was stopped and in which phase, and the job ends with exit 143
+    (128 + 15), from the handler, like Ctrl-C (``_end_job``)."""
     from collective.clusterenv import mpi_rank
 
     rank = mpi_rank(os.environ)
@@ -113,8 +137,7 @@ def _on_terminate(signum, frame) -> None:
     who = "chief" if rank in (None, 0) else "worker"
     line = f"rank {rank if rank is not None else 0} ({who} on {socket.gethostname()}) stopped by SIGTERM{where}\n"
     os.write(2, line.encode())  # one write: mpiexec interleaves the ranks' output at write boundaries
-    time.sleep(0.2)  # as for Ctrl-C: the line gets out before mpiexec tears the job down
-    os._exit(128 + signal.SIGTERM)
+    _end_job(128 + signal.SIGTERM, rank)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,8 @@ PROBE_CORRUPT_RANK=r   MPI rank r flips one bit of the first data chunk it recei
 PROBE_CRASH_RANK=r     MPI rank r raises a RuntimeError (a bug, not a CollectiveError) at its
                        first data chunk: the ranks are out of step and the job must abort.
 PROBE_HOLD_RANK=r      MPI rank r prints HOLDING and sleeps 60 s before joining (the others wait).
+PROBE_LATE_SIGNAL=r:s  MPI rank r runs its SIGINT / SIGTERM handler s seconds late, as a rank that a
+                       loaded machine schedules late does.
 PROBE_BCAST_LOG=path   rank 0 writes the largest byte count it passed to one Bcast call of the
                        data stream (control messages such as the plan are not counted).
 """
@@ -105,5 +107,20 @@ if _probe_rank("PROBE_HOLD_RANK"):
         return real_join(self, *args, **kwargs)
 
     transport.MpiChiefLink.join = held_join
+
+if os.environ.get("PROBE_LATE_SIGNAL"):
+    import time
+
+    late_rank, late_s = os.environ["PROBE_LATE_SIGNAL"].split(":")
+    if MPI.COMM_WORLD.rank == int(late_rank):
+
+        def late(handler):
+            def run_late(signum, frame):
+                time.sleep(float(late_s))
+                handler(signum, frame)
+
+            return run_late
+
+        entry._on_interrupt, entry._on_terminate = late(entry._on_interrupt), late(entry._on_terminate)
 
 sys.exit(entry.main())

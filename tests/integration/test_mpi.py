@@ -135,13 +135,20 @@ def test_a_rank_that_never_joins_is_named_by_rank_0s_watchdog(tmp_path):
     assert "rank 1" not in line, line
 
 
-def test_sigterm_to_the_job_leaves_one_line_per_rank_naming_the_phase(tmp_path):
+# A rank whose stop-signal handler runs late, as on a loaded machine: before the job was ended
+# by one MPI_Abort, each rank exited on its own and mpiexec SIGKILLed the late ones (exit 9).
+LATE_SIGNAL = pytest.mark.parametrize("late", [None, "1:0.3", "0:0.3"], ids=["together", "rank1-late", "rank0-late"])
+
+
+@LATE_SIGNAL
+def test_sigterm_to_the_job_leaves_one_line_per_rank_naming_the_phase(tmp_path, late):
     """scancel on an mpirun job (or a preempting scheduler): mpiexec passes SIGTERM on to every
-    rank; each says in one line that it was stopped and in which phase, and exits 143."""
+    rank; each says in one line that it was stopped and in which phase, and the job exits 143."""
     if MPIEXEC is None:
         pytest.fail("mpiexec not found: `make test` installs the mpich wheel (the `mpi` extra)")
     job = Proc(["tests/mpi_probe.py", "--model", "mlp", "--join-timeout", "60"], tmp_path / "out.txt",
-               env={"PROBE_HOLD_RANK": "2"}, launcher=[MPIEXEC, "-n", "3"])
+               env={"PROBE_HOLD_RANK": "2", **({"PROBE_LATE_SIGNAL": late} if late else {})},
+               launcher=[MPIEXEC, "-n", "3"])
     try:
         wait_for(job, "HOLDING", timeout=60)
         time.sleep(1.0)  # ranks 0 and 1 are in their join by now
@@ -152,8 +159,8 @@ def test_sigterm_to_the_job_leaves_one_line_per_rank_naming_the_phase(tmp_path):
         job.kill()
     stopped = re.findall(r"rank (\d) \((chief|worker) on \S+\) stopped by SIGTERM during (\w+)", text)
     assert ("0", "chief", "join") in stopped and ("1", "worker", "join") in stopped, text
-    assert "Traceback" not in text, text
-    assert job.proc.returncode != 0
+    assert "Traceback" not in text and "BAD TERMINATION" not in text, text
+    assert job.proc.returncode == 143, text
 
 
 def test_shards_under_the_mpi_command_each_worker_receives_only_its_half(tmp_path):
@@ -221,7 +228,8 @@ def test_a_successful_job_leaves_nothing_in_dev_shm_either(tmp_path):
     assert listing.read_text() == ""
 
 
-def test_ctrl_c_on_mpiexec_ends_every_rank_with_one_line_and_exit_130(tmp_path):
+@LATE_SIGNAL
+def test_ctrl_c_on_mpiexec_ends_every_rank_with_one_line_and_exit_130(tmp_path, late):
     import signal
     import time
 
@@ -232,7 +240,8 @@ def test_ctrl_c_on_mpiexec_ends_every_rank_with_one_line_and_exit_130(tmp_path):
     with open(out_path, "w") as out:
         job = subprocess.Popen(
             [MPIEXEC, "-n", "3", sys.executable, "tests/mpi_probe.py", "--join-timeout", "120"],
-            stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**env, "PROBE_HOLD_RANK": "2"},
+            stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+            env={**env, "PROBE_HOLD_RANK": "2", **({"PROBE_LATE_SIGNAL": late} if late else {})},
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
     try:
