@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from collective import logs
 from collective._api import ArraysSource
 from collective.clusterenv import MPI_VARS
 from collective.digest import array_digest, combined_digest
@@ -111,11 +112,10 @@ def compare(tables: Sequence[Sequence[Entry]], step: int | None = None) -> Diver
     if not problems:
         return None
     where = "" if step is None else f" at step {step}"
-    shown = "; ".join(problems[:MAX_LISTED])
-    more = f"; and {len(problems) - MAX_LISTED} more difference(s)" if len(problems) > MAX_LISTED else ""
+    shown = logs.first_of(problems, MAX_LISTED, what="more difference(s)")
     ranks = tuple(sorted(culprits))
     return DivergenceError(
-        f"replicas differ{where}: {shown}{more} ({len(tensors)} of {len(held)} tensor(s) differ on {len(tables)} ranks)",
+        f"replicas differ{where}: {shown} ({len(tensors)} of {len(held)} tensor(s) differ on {len(tables)} ranks)",
         culprit=_ranks(ranks), phase="check", ranks=ranks, tensors=tuple(tensors),
     )
 

@@ -33,6 +33,13 @@ def printable(value: object, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + f"...({len(text) - limit} more)"
 
 
+def first_of(items: list[str], n: int, sep: str = "; ", what: str = "more") -> str:
+    """The first ``n`` of ``items`` joined by ``sep``, and how many were left out: a message
+    about 1,024 workers or 20,000 variables stays one line a person can read."""
+    left = len(items) - n
+    return sep.join(items[:n]) + (f"{sep}and {left} {what}" if left > 0 else "")
+
+
 def set_context(**fields: object) -> None:
     """Set role/rank/worker_id/phase for every later log line of this process."""
     for key, value in fields.items():

@@ -385,7 +385,7 @@ class Lockstep:
 
     def wait(self, token: object, i: int) -> None:
         """``token``'s stream is about to send chunk ``i`` (it has handed over every earlier one)."""
-        self._mark(token, i)
+        self._mark(token, i)  # again after ``landed``, which may have waited: its hold starts now
         with self._cond:
             deadline = time.monotonic() + self._hold
 

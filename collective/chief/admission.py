@@ -14,7 +14,7 @@ import hmac
 import logging
 import time
 
-from collective import parking
+from collective import logs, parking
 from collective._proto import collective_pb2 as pb
 from collective.chief.members import Member, Phase
 from collective.errors import (
@@ -164,7 +164,7 @@ class Admission:
         diffs = declaration_differences(self.specs, req.declared)
         if not diffs:
             return devices, None
-        shown = "; ".join(diffs[:20]) + (f"; and {len(diffs) - 20} more" if len(diffs) > 20 else "")
+        shown = logs.first_of(diffs, 20)
         log.warning("refused worker %r: its variable list differs: %s", req.worker_id, shown)
         return devices, PreconditionError(
             f"worker {req.worker_id!r} declares variables that differ from the chief's model "

@@ -24,11 +24,6 @@ log = logging.getLogger(__name__)
 CAUSE_GRACE = 0.75
 
 
-def _first(names: list[str], n: int = 20) -> str:
-    """The first ``n`` of ``names`` for a log line (1,024 workers make a line too long to read)."""
-    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-
-
 class Supervisor:
     """The deadlines and leases of one ``ChiefService`` round, and whom it waits for."""
 
@@ -207,24 +202,28 @@ class Supervisor:
         since = time.monotonic()
         end = since + t.linger
         while not svc._wait(lambda: self._everyone_heard(since), min(max(end - time.monotonic(), 0.0), self._poll())):
+            waiting = [m for m in self._by_rank() if not self._heard(m, since)]
             if time.monotonic() >= end:
-                untold = [m.name() for m in sorted(svc._members.values(), key=lambda m: m.rank) if not self._heard(m, since)]
                 log.warning("stopping after the %g s linger (--linger) with %d worker(s) not told the outcome: %s",
-                            t.linger, len(untold), _first(untold))
+                            t.linger, len(waiting), logs.first_of([m.name() for m in waiting], 20, ", "))
                 return
             self._log_stragglers("%s; telling the outcome to %d worker(s) that have not asked for it yet",
-                                 svc._phase.value, sum(not self._heard(m, since) for m in svc._members.values()))
+                                 svc._phase.value, len(waiting))
         untold = [m.name() + (" (a call of its was cut off)" if m.gone else " (silent for a lease)")
-                  for m in sorted(svc._members.values(), key=lambda m: m.rank) if not m.told]
+                  for m in self._by_rank() if not m.told]
         if untold:
-            log.warning("%d worker(s) did not hear the outcome: %s", len(untold), _first(untold))
+            log.warning("%d worker(s) did not hear the outcome: %s", len(untold), logs.first_of(untold, 20, ", "))
+
+    def _by_rank(self) -> list:
+        return sorted(self._svc._members.values(), key=lambda m: m.rank)
 
     def _heard(self, m, since: float, now: float | None = None) -> bool:
         """``m`` was told the outcome, or cannot be (``linger``)."""
         if m.told or m.gone:
             return True
         svc = self._svc
-        return svc.heartbeats and (now or time.monotonic()) - max(m.last_seen, since) > svc.timeouts.lease
+        now = time.monotonic() if now is None else now
+        return svc.heartbeats and now - max(m.last_seen, since) > svc.timeouts.lease
 
     def _everyone_heard(self, since: float) -> bool:
         """Every member heard the outcome or cannot (``_heard``); after an SPMD failure, every rank did (members or not)."""

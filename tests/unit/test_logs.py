@@ -60,3 +60,10 @@ def test_a_collective_log_level_that_is_no_level_is_a_usage_error_naming_it(rest
     monkeypatch.setenv("COLLECTIVE_LOG_LEVEL", "loud\n")
     with pytest.raises(UsageError, match=r"COLLECTIVE_LOG_LEVEL='loud\\\\x0a' is not one of debug, info, warning, error"):
         logs.configure("chief", stream=io.StringIO())
+
+
+def test_first_of_names_the_first_n_and_counts_the_rest():
+    names = [f"w{i}" for i in range(1024)]
+    assert logs.first_of(names, 3, ", ") == "w0, w1, w2, and 1021 more"
+    assert logs.first_of(names[:3], 3) == "w0; w1; w2"
+    assert logs.first_of(["a", "b"], 1, what="more difference(s)") == "a; and 1 more difference(s)"
