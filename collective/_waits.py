@@ -59,7 +59,7 @@ def worker_awaits(link, chief_name: str, timeout: float) -> Callable[[], str | N
     """Whom a worker waits for: whom its chief still waits for, or the chief itself."""
     def awaited() -> str | None:
         try:
-            status = link.status(timeout)
+            status = link.status(timeout, brief=True)
         except CollectiveError:
             return f"{chief_name} to answer"
         if status.phase in ("started", "failed"):

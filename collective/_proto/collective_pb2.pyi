@@ -291,8 +291,10 @@ class FailureReply(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("brief",)
+    BRIEF_FIELD_NUMBER: _ClassVar[int]
+    brief: bool
+    def __init__(self, brief: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("rank", "worker_id", "host", "devices", "phase", "bytes_received", "detail", "seconds_since_heartbeat", "bytes_total", "variables_received", "variables_total")

@@ -107,10 +107,10 @@ class PendingChief:
                 self._held -= 1
         return target.join(req, peer)
 
-    def status(self) -> pb.StatusReply:
+    def status(self, brief: bool = False) -> pb.StatusReply:
         service = self._service
         if service is not None:
-            return service.status()
+            return service.status(brief)
         with self._cond:
             if self._final is not None:
                 return self._final

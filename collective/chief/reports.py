@@ -65,8 +65,9 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def status_reply(svc) -> pb.StatusReply:
-    """Who has joined, each worker's phase and progress, and whom the chief waits for."""
+def status_reply(svc, brief: bool = False) -> pb.StatusReply:
+    """Who has joined, each worker's phase and progress (not with ``brief``), and whom the chief
+    waits for."""
     with svc._cond:
         now = time.monotonic()
         ends: dict = {}  # per plan (one, or each shard's): where each variable ends
@@ -78,7 +79,8 @@ def status_reply(svc) -> pb.StatusReply:
             seconds_in_phase=now - svc._phase_at,
             model=svc.source.description,
             waiting_for="" if svc._phase in (Phase.STARTED, Phase.FAILED) else svc._supervisor.waiting_for(),
-            workers=[_worker_status(svc, m, now, ends) for m in sorted(svc._members.values(), key=lambda m: m.rank)],
+            workers=[] if brief else [_worker_status(svc, m, now, ends)
+                                      for m in sorted(svc._members.values(), key=lambda m: m.rank)],
             error=str(svc._error or ""),
         )
 

@@ -592,9 +592,9 @@ class ChiefService(Admission):
                 self.fail(AbortedError(f"{m.name()} was lost during the broadcast: {reason}",
                                        culprit=m.worker_id, phase="broadcast"))
 
-    def status(self) -> pb.StatusReply:
-        """Who has joined, each worker's phase and progress, and whom the chief waits for."""
-        return reports.status_reply(self)
+    def status(self, brief: bool = False) -> pb.StatusReply:
+        """Who has joined, each worker's phase and progress (unless ``brief``), and whom the chief waits for."""
+        return reports.status_reply(self, brief)
 
     # --- supervision (chief/supervise.py) -----------------------------------------------------
 

@@ -227,7 +227,7 @@ class SnapshotHandler:
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         log.info("a fetch of this publication ended early: %s", reason)
 
-    def status(self) -> pb.StatusReply:
+    def status(self, brief: bool = False) -> pb.StatusReply:
         return pb.StatusReply(phase="publishing" if not self._closing else "closed")
 
     def close(self, grace: float) -> bool:

@@ -72,7 +72,9 @@ class ChiefHandler(Protocol):
         """A call from this worker ended without an answer (process gone, link cut)."""
         ...
 
-    def status(self) -> pb.StatusReply: ...
+    def status(self, brief: bool = False) -> pb.StatusReply:
+        """``brief``: the worker lines may be left out (``StatusRequest.brief``)."""
+        ...
 
 
 class ChiefLink(abc.ABC):
@@ -119,7 +121,7 @@ class ChiefLink(abc.ABC):
         """Best effort: tell the chief this worker cannot go on. Never raises."""
 
     @abc.abstractmethod
-    def status(self, timeout: float) -> pb.StatusReply: ...
+    def status(self, timeout: float, brief: bool = False) -> pb.StatusReply: ...
 
     def heartbeat(self, req: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply | None:
         """One heartbeat (with this worker's received bytes). None means this backend has no heartbeats (MPI watches its ranks)."""

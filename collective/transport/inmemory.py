@@ -72,5 +72,5 @@ class InMemoryLink(ChiefLink):
     def heartbeat(self, ref: pb.HeartbeatRequest, timeout: float) -> pb.HeartbeatReply:
         return _wire(self._handler().heartbeat(_wire(ref, pb.HeartbeatRequest)), pb.HeartbeatReply)
 
-    def status(self, timeout: float) -> pb.StatusReply:
-        return _wire(self._handler().status(), pb.StatusReply)
+    def status(self, timeout: float, brief: bool = False) -> pb.StatusReply:
+        return _wire(self._handler().status(brief), pb.StatusReply)

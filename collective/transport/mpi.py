@@ -589,5 +589,5 @@ class MpiChiefLink(ChiefLink):
         elif self._ready_next:
             self._send_failure(req)
 
-    def status(self, timeout: float) -> pb.StatusReply:
+    def status(self, timeout: float, brief: bool = False) -> pb.StatusReply:
         raise E.UsageError("status is not available over MPI; read rank 0's output")

@@ -125,7 +125,7 @@ class BrokenHandler:
 
     num_workers = 1
 
-    def status(self):
+    def status(self, brief=False):
         raise ValueError("boom")
 
     def fetch(self, ref):

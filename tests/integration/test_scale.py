@@ -46,14 +46,16 @@ class _SlowJoins:
     do, queued for their turn to compare declarations)."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds, self.release = seconds, threading.Event()
+        self.seconds, self.release, self.asked = seconds, threading.Event(), []
 
     def join(self, req, peer):
         self.release.wait(self.seconds)
         return pb.JoinReply(rank=0, num_workers=1)
 
-    def status(self):
-        return pb.StatusReply(phase="joining", expected=1)
+    def status(self, brief=False):
+        self.asked.append(brief)
+        return pb.StatusReply(phase="joining", expected=3, waiting_for="w2",
+                              workers=[] if brief else [pb.WorkerStatus(rank=r) for r in range(3)])
 
     def lost(self, ref, reason):
         pass
@@ -83,6 +85,25 @@ def test_status_answers_while_a_join_storm_holds_every_pool_thread():
             link.close()
     assert reply.phase == "joining"
     assert took < 1.5, f"Status took {took:.1f} s behind the joins"  # generous: a loaded machine
+
+
+def test_a_waiting_worker_asks_a_brief_status_without_every_workers_line():
+    """A ``collective.join`` worker that waits asks whom the round waits for (``_waits``): 1,024
+    full answers at once were 100 MB of the chief's serializing. It asks a brief one over gRPC,
+    which the chief builds apart from the full one a person's ``collective status`` gets."""
+    from collective._waits import worker_awaits
+    from collective.transport.grpc import GrpcChiefLink
+
+    handler = _SlowJoins(0.0)
+    with grpc_chief(handler) as address:
+        link = GrpcChiefLink(address, token=TOKEN)
+        try:
+            said = worker_awaits(link, "chief", 10)()
+            full = link.status(timeout=10)
+        finally:
+            link.close()
+    assert said == "w2 (chief waits for them)"
+    assert handler.asked == [True, False] and len(full.workers) == 3
 
 
 def _quietly(fn, *args, **kwargs):

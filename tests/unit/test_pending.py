@@ -23,7 +23,7 @@ class Service:
         self.joined.append(req.worker_id)
         return pb.JoinReply(rank=len(self.joined) - 1)
 
-    def status(self):
+    def status(self, brief=False):
         return pb.StatusReply(phase="joining", expected=2)
 
     error = None

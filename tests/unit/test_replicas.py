@@ -139,6 +139,8 @@ def test_no_worker_takes_bytes_until_every_worker_is_prepared():
     assert phases["fast"] == "prepared" and phases["slow"] == "joined"
     assert all(w.bytes_received == 0 for w in status.workers)  # no byte left the chief yet
     assert "slow" in status.waiting_for
+    brief = endpoint.link().status(5, brief=True)  # a waiting worker's question: no worker lines
+    assert (brief.phase, brief.joined, brief.waiting_for, len(brief.workers)) == (status.phase, 2, status.waiting_for, 0)
     assert slow.await_prepared(slow_ref, 5).prepared == 2
     for _ in slow.fetch(slow_ref, 5):
         pass

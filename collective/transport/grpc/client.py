@@ -413,8 +413,8 @@ class GrpcChiefLink(ChiefLink):
         except grpc.RpcError as exc:
             raise self._error(exc, "heartbeat", timeout) from None
 
-    def status(self, timeout: float) -> pb.StatusReply:
-        return self._unary(self._stub.Status, pb.StatusRequest(), "status", timeout)
+    def status(self, timeout: float, brief: bool = False) -> pb.StatusReply:
+        return self._unary(self._stub.Status, pb.StatusRequest(brief=brief), "status", timeout)
 
     def presence(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
         """On the heartbeat connection, which carries no data, so nothing queues ahead of it."""

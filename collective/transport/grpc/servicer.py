@@ -93,7 +93,7 @@ class Servicer:
         self._plan_lock = threading.Lock()
         # Started on the first Status call; idle threads end with the process.
         self._status_pool = futures.ThreadPoolExecutor(max_workers=STATUS_THREADS, thread_name_prefix=f"{name}-status")
-        self._status_building: asyncio.Future | None = None  # the Status answer being built (``Status``)
+        self._status_building: dict[bool, asyncio.Future] = {}  # brief -> the Status answer being built
         self._plan_bytes: tuple[pb.Plan | None, bytes] = (None, b"")
         self._name = name
 
@@ -283,11 +283,12 @@ class Servicer:
         Calls that come while one is being built share it: every ``collective.join`` worker asks
         once its round took ``straggler_log`` s (whom it waits for), 1,024 of them within a
         second, and each answer lists every worker (100 KB at 1,024): built for each, they
-        held the chief's lock for seconds."""
-        building = self._status_building
+        held the chief's lock for seconds. Those workers ask a ``brief`` one (no worker lines)."""
+        brief = request.brief
+        building = self._status_building.get(brief)
         if building is None or building.done():
-            building = self._status_building = asyncio.get_running_loop().run_in_executor(
-                self._status_pool, lambda: self._h.status().SerializeToString())
+            building = self._status_building[brief] = asyncio.get_running_loop().run_in_executor(
+                self._status_pool, lambda: self._h.status(brief).SerializeToString())
         return await self._answer(context, "Status", asyncio.shield(building))
 
     async def Presence(self, request, context):  # noqa: N802
