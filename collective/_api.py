@@ -578,9 +578,13 @@ def release_freed_memory() -> None:
     threshold (a few MiB each, as most tensors are) otherwise stay in this process's RSS. A
     no-op where there is no glibc. The round's own objects (the chief's service and arena, the
     values it served) hold each other, so a collection comes first: until then they are only
-    unreachable."""
+    unreachable; and a parked call of the round that the parking thread is answering right now
+    holds them until it is answered, so that comes first (at most 2 s)."""
     import gc
 
+    from collective import parking
+
+    parking.settle(2.0)
     gc.collect()  # all generations: automatic collections during the call may have aged them
     try:
         import ctypes

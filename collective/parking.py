@@ -123,6 +123,8 @@ class Parker:
         self._keys = itertools.count()
         self._closed = False
         self.tries = self.checks = 0
+        self._ended = threading.Condition()  # notified at the end of every batch (``settle``)
+        self._batches, self._in_batch = 0, False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _listeners.append(self._notified)
@@ -162,8 +164,30 @@ class Parker:
             news = self._changed.wait(wait)
             self._changed.clear()
             t0 = time.monotonic()
-            if self._batch(news, t0):
+            with self._ended:
+                self._in_batch = True
+            try:
+                due = self._batch(news, t0)
+            finally:
+                with self._ended:
+                    self._in_batch = False
+                    self._batches += 1
+                    self._ended.notify_all()
+            if due:
                 time.sleep(max(time.monotonic() - t0, self.MIN_REST))
+
+    def settle(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` s, until the thread has looked at every parked call once
+        since now, and is not in the middle of a batch. A call it is answering holds the
+        service the call waited on (its predicate reads it): a round that has just ended, whose
+        objects hold each other, is only freed by a collection after that (``release_freed_memory``).
+        True if it settled in time."""
+        if threading.current_thread() is self._thread:
+            return False
+        with self._ended:
+            target = self._batches + (2 if self._in_batch else 1)
+            self._changed.set()
+            return self._ended.wait_for(lambda: self._batches >= target or self._closed, timeout)
 
     def _batch(self, news: bool, t0: float) -> bool:
         """Try the calls due (all on news, else those past their deadline); True if any was due.
@@ -213,6 +237,8 @@ class Parker:
     def close(self) -> None:
         self._closed = True
         self._changed.set()
+        with self._ended:
+            self._ended.notify_all()
         with contextlib.suppress(ValueError):
             _listeners.remove(self._notified)
         self._thread.join(2.0)
@@ -227,6 +253,12 @@ def stats() -> dict[str, int]:
     p = _parker
     return {"parked": len(p), "tries": p.tries, "checks": p.checks} if p is not None else \
         {"parked": 0, "tries": 0, "checks": 0}
+
+
+def settle(timeout: float) -> bool:
+    """``Parker.settle`` of the process's Parker, if one was started."""
+    p = _parker
+    return p.settle(timeout) if p is not None else True
 
 
 def parker() -> Parker:

@@ -112,3 +112,28 @@ def test_a_parked_call_with_a_key_is_tried_again_only_once_its_predicate_holds(k
             assert 1 <= parker.checks <= 20, parker.checks  # one per notify (11 here) at most, and none idle
     finally:
         parker.close()
+
+
+def test_settle_returns_once_the_call_being_answered_is_done_with_what_it_read():
+    """A finished round's service is held by the parked call the parker is answering at that
+    moment; ``release_freed_memory`` settles the parker before it collects (a sync_module under
+    load kept its chief's service after it returned, 1 run in 6)."""
+    r, parker, answering, finished = Round(), parking.Parker("test-parker"), threading.Event(), []
+
+    def slow_answer():
+        answer = r.await_release(30.0)
+        answering.set()
+        time.sleep(0.5)  # still holding what it read
+        finished.append(answer)
+        return answer
+
+    try:
+        with pytest.raises(parking.NotYet):
+            parking.poll(r.await_release, 30.0)
+        parker.park(slow_answer, time.monotonic() + 30.0, lambda result, error: None, parking.generation)
+        r.release()
+        assert answering.wait(5.0)
+        assert parker.settle(10.0) and finished == ["released"] and len(parker) == 0
+    finally:
+        parker.close()
+    assert parker.settle(1.0)  # a closed parker has nothing left to settle
