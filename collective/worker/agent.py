@@ -532,12 +532,30 @@ class WorkerAgent:
 
     def _presence(self) -> None:
         """Hold the presence call until the round's outcome: if this process dies, the chief
-        sees the call cut off at once. What the chief says or does is the heartbeat's business."""
+        sees the call cut off at once. A failed round's answer is heeded like the heartbeat's:
+        the chief counts this worker told once it has answered, and may stop serving before the
+        next heartbeat (a worker waiting on a same-host parent's arena beats every
+        ``heartbeat`` s). The chief's silence stays the heartbeat's to judge."""
         t = self.timeouts
         try:
-            self.link.presence(self.ref, timeout=t.join + t.ready + t.start + t.rpc)
+            reply = self.link.presence(self.ref, timeout=t.join + t.ready + t.start + t.rpc)
+        except AbortedError as exc:  # the round failed, or this worker was declared lost
+            log.debug("presence call ended: %s", exc)
+            self._heed(exc)
+            return
         except CollectiveError as exc:
             log.debug("presence call ended: %s", exc)
+            return
+        if reply is not None and reply.phase == "failed":
+            self._heed(AbortedError(f"round aborted by the chief at {self.link.address}: {reply.error}"))
+
+    def _heed(self, error: CollectiveError) -> None:
+        """The chief's word on the round, from a call other than the heartbeat: interrupt with it
+        unless the round is over for this worker or a verdict came first."""
+        with self._beat:
+            if self._stopped or self._verdict is not None:
+                return
+        self._interrupt(error)
 
     def _heartbeat_loop(self, chief_incarnation: str) -> None:
         """Every interval: prove we are alive, say how many bytes we hold, and learn early if

@@ -8,7 +8,9 @@ the chief's port gone) although the round had started. Real processes over gRPC 
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
 import time
 
 import pytest
@@ -78,3 +80,48 @@ def test_the_linger_is_bounded_by_the_chiefs_option(cluster):
     assert chief.wait(30) == 0, chief.output()
     assert "after the 2 s linger (--linger) with 1 worker(s) not told the outcome: worker late" in chief.output(), chief.output()
     assert late.wait(60) != 0, late.output()  # it asks after the chief has gone
+
+
+def on_host_b(*, stalls: bool = False) -> str:
+    """A worker process (``python -c`` this, then the worker's arguments) that says it runs on
+    host "host-b", not the chief's: two of them make a host whose leader receives from the
+    network and serves its arena to the other. ``stalls``: the leader sleeps once every worker
+    is prepared, before its first byte, so the other waits on its arena, not on the chief."""
+    stall = (  # before mapping the chief's arena: the chief shares this machine, as "host-b" does not
+        "from collective.transport import shm\n"
+        "def stalled(*args, **kwargs):\n"
+        "    print('stalling before its first byte', flush=True)\n"
+        "    time.sleep(120)\n"
+        "shm.attach = stalled\n"
+    ) if stalls else ""
+    return (
+        "import socket, sys, time\n"
+        "socket.gethostname = lambda: 'host-b'\n"
+        f"{stall}"
+        "from collective.worker.__main__ import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+
+
+def test_a_worker_waiting_on_its_host_leaders_arena_heeds_the_failure_its_presence_call_brings(cluster):
+    """The chief counts a worker told once it has answered the worker's presence call with the
+    failure, and stops serving when every worker is told. Before, the worker ignored that answer
+    and learned of the failure only from its next heartbeat (every 20 s here, 5 s by default),
+    which found the chief gone: it failed a heartbeat timeout later (60 s) blaming an
+    unreachable chief. Seen in CI: a host leader killed, its peer waiting on its arena."""
+    slow_beats = ["--heartbeat-interval", "20", "--heartbeat-timeout", "60"]
+    chief = cluster.chief("--workers", "2", "--topology", "chain", "--linger", "5", *slow_beats)
+    leader = cluster.worker("leader", "--rank", "0", *slow_beats, code=on_host_b(stalls=True))
+    waiter = cluster.worker("waiter", "--rank", "1", *slow_beats, code=on_host_b())
+    wait_for(leader, "stalling before its first byte")
+    wait_for(waiter, "prepared to receive")
+    chief.signal(signal.SIGTERM)
+    assert chief.wait(30) != 0, chief.output()
+    try:
+        code = waiter.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the waiter did not hear the failure the chief told it:\n" + waiter.output())
+    out = waiter.output()
+    assert code == 1, out
+    assert re.search(r"ERROR worker .*round aborted by the chief at .*chief shutting down \(SIGTERM\)", out), out
+    assert "unreachable" not in out, out

@@ -164,7 +164,7 @@ def test_a_host_leader_killed_mid_stream_is_named_and_its_peers_and_the_next_hos
         leader.wait_for("relaying to worker host-b-w1", 60)  # the stream runs: host-a feeds host-b
         os.kill(leader.pid, signal.SIGKILL)
         codes = wait_all([chief, *procs.values()], 60)
-        outputs = {n: p.output() for n, p in procs.items()}
+        outputs = {n: p.output() for n, p in [("chief", chief), *procs.items()]}
     result = json.loads(result_file.read_text())
     assert codes["chief"] == 1 and result["ok"] is False
     # The chief's verdict names the dead leader: lost (its presence call cut off), or the relay that
@@ -178,4 +178,4 @@ def test_a_host_leader_killed_mid_stream_is_named_and_its_peers_and_the_next_hos
         assert codes[name] == 1, outputs[name]
         named = re.search(rf"ERROR worker .*(relay worker {up} .*failed during receive|round aborted by the chief)",
                           outputs[name])
-        assert named, outputs[name]
+        assert named, outputs[name] + "\n--- chief ---\n" + outputs["chief"]
