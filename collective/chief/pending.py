@@ -37,6 +37,7 @@ class PendingChief:
         self._since = time.monotonic()
         self._final: pb.StatusReply | None = None  # the outcome, once retired
         self._held = 0  # joins waiting for the model to load
+        self._incarnation = ""  # the retired round's chief
         self.stopped: E.CollectiveError | None = None  # a stop signal that came while it loaded (_waits)
 
     @property
@@ -64,6 +65,7 @@ class PendingChief:
             if service is None:
                 return
             self._final = service.status()
+            self._incarnation = service.incarnation
             self._error = service.error or E.AbortedError(
                 f"chief {service.incarnation}: the round is over (start was released)")
             self._service = None
@@ -118,6 +120,22 @@ class PendingChief:
         return pb.StatusReply(phase="failed" if error else "loading", expected=self.num_workers,
                               error=str(error or ""), waiting_for="" if error else "the model to load",
                               seconds_in_phase=time.monotonic() - self._since)
+
+    def await_outcome(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
+        return self._started() or self.__getattr__("await_outcome")(ref, timeout)
+
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        return self._started() or self.__getattr__("heartbeat")(req)
+
+    def _started(self) -> pb.HeartbeatReply | None:
+        """Once retired after start: the outcome a presence call or a heartbeat asks about, not
+        the end-of-round error every other call gets. A worker hears an AbortedError there as
+        the round's failure (``WorkerAgent._heed``), and a presence call parked before start
+        may be answered after the retire, even before the worker's AwaitStart is."""
+        with self._cond:
+            if self._service is None and self._final is not None and self._final.phase == "started":
+                return pb.HeartbeatReply(chief_incarnation=self._incarnation, phase="started")
+        return None
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         service = self._service

@@ -101,3 +101,30 @@ def test_a_call_other_than_join_while_loading_names_a_restarted_chief_and_the_wo
             call(req)
     chief.serve(Service())
     assert chief.status().phase == "joining"
+
+
+def test_a_retired_chief_answers_presence_and_heartbeat_after_start_with_the_outcome_not_an_error():
+    """A worker's presence call parked before start may be answered after the API's chief
+    retired, before the worker's AwaitStart is; an AbortedError there ("the round is over")
+    read as the round's failure and cancelled the worker's AwaitStart (CI: a rank of
+    test_shards_over_grpc failed so). A failed round's calls still raise its error."""
+    started = Service()
+    started.status = lambda brief=False: pb.StatusReply(phase="started", expected=2)
+    chief = PendingChief(2)
+    chief.serve(started)
+    chief.retire()
+    ref = pb.WorkerRef(worker_id="w1", incarnation="i1")
+    for reply in (chief.await_outcome(ref, 5.0), chief.heartbeat(pb.HeartbeatRequest(worker_id="w1"))):
+        assert (reply.phase, reply.chief_incarnation) == ("started", "abc")
+    with pytest.raises(E.AbortedError, match="the round is over"):
+        chief.get_plan(ref, 5.0)
+
+    failed = Service()
+    failed.status = lambda brief=False: pb.StatusReply(phase="failed", expected=2, error="worker w2 lost")
+    failed.error = E.AbortedError("worker w2 lost")
+    chief = PendingChief(2)
+    chief.serve(failed)
+    chief.retire()
+    for call in (lambda: chief.await_outcome(ref, 5.0), lambda: chief.heartbeat(pb.HeartbeatRequest(worker_id="w1"))):
+        with pytest.raises(E.AbortedError, match="worker w2 lost"):
+            call()
