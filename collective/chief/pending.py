@@ -37,7 +37,6 @@ class PendingChief:
         self._since = time.monotonic()
         self._final: pb.StatusReply | None = None  # the outcome, once retired
         self._held = 0  # joins waiting for the model to load
-        self._incarnation = ""  # the retired round's chief
         self.stopped: E.CollectiveError | None = None  # a stop signal that came while it loaded (_waits)
 
     @property
@@ -65,7 +64,6 @@ class PendingChief:
             if service is None:
                 return
             self._final = service.status()
-            self._incarnation = service.incarnation
             self._error = service.error or E.AbortedError(
                 f"chief {service.incarnation}: the round is over (start was released)")
             self._service = None
@@ -122,20 +120,20 @@ class PendingChief:
                               seconds_in_phase=time.monotonic() - self._since)
 
     def await_outcome(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
-        return self._started() or self.__getattr__("await_outcome")(ref, timeout)
+        return self._outcome("await_outcome", ref, timeout)
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
-        return self._started() or self.__getattr__("heartbeat")(req)
+        return self._outcome("heartbeat", req)
 
-    def _started(self) -> pb.HeartbeatReply | None:
+    def _outcome(self, name: str, *args) -> pb.HeartbeatReply:
         """Once retired after start: the outcome a presence call or a heartbeat asks about, not
         the end-of-round error every other call gets. A worker hears an AbortedError there as
         the round's failure (``WorkerAgent._heed``), and a presence call parked before start
         may be answered after the retire, even before the worker's AwaitStart is."""
-        with self._cond:
-            if self._service is None and self._final is not None and self._final.phase == "started":
-                return pb.HeartbeatReply(chief_incarnation=self._incarnation, phase="started")
-        return None
+        final = self._final  # set once, by retire
+        if final is not None and final.phase == "started":
+            return pb.HeartbeatReply(chief_incarnation=final.chief_incarnation, phase="started")
+        return self.__getattr__(name)(*args)
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         service = self._service

@@ -539,15 +539,17 @@ class WorkerAgent:
         t = self.timeouts
         try:
             reply = self.link.presence(self.ref, timeout=t.join + t.ready + t.start + t.rpc)
-        except AbortedError as exc:  # the round failed, or this worker was declared lost
-            log.debug("presence call ended: %s", exc)
-            self._heed(exc)
-            return
         except CollectiveError as exc:
             log.debug("presence call ended: %s", exc)
+            if isinstance(exc, AbortedError):  # the round failed, or this worker was declared lost
+                self._heed(exc)
             return
         if reply is not None and reply.phase == "failed":
-            self._heed(AbortedError(f"round aborted by the chief at {self.link.address}: {reply.error}"))
+            self._heed(self._chief_failed(reply))
+
+    def _chief_failed(self, reply: pb.HeartbeatReply) -> AbortedError:
+        """The error a heartbeat's or presence call's answer of a failed round stands for."""
+        return AbortedError(f"round aborted by the chief at {self.link.address}: {reply.error}")
 
     def _heed(self, error: CollectiveError) -> None:
         """The chief's word on the round, from a call other than the heartbeat: interrupt with it
@@ -611,7 +613,7 @@ class WorkerAgent:
                 ))
                 return
             if reply.phase == "failed":
-                self._interrupt(AbortedError(f"round aborted by the chief at {self.link.address}: {reply.error}"))
+                self._interrupt(self._chief_failed(reply))
                 return
             with self._beat:
                 self._last_ok = time.monotonic()

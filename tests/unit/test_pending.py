@@ -109,7 +109,7 @@ def test_a_retired_chief_answers_presence_and_heartbeat_after_start_with_the_out
     read as the round's failure and cancelled the worker's AwaitStart (CI: a rank of
     test_shards_over_grpc failed so). A failed round's calls still raise its error."""
     started = Service()
-    started.status = lambda brief=False: pb.StatusReply(phase="started", expected=2)
+    started.status = lambda brief=False: pb.StatusReply(phase="started", expected=2, chief_incarnation="abc")
     chief = PendingChief(2)
     chief.serve(started)
     chief.retire()
