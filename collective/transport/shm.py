@@ -5,7 +5,10 @@ seals it against writes, and serves it on an abstract unix socket whose name and
 secret travel in the plan. A worker on the same host connects, proves it is a member (secret,
 worker id, incarnation), receives the file descriptor (``SCM_RIGHTS``) and maps it private
 (copy-on-write): no bytes are copied, replicas stay independent, and the worker still checks
-every variable's digest before it reports ready.
+every variable's digest before it reports ready. It maps only a memory file sealed against
+write, shrink and grow (``F_GET_SEALS``, asked before mapping): what it checked cannot change
+afterwards, nor be cut short under it (SIGBUS). Anything else (an unsealed memfd a hostile
+holder or host leader keeps writable, or files from anyone but the chief) means the stream.
 
 Why this proves the segment is really shared: abstract unix sockets live in the network
 namespace, and a descriptor can only be passed within one kernel, so a worker on another host
@@ -24,6 +27,7 @@ import mmap
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -293,9 +297,27 @@ def _map_private(fd: int, size: int) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8)[:size]
 
 
+_NEEDED_SEALS = {fcntl.F_SEAL_WRITE: "write", fcntl.F_SEAL_SHRINK: "shrink", fcntl.F_SEAL_GROW: "grow"}
+
+
+def unsealed(fd: int) -> str | None:
+    """None when ``fd`` is a memory file sealed against write, shrink and grow (its bytes and
+    size can never change again, for anyone: seals are never removed); else what it lacks.
+
+    ``F_SEAL_FUTURE_WRITE`` is not enough: it leaves the writable shared mappings that already
+    exist (its sender's) writable, where ``F_SEAL_WRITE`` cannot be set while one exists."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:  # EINVAL: not a memfd (a file, a pipe, a socket)
+        return f"not a sealable memory file ({exc.strerror or exc})"
+    missing = [what for bit, what in _NEEDED_SEALS.items() if not seals & bit]
+    return f"not sealed against {', '.join(missing)}" if missing else None
+
+
 def attach(
     name: str, secret: str, worker_id: str, incarnation: str, size: int, timeout: float = 5.0,
     *, wait: float | None = None, whose: str = "the chief", cancelled: Callable[[], bool] = lambda: False,
+    files: bool = False,
 ) -> np.ndarray | None:
     """Map ``whose`` arena copy-on-write, or None when it is not reachable from here.
 
@@ -304,6 +326,13 @@ def attach(
     ``wait``: how long to wait for the answer once connected (a host leader answers when its
     arena is complete); default ``timeout``. ``cancelled()``, asked a few times a second while
     waiting, gives up early (the round failed meanwhile).
+
+    What the caller verifies must stay what it maps: a memory file is mapped only when sealed
+    against write, shrink and grow (``unsealed``) and at least ``size`` bytes long, so its
+    sender can neither change a byte after the check nor cut it short (SIGBUS here) later.
+    ``files``: also accept the model's files (``--from-file``: one file like a memfd, several
+    with their layout), which cannot be sealed: only from the chief, which the workers trust for
+    the model anyway (SECURITY.md, "Shared memory").
     """
     if not name:
         return None
@@ -331,10 +360,19 @@ def attach(
         return None
     try:
         if msg == b"ok":
+            why = unsealed(fds[0])  # first: once sealed, neither the bytes nor the size can change
+            if why is not None and not (files and stat.S_ISREG(os.fstat(fds[0]).st_mode)):
+                log.warning("%s offers shared memory %s: its bytes could change after they were checked; "
+                            "using the network", whose, why)
+                return None
             if os.fstat(fds[0]).st_size < size:
-                log.warning("shared segment is smaller than the plan's arena; using the network")
+                log.warning("shared segment of %s is smaller than the plan's arena; using the network", whose)
                 return None
             return _map_private(fds[0], size)
+        if not files:
+            log.warning("%s offers files, which cannot be sealed, not a sealed memory file; using the network",
+                        whose)
+            return None
         return _map_files(msg[3:], fds, size, whose)
     finally:
         for fd in fds:

@@ -285,8 +285,9 @@ class WorkerAgent:
             whose = f"worker {parent.worker_id} (rank {parent.rank})"
         self._prepared(plan)
 
+        # The model's files (--from-file) only from the chief; a host leader's must be a sealed memfd.
         arena = attach(name, plan.shm_secret, self.worker_id, self.incarnation, plan.total_bytes, wait=wait,
-                       whose=whose, cancelled=lambda: self._aborted is not None)
+                       whose=whose, cancelled=lambda: self._aborted is not None, files=me.parent < 0)
         if self._aborted is not None:
             raise self._aborted
         if arena is not None:

@@ -169,12 +169,12 @@ def test_same_host_members_map_the_files_themselves_copy_on_write(tmp_path, coun
     mapped = MappedFiles(files)
     server = ShmServer(mapped, lambda worker_id, incarnation: None)
     try:
-        arena = attach(server.name, server.secret, "w0", "inc", mapped.nbytes)
+        arena = attach(server.name, server.secret, "w0", "inc", mapped.nbytes, files=True)  # as from the chief
         assert arena is not None and arena.tobytes() == mapped.array.tobytes()
         arena[mapped.starts[-1]] ^= 0xFF  # the member's writes stay its own
         assert arena[mapped.starts[-1]] != mapped.array[mapped.starts[-1]]
         assert [f.path.read_bytes() for f in files] == before
-        assert attach(server.name, server.secret, "w0", "inc", mapped.nbytes + PAGE) is None  # not the plan's arena
+        assert attach(server.name, server.secret, "w0", "inc", mapped.nbytes + PAGE, files=True) is None  # not the plan's arena
     finally:
         server.close()
 

@@ -100,3 +100,87 @@ def test_a_local_client_that_connects_and_says_nothing_does_not_hold_up_a_member
         silent.connect("\0" + server.name)
         # The silent client holds its connection for the server's whole 5 s read timeout.
         assert attach(server.name, server.secret, "w0", "i0", 4096, timeout=2.0) is not None
+
+
+class _Offer:
+    """What a hostile holder or host leader hands out instead of a sealed arena (``handout``)."""
+
+    def __init__(self, msg: bytes, fds: list[int]) -> None:
+        self.msg, self.fds = msg, fds
+
+    def handout(self) -> tuple[bytes, list[int]]:
+        return self.msg, self.fds
+
+
+def _offered(msg: bytes, fd: int, size: int = 4096, **kwargs):
+    server = ShmServer(_Offer(msg, [fd]), lambda wid, inc: None)
+    try:
+        return attach(server.name, server.secret, "w0", "i0", size, **kwargs)
+    finally:
+        server.close()
+
+
+F_SEAL_FUTURE_WRITE = 0x0010  # linux/fcntl.h (Linux 5.1); not in Python's fcntl module
+
+
+@pytest.mark.parametrize("seals", ["none", "future-write", "no-shrink", "no-grow", "not-allowed"])
+def test_only_a_memory_file_sealed_against_write_shrink_and_grow_is_mapped(seals, caplog):
+    """Its sender could change what the caller checked (write), or cut it short under the caller's
+    mapping (SIGBUS): F_GET_SEALS is asked before mapping. F_SEAL_FUTURE_WRITE leaves the sender's
+    own writable mapping writable, so it does not count as F_SEAL_WRITE."""
+    import fcntl
+    import mmap
+    import os
+
+    flags = os.MFD_CLOEXEC | (0 if seals == "not-allowed" else os.MFD_ALLOW_SEALING)
+    fd = os.memfd_create("offer", flags)
+    os.ftruncate(fd, 4096)
+    keep = mmap.mmap(fd, 4096)  # the sender's writable shared mapping
+    add, missing = {"none": (0, "write, shrink, grow"), "not-allowed": (0, "write, shrink, grow"),
+                    "future-write": (F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, "write"),
+                    "no-shrink": (fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW, "shrink"),
+                    "no-grow": (fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK, "grow")}[seals]
+    if add & fcntl.F_SEAL_WRITE:
+        keep.close()  # F_SEAL_WRITE cannot be set while a writable shared mapping exists
+    try:
+        if add:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, add)
+        assert _offered(b"ok", fd, whose="holder h0") is None
+        assert f"holder h0 offers shared memory not sealed against {missing}: its bytes could change" in caplog.text
+    finally:
+        if not keep.closed:
+            keep.close()
+        os.close(fd)
+
+
+def test_a_sealed_memory_file_is_mapped_and_a_pipe_is_not(served, caplog):
+    import os
+
+    arena, _ = served
+    view = _offered(b"ok", arena.fd)
+    assert view is not None and view[1] == 1
+    r, w = os.pipe()
+    try:
+        assert _offered(b"ok", r) is None
+        assert "offers shared memory not a sealable memory file" in caplog.text
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("msg", [b"ok", b'ok {"maps": [[0, 0, 4096]]}'], ids=["one file", "files"])
+def test_files_are_mapped_only_where_the_caller_accepts_them(tmp_path, caplog, msg):
+    """The model's files (--from-file: one is offered as a memfd is) cannot be sealed: a worker
+    maps them from the chief (``files=True``), never from a fetch's holder or a host leader."""
+    import os
+
+    path = tmp_path / "model.bin"
+    path.write_bytes(bytes(range(256)) * 16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _offered(msg, fd, whose="holder h0") is None
+        assert "holder h0 offers " in caplog.text and "using the network" in caplog.text
+        view = _offered(msg, fd, files=True)
+        assert view is not None and view[255] == 255
+    finally:
+        os.close(fd)
