@@ -184,3 +184,17 @@ def test_files_are_mapped_only_where_the_caller_accepts_them(tmp_path, caplog, m
         assert view is not None and view[255] == 255
     finally:
         os.close(fd)
+
+
+def test_nothing_changes_a_sealed_arena_a_hole_punched_included(served):
+    """What the check relies on: with F_SEAL_WRITE the kernel also refuses to punch a hole in
+    the file (fallocate), the one write that needs no mapping and no write()."""
+    import ctypes
+    import errno
+
+    arena, _ = served
+    libc = ctypes.CDLL(None, use_errno=True)
+    punch_hole, keep_size = 0x02, 0x01  # linux/falloc.h
+    assert libc.fallocate(arena.fd, punch_hole | keep_size, ctypes.c_long(0), ctypes.c_long(4096)) == -1
+    assert ctypes.get_errno() == errno.EPERM
+    assert arena.array[1] == 1
