@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 FUTURE_WRITE = tuple(int(x) for x in platform.release().split(".")[:2]) >= (5, 1)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)  # its waits: 120 + 150 + 60 + 60 s
 @pytest.mark.parametrize(("mode", "act"), [
     ("unsealed", "write"),
     ("unsealed", "truncate"),
@@ -58,6 +58,7 @@ def test_a_fetch_never_maps_a_memory_file_its_holder_can_still_change(tmp_path, 
             proc.kill()
 
 
+@pytest.mark.timeout(360)  # its waits: 120 + 120 + 60 s
 def test_the_hostile_holder_really_can_change_what_was_mapped(tmp_path, monkeypatch):
     """The test above can fail: with the seal check removed (as attach() was before), the same
     holder's file is mapped and its write shows in the tensors the fetch returned verified."""
@@ -126,7 +127,7 @@ CHECKING_PEER = ON_HOST_B + (
 ) + MAIN
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)  # its waits: 180 + 60 + 60 + 60 s
 def test_a_worker_never_maps_a_host_leaders_arena_the_leader_can_still_change(cluster, tmp_path):
     """The peer-arena attach (worker/agent.py) goes through the same check: a host leader that
     hands out its memory file unsealed is refused, its peer takes the leader's relay, and the
