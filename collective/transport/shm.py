@@ -368,7 +368,11 @@ def attach(
             if os.fstat(fds[0]).st_size < size:
                 log.warning("shared segment of %s is smaller than the plan's arena; using the network", whose)
                 return None
-            return _map_private(fds[0], size)
+            try:
+                return _map_private(fds[0], size)
+            except OSError as exc:  # e.g. a huge-page file and no huge page to back it (ENOMEM)
+                log.warning("cannot map the shared memory %s offers (%s); using the network", whose, exc)
+                return None
         if not files:
             log.warning("%s offers files, which cannot be sealed, not a sealed memory file; using the network",
                         whose)

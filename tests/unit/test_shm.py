@@ -198,3 +198,29 @@ def test_nothing_changes_a_sealed_arena_a_hole_punched_included(served):
     assert libc.fallocate(arena.fd, punch_hole | keep_size, ctypes.c_long(0), ctypes.c_long(4096)) == -1
     assert ctypes.get_errno() == errno.EPERM
     assert arena.array[1] == 1
+
+
+def test_a_sealed_memory_file_that_cannot_be_mapped_means_the_stream_not_an_exception(caplog):
+    """A sealed huge-page memory file with no huge pages to back it: mmap fails (ENOMEM). A
+    hostile sender's choice must not end the caller with an OSError: the stream instead."""
+    import fcntl
+    import os
+
+    try:
+        fd = os.memfd_create("offer", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+        os.ftruncate(fd, 2 << 20)
+    except (OSError, AttributeError) as exc:
+        pytest.skip(f"no huge-page memory file here: {exc}")
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        try:
+            import mmap
+
+            mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE).close()
+            pytest.skip("huge pages are available here: the mapping would succeed")
+        except OSError:
+            pass
+        assert _offered(b"ok", fd, whose="holder h0") is None
+        assert "cannot map the shared memory holder h0 offers" in caplog.text
+    finally:
+        os.close(fd)
