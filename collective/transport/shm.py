@@ -356,7 +356,8 @@ def attach(
     if not (msg == b"ok" or msg.startswith(b"ok ")) or not fds:
         for fd in fds:
             os.close(fd)
-        log.warning("%s refused shared memory (%s); using the network", whose, msg.decode(errors="replace") or "no answer")
+        log.warning("%s refused shared memory (%s); using the network", whose,
+                    printable(msg.decode(errors="replace")) or "no answer")  # the sender's text: bounded
         return None
     try:
         if msg == b"ok":

@@ -224,3 +224,17 @@ def test_a_sealed_memory_file_that_cannot_be_mapped_means_the_stream_not_an_exce
         assert "cannot map the shared memory holder h0 offers" in caplog.text
     finally:
         os.close(fd)
+
+
+def test_a_senders_refusal_is_logged_as_one_bounded_safe_line(caplog):
+    """The refusal is the sender's text: 60 KiB of it with a terminal escape is cut and escaped."""
+    import os
+
+    r, w = os.pipe()
+    try:
+        assert _offered(b"no: \x1b[2J" + b"A" * 60_000, r, whose="holder h0") is None
+    finally:
+        os.close(r)
+        os.close(w)
+    [line] = [rec.getMessage() for rec in caplog.records if "refused shared memory" in rec.getMessage()]
+    assert len(line) < 1000 and "\x1b" not in line and "\\x1b[2J" in line
