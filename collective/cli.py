@@ -231,16 +231,19 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from collective.config import parse_address
-    from collective.status import status_dict, status_text, watch
+    from collective.errors import ChiefUnreachableError
+    from collective.status import run_of, status_dict, status_text, wait_for_outcome, watch
     from collective.transport.grpc import GrpcChiefLink
 
+    run = None
     if args.run_dir:
-        from collective.status import chief_of_run
-
         if args.chief:
             raise UsageError("pass either --run-dir or --chief, not both")
-        args.chief, token = chief_of_run(args.run_dir)
-        args.token = args.token or token
+        run = run_of(args.run_dir)
+        if run.address is None:  # the launch has ended: its summary says how
+            return _ended(args, run.run_dir, run.result)
+        args.chief = run.address
+        args.token = args.token or run.token
     if not args.chief:
         from collective.clusterenv import from_environment
 
@@ -255,6 +258,12 @@ def _status(args: argparse.Namespace) -> int:
             st = watch(link, args.chief, interval=args.interval)
         else:
             st = link.status(timeout=5.0)
+    except ChiefUnreachableError:
+        if run is None:
+            raise
+        # A launch's chief ends soon after the outcome (it answers Status for a moment more):
+        # launch then writes the summary into the run dir.
+        return _ended(args, run.run_dir, wait_for_outcome(run))
     finally:
         link.close()
     if args.json:
@@ -262,6 +271,15 @@ def _status(args: argparse.Namespace) -> int:
     elif not args.watch:
         print(status_text(st, args.chief))
     return 1 if st.phase == "failed" else 0
+
+
+def _ended(args: argparse.Namespace, run_dir: str, result: dict | None) -> int:
+    """``collective status --run-dir`` of a launch whose chief is gone: its outcome, exit 0 when started."""
+    from collective.status import outcome_dict, outcome_text
+
+    shown = outcome_dict(run_dir, result)
+    print(json.dumps(shown) if args.json else outcome_text(run_dir, result))
+    return 0 if shown["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from collective.clusterenv import CLUSTER_VARS
 from collective.config import Timeouts
 from collective.errors import DeadlineError, UsageError
 from collective.model import available_memory
-from collective.rundir import STATUS_FILE, RunDir
+from collective.rundir import RESULT_FILE, STATUS_FILE, RunDir
 from collective.sizes import format_bytes
 
 
@@ -302,7 +302,7 @@ class Launcher:
             if c.log_error is not None:
                 self._cut.append(f"{c.log_path.name}: {c.log_error.strerror or c.log_error}")
         try:
-            with self._dir.create("result.json") as f:
+            with self._dir.create(RESULT_FILE) as f:
                 f.write(json.dumps(result))
         except OSError as exc:
             self._cut.append(f"result.json: {exc.strerror or exc}")

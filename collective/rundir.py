@@ -28,8 +28,9 @@ from collective.errors import UsageError
 
 LOCK_NAME = ".launch.lock"
 STATUS_FILE = "status.json"  # the chief's address and token while a launch runs (`collective status --run-dir`)
+RESULT_FILE = "result.json"  # the ended launch's summary
 # What a launch leaves that the next launch in the same directory clears first.
-RUN_FILES = ("chief.port", "chief.port.tmp", "result.json", "chief.log", "mpiexec.log", STATUS_FILE)
+RUN_FILES = ("chief.port", "chief.port.tmp", RESULT_FILE, "chief.log", "mpiexec.log", STATUS_FILE)
 
 
 def _refuse(path: Path, why: str) -> UsageError:
