@@ -1,9 +1,9 @@
-"""``collective``: launch a local cluster, or ask a running chief for its status."""
+"""``collective``: launch a local cluster, ask a running chief for its status, merge a run's logs,
+fetch a published training state, check this host."""
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -11,11 +11,13 @@ from pathlib import Path
 
 from collective import logs
 from collective.config import (
+    Parser,
     add_option,
     add_timeout_options,
     add_tls_options,
     byte_size,
     parse_bool,
+    plain,
     positive_float,
     positive_int,
     timeouts_from_args,
@@ -27,10 +29,11 @@ from collective.topology import TOPOLOGIES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # allow_abbrev=False everywhere: `--devices 2` must not silently mean `--devices-per-worker 2`.
-    p = argparse.ArgumentParser(prog="collective", description=__doc__, allow_abbrev=False)
+    # Parser (config): no abbreviations (`--devices 2` must not silently mean `--devices-per-worker
+    # 2`); an unknown option gets its subcommand's usage and the option it most likely meant.
+    p = Parser(prog="collective", description=plain(__doc__))
+    p.add_argument("--version", action="version", version=f"collective {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser = functools.partial(sub.add_parser, allow_abbrev=False)  # type: ignore[method-assign]
 
     launch = sub.add_parser("launch", help="run a chief and N workers on this machine, on loopback")
     add_option(launch, "workers", help="number of workers", type=positive_int, default=2)
@@ -108,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("collective")
+    except metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         args = build_parser().parse_args(argv)
@@ -154,7 +166,7 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"interrupted: every process of the run was stopped; its logs are in {where} "
               f"(collective logs {where})", file=sys.stderr)
         return 130
-    print(summary_table(result), file=sys.stderr if args.json else sys.stdout)
+    print(summary_table(result, expected=args.workers), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
     return exit_code(result)

@@ -541,8 +541,9 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def summary_table(result: dict) -> str:
-    """The human summary of a round, as ``collective launch`` prints it."""
+def summary_table(result: dict, expected: int | None = None) -> str:
+    """The human summary of a round, as ``collective launch`` prints it. ``expected``: the
+    workers asked for (``--workers``); a failed round lists only those that joined."""
     workers = result.get("workers") or []
     ok = bool(result.get("ok"))
     nbytes = result.get("bytes") or 0
@@ -562,7 +563,8 @@ def summary_table(result: dict) -> str:
     if result.get("shards"):
         lines.append(f"  shards      {result['shards']} (each worker receives its own part, not a replica)")
     lines += [
-        f"  workers     {len(workers)}",
+        f"  workers     {len(workers)}" + (f" of {expected} joined" if expected is not None and len(workers) != expected
+                                           else ""),
         f"  variables   {len(result.get('variables') or [])}",
         f"  bytes       {nbytes:,} ({format_bytes(nbytes)}) in the model"
         + (f"; workers received {', '.join(format_bytes(w.get('bytes', 0)) for w in workers)}"

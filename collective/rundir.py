@@ -105,9 +105,11 @@ class RunDir:
         if not self.temporary:
             check_ancestors(path)
             try:
-                path.mkdir(parents=True, mode=0o700)
+                path.mkdir(mode=0o700)  # the directory only: a mistyped parent is not made
             except FileExistsError:
                 pass
+            except FileNotFoundError:
+                raise _refuse(path, f"its parent directory {path.parent} does not exist (create it first)") from None
             except OSError as exc:
                 raise _refuse(path, f"{exc.strerror or exc}"
                               f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(path) else ''}") from None

@@ -236,3 +236,25 @@ def test_a_chief_that_cannot_write_its_summary_keeps_the_rounds_outcome(full_dir
     out = chief.output()
     assert "could not write the round's summary to" in out and "No space left on device" in out
     assert "the outcome stands (started)" in out and "Traceback" not in out
+
+
+def test_a_run_dir_whose_parent_is_missing_is_refused_and_nothing_is_made(tmp_path):
+    """`--run-dir /nonexistent/x` silently created /nonexistent (a mistyped path became a tree)."""
+    target = tmp_path / "nonexistent" / "x"
+    proc = _launch(target, "--workers", "1", "--quiet", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].endswith(f"cannot use run directory {target}: its parent directory {target.parent} does not "
+                             f"exist (create it first); pass another --run-dir"), lines
+    assert not target.parent.exists()
+
+
+def test_a_failed_launchs_summary_counts_the_workers_asked_for():
+    """A launch that failed before any worker joined said `workers 0` for `--workers 2`."""
+    from collective.chief.reports import failed_summary
+    from collective.launch import summary_table
+
+    failed = failed_summary(None, transport="grpc", model="nothere")
+    assert "  workers     0 of 2 joined\n" in summary_table(failed, expected=2)
+    assert "  workers     0\n" in summary_table(failed)  # collective.mpi's own table: the count it has
