@@ -258,3 +258,43 @@ def test_a_failed_launchs_summary_counts_the_workers_asked_for():
     failed = failed_summary(None, transport="grpc", model="nothere")
     assert "  workers     0 of 2 joined\n" in summary_table(failed, expected=2)
     assert "  workers     0\n" in summary_table(failed)  # collective.mpi's own table: the count it has
+
+
+def test_a_worker_refuses_a_gpu_this_host_does_not_show_in_one_line(tmp_path):
+    """`--devices cuda:0,gpu:3` on a host without GPUs was taken as two replicas in host memory
+    (`training started: 7 variables x 2 replicas`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    proc = subprocess.run([sys.executable, "-m", "collective.worker", "--chief", "127.0.0.1:1", "--join-timeout", "5",
+                           "--devices", "cpu:0,gpu:3"], env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.endswith("device gpu:3 does not exist: this host shows 0 GPU(s) (CUDA_VISIBLE_DEVICES applies); "
+                         "pass devices it has, such as cpu:0"), line
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_options_that_do_nothing_in_the_run_are_warned_about_in_one_line_each(tmp_path):
+    """`--transport mpi --topology chain --no-shm` and `--seed 5` with a .safetensors model were
+    accepted without a word (`warnings: []`; the summary said `topology star`)."""
+    import numpy as np
+
+    from collective.sources import save_safetensors
+
+    model = tmp_path / "m.safetensors"
+    save_safetensors(model, {"w": np.arange(12, dtype=np.float32)})
+    proc = _launch(tmp_path / "run", "--workers", "2", "--transport", "mpi", "--topology", "chain", "--no-shm",
+                   "--seed", "5", "--model", str(model), "--json", "--quiet", timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = [
+        f"--seed 5 does nothing: model {model} stores its values (only presets and .yaml/.json specs draw theirs "
+        f"from a seed)",
+        "--topology chain does nothing under --transport mpi: rank 0 sends each rank its stream (a star, over MPI)",
+        "--no-shm does nothing under --transport mpi: MPI moves the bytes, by its own means on one host",
+    ]
+    assert result["warnings"] == expected, result["warnings"]
+    for warning in expected:  # said at start on stderr, one line each, and in the table
+        assert f"launch   | WARNING {warning}\n" in proc.stderr, proc.stderr
+        assert f"  WARNING     {warning}\n" in proc.stderr, proc.stderr
