@@ -29,9 +29,17 @@ class CollectiveError(Exception):
         self.culprit = culprit
         self.phase = phase
 
-    def same_round(self, message: str | None = None) -> AbortedError:
-        """This error as every other member hears it: AbortedError, same culprit and phase."""
-        return AbortedError(str(self) if message is None else message, culprit=self.culprit, phase=self.phase)
+    # A verdict on every member's part, not one member's fault the others suffer (an SPMD job
+    # whose ranks declare different models): every member hears it with its own class.
+    every_rank = False
+
+    def same_round(self, message: str | None = None) -> CollectiveError:
+        """This error as every other member hears it: AbortedError, same culprit and phase (its
+        own class when ``every_rank``)."""
+        cls = type(self) if self.every_rank else AbortedError
+        err = cls(str(self) if message is None else message, culprit=self.culprit, phase=self.phase)
+        err.every_rank = self.every_rank
+        return err
 
 
 class UsageError(CollectiveError):

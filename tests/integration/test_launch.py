@@ -101,7 +101,7 @@ def test_a_reused_run_dir_starts_clean_and_never_reads_the_last_runs_files(tmp_p
 def test_a_run_dir_it_creates_and_every_file_in_it_are_private_whatever_the_umask(tmp_path):
     # The default run dir (mkdtemp) was 0700 already; one named with --run-dir was 0755 with
     # 0644 logs (the usual umask): other local users could read variable names and addresses.
-    run_dir = tmp_path / "runs" / "r1"
+    run_dir = tmp_path / "r1"  # its parent exists: launch makes the run dir alone
     old = os.umask(0o022)
     try:
         proc = _launch(run_dir, "--workers", "2", "--quiet", "--join-timeout", "20")
