@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from collective.errors import UsageError
+from collective.errors import UsageError, env_error
 
 ENV_PREFIX = "COLLECTIVE_"
 
@@ -61,13 +61,6 @@ class Timeouts:
     # the round fails naming it; 0 (the default, as torchrun's --max-restarts 0): a loss fails
     # the round at once. Set it where a supervisor restarts workers (Kubernetes, systemd).
     rejoin: float = 0.0
-
-
-def env_error(name: str, raw: str, why: str) -> UsageError:
-    """The one form of a bad value in an environment variable: it names the variable and the value."""
-    from collective.logs import printable
-
-    return UsageError(f"environment variable {name}={printable(raw, 80)!r}: {why}")
 
 
 def plain(doc: str | None) -> str:

@@ -175,6 +175,13 @@ class InternalError(CollectiveError):
     code = "INTERNAL"
 
 
+def env_error(name: str, raw: str, why: str) -> UsageError:
+    """The one form of a bad value in an environment variable: it names the variable and the
+    value (its repr, control characters escaped, cut to 80 characters)."""
+    shown = repr(raw[:80]) + (f"...({len(raw) - 80} more)" if len(raw) > 80 else "")
+    return UsageError(f"environment variable {name}={shown}: {why}")
+
+
 # A status that arrives without a class name is read as the one class its code stands for.
 FROM_CODE: dict[str, type[CollectiveError]] = {cls.code: cls for cls in (
     UnimplementedError, AuthError, PermissionDeniedError, AlreadyExistsError, ResourceExhaustedError,

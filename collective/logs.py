@@ -87,8 +87,7 @@ class _JSONFormatter(_UTCFormatter):
 def configure(role: str, *, fmt: str = "text", level: int = logging.INFO, stream=None) -> None:
     """Route the project's log lines to ``stream`` (stderr) in ``fmt`` (text or json), at
     ``level`` or the one ``COLLECTIVE_LOG_LEVEL`` names (debug, info, warning, error)."""
-    from collective.config import env_error
-    from collective.errors import UsageError
+    from collective.errors import UsageError, env_error
 
     if fmt not in ("text", "json"):
         raise UsageError(f"--log-format {fmt!r} is not one of text, json")
