@@ -109,15 +109,6 @@ def run_of(run_dir: str) -> Run:
                      f"has not started yet); its logs: collective logs {run_dir}")
 
 
-def chief_of_run(run_dir: str) -> tuple[str, str | None]:
-    """The (address, token) of the chief of the launch running in ``run_dir``, from its 0600
-    ``status.json``; a missing, linked or foreign file is refused in one line."""
-    run = run_of(run_dir)
-    if run.address is None:
-        raise UsageError(f"no running launch in {run_dir}: it has ended ({_outcome(run.result or {})})")
-    return run.address, run.token
-
-
 def wait_for_outcome(run: Run, timeout: float = 300.0) -> dict | None:
     """The summary of the launch in ``run.run_dir`` once its chief is gone: launch writes
     ``result.json`` when its processes have ended (the chief's linger, the workers' exit), then
