@@ -303,7 +303,7 @@ def serve(
     """
     from collective.clusterenv import from_environment
     from collective.config import timeouts_from_args, tls_from_args
-    from collective.keys import parse_devices
+    from collective.keys import local_devices
 
     env = _environ("chief")
     args = _cli_settings("chief", env, {
@@ -318,7 +318,7 @@ def serve(
         cluster = from_environment(env)
         trains = devices is not None or bool(cluster and cluster.chief_trains)
     with config.reading(env):
-        devices = parse_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
+        devices = local_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
     request = shards if shards is not None else args.shards
 
     def load() -> ModelSource:  # called once the port is bound: what it raises reaches every worker
@@ -511,14 +511,14 @@ def sync(
     (the same one on every rank). Under MPI, a failure of one rank alone aborts the job
     (``MPI_Abort``), since the other ranks could not leave their collectives otherwise.
     """
-    from collective.keys import parse_devices
+    from collective.keys import local_devices
 
     roles = resolve_roles(rank, world_size, chief)
     if roles.rank == 0 and values is None:
         raise UsageError("rank 0 must pass the values to broadcast: collective.sync(values)")
     env = dict(os.environ)
     with config.reading(env):
-        devices = parse_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
+        devices = local_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
     log.info("sync: rank %d of %d (%s), devices %s", roles.rank, roles.world_size, roles.source, ",".join(devices))
     # Rank 0 of a gRPC round checks its values and shards after binding its port (``serve``),
     # so what is wrong with them reaches every rank, not only this one.

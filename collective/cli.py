@@ -1,9 +1,9 @@
-"""``collective``: launch a local cluster, or ask a running chief for its status."""
+"""``collective``: launch a local cluster, ask a running chief for its status, merge a run's logs,
+fetch a published training state, check this host."""
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -11,11 +11,13 @@ from pathlib import Path
 
 from collective import logs
 from collective.config import (
+    Parser,
     add_option,
     add_timeout_options,
     add_tls_options,
     byte_size,
     parse_bool,
+    plain,
     positive_float,
     positive_int,
     timeouts_from_args,
@@ -27,10 +29,11 @@ from collective.topology import TOPOLOGIES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # allow_abbrev=False everywhere: `--devices 2` must not silently mean `--devices-per-worker 2`.
-    p = argparse.ArgumentParser(prog="collective", description=__doc__, allow_abbrev=False)
+    # Parser (config): no abbreviations (`--devices 2` must not silently mean `--devices-per-worker
+    # 2`); an unknown option gets its subcommand's usage and the option it most likely meant.
+    p = Parser(prog="collective", description=plain(__doc__))
+    p.add_argument("--version", action="version", version=f"collective {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser = functools.partial(sub.add_parser, allow_abbrev=False)  # type: ignore[method-assign]
 
     launch = sub.add_parser("launch", help="run a chief and N workers on this machine, on loopback")
     add_option(launch, "workers", help="number of workers", type=positive_int, default=2)
@@ -108,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("collective")
+    except metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         args = build_parser().parse_args(argv)
@@ -154,7 +166,7 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"interrupted: every process of the run was stopped; its logs are in {where} "
               f"(collective logs {where})", file=sys.stderr)
         return 130
-    print(summary_table(result), file=sys.stderr if args.json else sys.stdout)
+    print(summary_table(result, expected=args.workers), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
     return exit_code(result)
@@ -231,16 +243,19 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from collective.config import parse_address
-    from collective.status import status_dict, status_text, watch
+    from collective.errors import ChiefUnreachableError
+    from collective.status import run_of, status_dict, status_text, wait_for_outcome, watch
     from collective.transport.grpc import GrpcChiefLink
 
+    run = None
     if args.run_dir:
-        from collective.status import chief_of_run
-
         if args.chief:
             raise UsageError("pass either --run-dir or --chief, not both")
-        args.chief, token = chief_of_run(args.run_dir)
-        args.token = args.token or token
+        run = run_of(args.run_dir)
+        if run.address is None:  # the launch has ended: its summary says how
+            return _ended(args, run.run_dir, run.result)
+        args.chief = run.address
+        args.token = args.token or run.token
     if not args.chief:
         from collective.clusterenv import from_environment
 
@@ -255,6 +270,12 @@ def _status(args: argparse.Namespace) -> int:
             st = watch(link, args.chief, interval=args.interval)
         else:
             st = link.status(timeout=5.0)
+    except ChiefUnreachableError:
+        if run is None:
+            raise
+        # A launch's chief ends soon after the outcome (it answers Status for a moment more):
+        # launch then writes the summary into the run dir.
+        return _ended(args, run.run_dir, wait_for_outcome(run))
     finally:
         link.close()
     if args.json:
@@ -262,6 +283,15 @@ def _status(args: argparse.Namespace) -> int:
     elif not args.watch:
         print(status_text(st, args.chief))
     return 1 if st.phase == "failed" else 0
+
+
+def _ended(args: argparse.Namespace, run_dir: str, result: dict | None) -> int:
+    """``collective status --run-dir`` of a launch whose chief is gone: its outcome, exit 0 when started."""
+    from collective.status import outcome_dict, outcome_text
+
+    shown = outcome_dict(run_dir, result)
+    print(json.dumps(shown) if args.json else outcome_text(run_dir, result))
+    return 0 if shown["ok"] else 1
 
 
 if __name__ == "__main__":

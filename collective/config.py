@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from collective.errors import UsageError
+from collective.errors import UsageError, env_error
 
 ENV_PREFIX = "COLLECTIVE_"
 
@@ -61,6 +61,52 @@ class Timeouts:
     # the round fails naming it; 0 (the default, as torchrun's --max-restarts 0): a loss fails
     # the round at once. Set it where a supervisor restarts workers (Kubernetes, systemd).
     rejoin: float = 0.0
+
+
+def plain(doc: str | None) -> str:
+    """A docstring as a command's ``--help`` shows it: without reStructuredText's literal quotes."""
+    return (doc or "").replace("``", "")
+
+
+class Parser(argparse.ArgumentParser):
+    """Every command's parser: no option may be abbreviated (``--devices 2`` must not silently
+    mean ``--devices-per-worker 2``), and an unknown option is refused with the usage of the
+    (sub)command it was given to and the option it most likely meant."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = self
+            while (sub := parser._chosen(parsed)) is not None:
+                parser = sub
+            parser.error(parser._unrecognized(extra))
+        return parsed
+
+    def _chosen(self, parsed: argparse.Namespace) -> argparse.ArgumentParser | None:
+        """The parser of the subcommand ``parsed`` names, if this parser has subcommands."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):  # argparse keeps them nowhere public
+                sub = action.choices.get(getattr(parsed, action.dest, None) or "")
+                return sub if isinstance(sub, Parser) else None
+        return None
+
+    def _unrecognized(self, extra: list[str]) -> str:
+        import difflib
+
+        known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        hints = []
+        for arg in extra:
+            if not arg.startswith("--"):
+                continue
+            name = arg.split("=", 1)[0]
+            near = [s for s in known if s.startswith(name)] or difflib.get_close_matches(name, known, n=1, cutoff=0.7)
+            if near:
+                hints.append(f"{name}: did you mean {' or '.join(near[:3])}?")
+        return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 
 def env_name(option: str) -> str:
@@ -123,7 +169,7 @@ def add_option(
     default: Any = None,
     **kwargs: Any,
 ) -> None:
-    """Add ``--name`` whose default comes from ``COLLECTIVE_NAME``, then ``default``.
+    """Add ``--name`` whose default comes from ``COLLECTIVE_<NAME>``, then ``default``.
 
     The environment value is parsed by ``type`` when arguments are parsed, so a bad value in the
     environment is reported like a bad option, naming the variable.
@@ -134,7 +180,11 @@ def add_option(
         try:
             default = type(raw)
         except (argparse.ArgumentTypeError, ValueError) as exc:
-            raise UsageError(f"environment variable {env}={raw!r}: {exc}") from None
+            raise env_error(env, raw, str(exc)) from None
+        # argparse checks choices only of what the command line gives, never of a default
+        choices = kwargs.get("choices")
+        if choices is not None and default not in choices:
+            raise env_error(env, raw, f"not one of {', '.join(map(str, choices))}")
     parser.add_argument(
         f"--{name}", type=type, default=default, help=f"{help} (env {env})", **kwargs
     )
@@ -166,7 +216,7 @@ def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
 
 @dataclass(frozen=True)
 class Flag:
-    """One setting: ``--name`` on a command line, ``COLLECTIVE_NAME`` in the environment, a field
+    """One setting: ``--name`` on a command line, ``COLLECTIVE_<NAME>`` in the environment, a field
     ``name_with_underscores`` of a settings object. One table of these makes both the argparse
     parser (``add_flags``) and the settings read without one (``settings_from_env``)."""
 
@@ -206,9 +256,9 @@ def settings_from_env(flags: Iterable[Flag], env: Mapping[str, str], skip: Itera
             try:
                 value = f.parse(raw)
             except (argparse.ArgumentTypeError, ValueError) as exc:
-                raise UsageError(f"environment variable {env_name(f.name)}={raw!r}: {exc}") from None
+                raise env_error(env_name(f.name), raw, str(exc)) from None
             if f.choices and value not in f.choices:
-                raise UsageError(f"environment variable {env_name(f.name)}={raw!r}: not one of {', '.join(f.choices)}")
+                raise env_error(env_name(f.name), raw, f"not one of {', '.join(f.choices)}")
         out[f.dest] = value
     return out
 

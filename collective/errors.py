@@ -29,9 +29,17 @@ class CollectiveError(Exception):
         self.culprit = culprit
         self.phase = phase
 
-    def same_round(self, message: str | None = None) -> AbortedError:
-        """This error as every other member hears it: AbortedError, same culprit and phase."""
-        return AbortedError(str(self) if message is None else message, culprit=self.culprit, phase=self.phase)
+    # A verdict on every member's part, not one member's fault the others suffer (an SPMD job
+    # whose ranks declare different models): every member hears it with its own class.
+    every_rank = False
+
+    def same_round(self, message: str | None = None) -> CollectiveError:
+        """This error as every other member hears it: AbortedError, same culprit and phase (its
+        own class when ``every_rank``)."""
+        cls = type(self) if self.every_rank else AbortedError
+        err = cls(str(self) if message is None else message, culprit=self.culprit, phase=self.phase)
+        err.every_rank = self.every_rank
+        return err
 
 
 class UsageError(CollectiveError):
@@ -165,6 +173,13 @@ class InternalError(CollectiveError):
     traceback."""
 
     code = "INTERNAL"
+
+
+def env_error(name: str, raw: str, why: str) -> UsageError:
+    """The one form of a bad value in an environment variable: it names the variable and the
+    value (its repr, control characters escaped, cut to 80 characters)."""
+    shown = repr(raw[:80]) + (f"...({len(raw) - 80} more)" if len(raw) > 80 else "")
+    return UsageError(f"environment variable {name}={shown}: {why}")
 
 
 # A status that arrives without a class name is read as the one class its code stands for.

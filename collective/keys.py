@@ -8,7 +8,9 @@ second chief computing the plan) agrees with the first.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from collections.abc import Sequence
 
 from collective.errors import UsageError
@@ -46,6 +48,59 @@ def parse_devices(text: str | Sequence[str]) -> list[str]:
             raise UsageError(f"device {name} is listed twice in {printable(','.join(items), limit=200)!r}")
         out[name] = None
     return list(out)
+
+
+def local_devices(text: str | Sequence[str]) -> list[str]:
+    """``parse_devices`` for devices this process holds replicas on: a GPU this host does not
+    show (``cuda:i``, ``gpu:i``: none, or fewer than i + 1) or ``mps`` off macOS is refused in
+    one line. CPU replicas live in host memory: any number of them is a ``cpu:i``. Other kinds
+    (a framework's: ``tpu:i``) are the framework's to check."""
+    devices = parse_devices(text)
+    for name in devices:
+        kind, index = name.split(":")
+        have = visible_devices(kind)
+        if have is not None and int(index) >= have:
+            shown = f"{have} GPU(s)" if kind in _GPU_KINDS else "no MPS device (macOS only)"
+            raise UsageError(f"device {name} does not exist: this host shows {shown}"
+                             f"{' (CUDA_VISIBLE_DEVICES applies)' if kind in _GPU_KINDS else ''}; pass devices it has, "
+                             f"such as cpu:0")
+    return devices
+
+
+_GPU_KINDS = ("cuda", "gpu")
+
+
+def visible_devices(kind: str) -> int | None:
+    """How many ``kind`` devices this process can use, None when not counted (``cpu``: any; a
+    kind this module does not know). GPUs: torch's count when torch is loaded, else the NVIDIA
+    driver's and AMD's (KFD) GPUs, at most as many as ``CUDA_VISIBLE_DEVICES`` /
+    ``HIP_VISIBLE_DEVICES`` list."""
+    if kind == "mps":
+        return 1 if sys.platform == "darwin" else 0
+    if kind not in _GPU_KINDS:
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return int(torch.cuda.device_count())
+    count = len(_entries("/proc/driver/nvidia/gpus"))
+    for node in _entries("/sys/class/kfd/kfd/topology/nodes"):
+        try:
+            with open(f"/sys/class/kfd/kfd/topology/nodes/{node}/gpu_id") as f:
+                count += f.read().strip() not in ("", "0")
+        except OSError:
+            pass
+    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        listed = os.environ.get(var)
+        if listed is not None:
+            count = min(count, len([d for d in listed.split(",") if d.strip() and d.strip() != "-1"]))
+    return count
+
+
+def _entries(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def qualified_device(rank: int, device: str) -> str:

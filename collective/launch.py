@@ -36,7 +36,7 @@ from collective.clusterenv import CLUSTER_VARS
 from collective.config import Timeouts
 from collective.errors import DeadlineError, UsageError
 from collective.model import available_memory
-from collective.rundir import STATUS_FILE, RunDir
+from collective.rundir import RESULT_FILE, STATUS_FILE, RunDir
 from collective.sizes import format_bytes
 
 
@@ -120,6 +120,31 @@ class Launcher:
         self._cut: list[str] = []  # what could not be written to the run directory, and why
         self._result_file: Path | None = None  # the chief's summary, written once it has decided
         self._t0 = time.monotonic()
+        self.warnings = self._idle_options(token is not None)  # said at start, and in the summary
+
+    def _idle_options(self, token_given: bool) -> list[str]:
+        """One line for each option given that does nothing in this run (not an error: the run
+        is what it would be without it)."""
+        from collective.sources import takes_seed
+
+        out = []
+        if self.seed is not None and not takes_seed(self.model):
+            out.append(f"--seed {self.seed} does nothing: model {self.model} stores its values (only presets and "
+                       f".yaml/.json specs draw theirs from a seed)")
+        if self.transport == "mpi":
+            mpi = "under --transport mpi"
+            if self.topology != "auto":
+                out.append(f"--topology {self.topology} does nothing {mpi}: rank 0 sends each rank its stream "
+                           f"(a star, over MPI)")
+            if not self.shm:
+                out.append(f"--no-shm does nothing {mpi}: MPI moves the bytes, by its own means on one host")
+            if token_given:
+                out.append(f"--token does nothing {mpi}: no network service is started to present it to")
+            default = Timeouts()
+            if (self.timeouts.heartbeat, self.timeouts.lease) != (default.heartbeat, default.lease):
+                out.append(f"--heartbeat-interval / --heartbeat-timeout do nothing {mpi}: the MPI job has no "
+                           f"heartbeats (mpiexec ends it when a rank dies)")
+        return out
 
     # --- processes ----------------------------------------------------------------------
 
@@ -239,6 +264,8 @@ class Launcher:
                 self._dir.remove()
             raise
         self._t0 = time.monotonic()
+        for warning in self.warnings:
+            self._note(f"WARNING {warning}")
         ok = False
         previous = self._catch_interrupt()
         try:
@@ -302,7 +329,7 @@ class Launcher:
             if c.log_error is not None:
                 self._cut.append(f"{c.log_path.name}: {c.log_error.strerror or c.log_error}")
         try:
-            with self._dir.create("result.json") as f:
+            with self._dir.create(RESULT_FILE) as f:
                 f.write(json.dumps(result))
         except OSError as exc:
             self._cut.append(f"result.json: {exc.strerror or exc}")
@@ -488,6 +515,7 @@ class Launcher:
         result["exit_code"] = exit_code(result)
         result["wall_seconds"] = round(time.monotonic() - self._t0, 3)
         result["run_dir"] = str(self.run_dir)
+        result["warnings"] = [*self.warnings, *result.get("warnings", [])]
         chief = result.get("chief") or {}
         if self.from_file and chief and not chief.get("from_file"):
             result["warnings"] = [*result.get("warnings", []), "--from-file was ignored: the model has no "
@@ -541,8 +569,9 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def summary_table(result: dict) -> str:
-    """The human summary of a round, as ``collective launch`` prints it."""
+def summary_table(result: dict, expected: int | None = None) -> str:
+    """The human summary of a round, as ``collective launch`` prints it. ``expected``: the
+    workers asked for (``--workers``); a failed round lists only those that joined."""
     workers = result.get("workers") or []
     ok = bool(result.get("ok"))
     nbytes = result.get("bytes") or 0
@@ -562,7 +591,8 @@ def summary_table(result: dict) -> str:
     if result.get("shards"):
         lines.append(f"  shards      {result['shards']} (each worker receives its own part, not a replica)")
     lines += [
-        f"  workers     {len(workers)}",
+        f"  workers     {len(workers)}" + (f" of {expected} joined" if expected is not None and len(workers) != expected
+                                           else ""),
         f"  variables   {len(result.get('variables') or [])}",
         f"  bytes       {nbytes:,} ({format_bytes(nbytes)}) in the model"
         + (f"; workers received {', '.join(format_bytes(w.get('bytes', 0)) for w in workers)}"

@@ -87,7 +87,7 @@ class _JSONFormatter(_UTCFormatter):
 def configure(role: str, *, fmt: str = "text", level: int = logging.INFO, stream=None) -> None:
     """Route the project's log lines to ``stream`` (stderr) in ``fmt`` (text or json), at
     ``level`` or the one ``COLLECTIVE_LOG_LEVEL`` names (debug, info, warning, error)."""
-    from collective.errors import UsageError
+    from collective.errors import UsageError, env_error
 
     if fmt not in ("text", "json"):
         raise UsageError(f"--log-format {fmt!r} is not one of text, json")
@@ -95,7 +95,7 @@ def configure(role: str, *, fmt: str = "text", level: int = logging.INFO, stream
     named = given.strip().upper()
     if named:
         if named not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise UsageError(f"COLLECTIVE_LOG_LEVEL={printable(given, 40)!r} is not one of debug, info, warning, error")
+            raise env_error("COLLECTIVE_LOG_LEVEL", given, "not one of debug, info, warning, error")
         level = getattr(logging, named)
     set_context(role=role)
     handler = logging.StreamHandler(stream or sys.stderr)

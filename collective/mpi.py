@@ -24,10 +24,12 @@ from pathlib import Path
 
 from collective import logs
 from collective.config import (
+    Parser,
     add_max_model_bytes_option,
     add_option,
     add_timeout_options,
     parse_bool,
+    plain,
     positive_int,
     timeouts_from_args,
 )
@@ -38,7 +40,7 @@ log = logging.getLogger("collective.mpi")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _RankZeroParser(prog="mpiexec -n N+1 python -m collective.mpi", description=__doc__, allow_abbrev=False)
+    p = _RankZeroParser(prog="mpiexec -n N+1 python -m collective.mpi", description=plain(__doc__))
     add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors file, "
                "a *.safetensors.index.json or a checkpoint directory", default="mlp")
     add_option(p, "seed", help="seed for initializer specs", type=int, default=None)
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _RankZeroParser(argparse.ArgumentParser):
+class _RankZeroParser(Parser):
     """Every rank parses the same command line: only rank 0 prints a usage error (not N+1 copies)."""
 
     def print_usage(self, file=None) -> None:

@@ -19,6 +19,7 @@ from collective import logs
 from collective.clusterenv import apply_to_environ, role_mismatch
 from collective.config import (
     Flag,
+    Parser,
     add_flags,
     byte_size,
     max_model_bytes_flag,
@@ -33,8 +34,8 @@ from collective.topology import TOPOLOGIES
 
 log = logging.getLogger("collective")
 
-CHIEF_DESCRIPTION = '``python -m collective.chief``: serve one broadcast round over gRPC and exit 0 once start is released.'
-WORKER_DESCRIPTION = '``python -m collective.worker``: join the chief, receive and verify the variables, wait for start.'
+CHIEF_DESCRIPTION = 'python -m collective.chief: serve one broadcast round over gRPC and exit 0 once start is released.'
+WORKER_DESCRIPTION = 'python -m collective.worker: join the chief, receive and verify the variables, wait for start.'
 
 
 def parse_shards(text: str):
@@ -117,14 +118,14 @@ WorkerSettings = _settings_class("WorkerSettings", WORKER_FLAGS, "What ``python 
 
 def chief_parser() -> argparse.ArgumentParser:
     """The flags of ``python -m collective.chief``, made from CHIEF_FLAGS."""
-    p = argparse.ArgumentParser(prog="python -m collective.chief", description=CHIEF_DESCRIPTION, allow_abbrev=False)
+    p = Parser(prog="python -m collective.chief", description=CHIEF_DESCRIPTION)
     add_flags(p, CHIEF_FLAGS)
     return p
 
 
 def worker_parser() -> argparse.ArgumentParser:
     """The flags of ``python -m collective.worker``, made from WORKER_FLAGS."""
-    p = argparse.ArgumentParser(prog="python -m collective.worker", description=WORKER_DESCRIPTION, allow_abbrev=False)
+    p = Parser(prog="python -m collective.worker", description=WORKER_DESCRIPTION)
     add_flags(p, WORKER_FLAGS)
     return p
 

@@ -28,8 +28,9 @@ from collective.errors import UsageError
 
 LOCK_NAME = ".launch.lock"
 STATUS_FILE = "status.json"  # the chief's address and token while a launch runs (`collective status --run-dir`)
+RESULT_FILE = "result.json"  # the ended launch's summary
 # What a launch leaves that the next launch in the same directory clears first.
-RUN_FILES = ("chief.port", "chief.port.tmp", "result.json", "chief.log", "mpiexec.log", STATUS_FILE)
+RUN_FILES = ("chief.port", "chief.port.tmp", RESULT_FILE, "chief.log", "mpiexec.log", STATUS_FILE)
 
 
 def _refuse(path: Path, why: str) -> UsageError:
@@ -104,9 +105,11 @@ class RunDir:
         if not self.temporary:
             check_ancestors(path)
             try:
-                path.mkdir(parents=True, mode=0o700)
+                path.mkdir(mode=0o700)  # the directory only: a mistyped parent is not made
             except FileExistsError:
                 pass
+            except FileNotFoundError:
+                raise _refuse(path, f"its parent directory {path.parent} does not exist (create it first)") from None
             except OSError as exc:
                 raise _refuse(path, f"{exc.strerror or exc}"
                               f"{f' ({exc.filename})' if exc.filename and str(exc.filename) != str(path) else ''}") from None

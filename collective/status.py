@@ -7,43 +7,167 @@ All of it reads the chief's Status RPC, so it works from any host that can reach
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from collective._proto import collective_pb2 as pb
 from collective.errors import UsageError
-from collective.rundir import STATUS_FILE
+from collective.rundir import LOCK_NAME, RESULT_FILE, STATUS_FILE
+
+# The most of an ended launch's result.json read (its variables are listed: a large model's is long).
+RESULT_LIMIT = 256 << 20
 
 
-def chief_of_run(run_dir: str) -> tuple[str, str | None]:
-    """The (address, token) of the chief of the launch running in ``run_dir``, from its 0600
-    ``status.json``; a missing, linked or foreign file is refused in one line."""
-    path = Path(run_dir) / STATUS_FILE
+@dataclass
+class Run:
+    """What a run directory says about its launch: the chief's ``address`` and ``token`` while
+    it serves (from ``status.json``), or the ended launch's summary (``result``, from
+    ``result.json``), and the launch's pid."""
+
+    run_dir: str
+    address: str | None = None
+    token: str | None = None
+    launch_pid: int | None = None
+    result: dict | None = None
+
+
+def _read_own(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file of this user (not followed through a link),
+    None if it does not exist; anything else is refused in one line. One another user planted
+    (root included) could point us, and a --token we pass, at an address of their choosing."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise UsageError(f"no running launch in {run_dir}: it has no {STATUS_FILE} (the launch has ended, or its chief "
-                         f"has not started yet); its logs: collective logs {run_dir}") from None
+        return None
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     with open(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        # Only our own file: one another user planted (root included) could point us, and a
-        # --token we pass, at an address of their choosing.
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
             raise UsageError(f"{path} is not a regular file of this user (uid {os.geteuid()}): not trusting the "
                              f"address and token in it")
-        raw = f.read(64 << 10)
+        return f.read(limit)
+
+
+def _launch_holds(run_dir: Path) -> bool:
+    """Whether a live launch holds ``run_dir`` (its flock on the lock file)."""
     try:
-        info = json.loads(raw)
-        return str(info["chief"]), info.get("token")
-    except (ValueError, KeyError, TypeError):
-        raise UsageError(f"{path} is not a launch's status file (JSON with chief and token)") from None
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # the shared lock, if taken, goes with it
+    return False
+
+
+def ended_result(run_dir: str | Path) -> dict | None:
+    """The summary an ended launch left in ``run_dir`` (``result.json``), None if none yet (or
+    a half-written one)."""
+    raw = _read_own(Path(run_dir) / RESULT_FILE, RESULT_LIMIT)
+    try:
+        result = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) else None
+
+
+def run_of(run_dir: str) -> Run:
+    """What ``collective status --run-dir`` reaches: the running chief (``status.json``), else
+    the ended launch's summary (``result.json``). UsageError in one line otherwise: no such
+    directory, no launch, or a launch under MPI (no chief serves status there)."""
+    path = Path(run_dir)
+    raw = _read_own(path / STATUS_FILE, 64 << 10)
+    if raw is not None:
+        try:
+            info = json.loads(raw)
+            return Run(run_dir, address=str(info["chief"]), token=info.get("token"), launch_pid=info.get("launch_pid"))
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f"{path / STATUS_FILE} is not a launch's status file (JSON with chief and token)") from None
+    if not path.is_dir():
+        raise UsageError(f"run directory {run_dir} does not exist; pass the run dir a launch printed "
+                         f"(status: collective status --run-dir DIR)")
+    result = ended_result(path)
+    if result is not None:
+        return Run(run_dir, result=result)
+    if (path / "mpiexec.log").exists() and _launch_holds(path):
+        raise UsageError(f"the launch in {run_dir} runs under MPI (--transport mpi), where no chief serves status; "
+                         f"follow it with collective logs {run_dir} (its outcome: {path / RESULT_FILE} once it ends)")
+    raise UsageError(f"no running launch in {run_dir}: it has no {STATUS_FILE} (the launch has ended, or its chief "
+                     f"has not started yet); its logs: collective logs {run_dir}")
+
+
+def wait_for_outcome(run: Run, timeout: float = 300.0) -> dict | None:
+    """The summary of the launch in ``run.run_dir`` once its chief is gone: launch writes
+    ``result.json`` when its processes have ended (the chief's linger, the workers' exit), then
+    removes ``status.json``. None when the directory is gone: launch removes only a successful
+    run's temporary directory. DeadlineError after ``timeout`` s, or when the launch's process
+    ended without a summary."""
+    from collective.errors import DeadlineError
+
+    path = Path(run.run_dir)
+    deadline = time.monotonic() + timeout
+    while True:
+        result = ended_result(path)
+        if result is not None:
+            return result
+        if not path.exists():
+            return None
+        if run.launch_pid is not None and not _alive(run.launch_pid) and ended_result(path) is None:
+            raise DeadlineError(f"the chief of the launch in {run.run_dir} is gone and its launch (pid "
+                                f"{run.launch_pid}) ended without a summary; its logs: collective logs {run.run_dir}")
+        if time.monotonic() > deadline:
+            raise DeadlineError(f"the chief of the launch in {run.run_dir} is gone and its launch wrote no summary "
+                                f"within {timeout:g} s; its logs: collective logs {run.run_dir}")
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process of that pid: alive, not ours to judge
+    return True
+
+
+def _outcome(result: dict) -> str:
+    if result.get("ok"):
+        workers = result.get("workers") or []
+        return f"started: {len(workers)}/{len(workers)} workers verified, model {result.get('model') or '-'}"
+    return f"failed: {result.get('error') or 'see its logs'}"
+
+
+def outcome_text(run_dir: str, result: dict | None) -> str:
+    """One line: how the launch in ``run_dir`` ended (``result``: its summary; None: its
+    temporary directory is gone, which launch does only after a successful run)."""
+    if result is None:
+        return (f"the launch in {run_dir} has ended: started (it removed its temporary run dir, as it does only "
+                f"after a successful run)")
+    return f"the launch in {run_dir} has ended: {_outcome(result)}; summary: {Path(run_dir) / RESULT_FILE}"
+
+
+def outcome_dict(run_dir: str, result: dict | None) -> dict:
+    """``outcome_text`` as JSON: ``phase`` started or failed, as the Status RPC names them."""
+    ok = result is None or bool(result.get("ok"))
+    return {"ok": ok, "phase": "started" if ok else "failed", "ended": True, "run_dir": run_dir,
+            "error": None if result is None else result.get("error"),
+            "culprit": None if result is None else result.get("culprit"),
+            "workers": None if result is None else len(result.get("workers") or []),
+            "summary": None if result is None else str(Path(run_dir) / RESULT_FILE)}
 
 
 def _mib(n: int) -> str:

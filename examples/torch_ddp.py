@@ -84,7 +84,7 @@ def main() -> int:
     try:
         result = collective.torch.sync_module(model)
     except collective.CollectiveError as exc:
-        print(f"rank {rank_hint}: error: {exc}", flush=True)
+        print(f"rank {rank_hint}: error: {type(exc).__name__}: {exc}", flush=True)
         return exc.exit_code
     rank, world_size = result.rank, result.world_size
 

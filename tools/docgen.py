@@ -99,7 +99,9 @@ def _default(action: argparse.Action) -> str:
 def rows(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, str, str]]:
     """(flag, variable, default, meaning) for every argument but ``--help``."""
     for action in parser._actions:
-        if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+        if isinstance(action, argparse._HelpAction | argparse._VersionAction | argparse._SubParsersAction):
+            continue
+        if action.help == argparse.SUPPRESS:  # hidden from --help: an internal flag (mpi's --no-table)
             continue
         helptext = action.help or ""
         m = _ENV.search(helptext)

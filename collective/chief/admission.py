@@ -199,6 +199,7 @@ class Admission:
             raise closed
         if declared is not None:
             if self.spmd and isinstance(declared, PreconditionError):
+                declared.every_rank = True  # every rank runs the same code: each hears PreconditionError
                 self.fail(declared)
             raise declared
         if existing is not None:  # a restart after the plan is out: rejoin, or the round fails
@@ -213,6 +214,7 @@ class Admission:
                 f"worker {req.worker_id!r} (host {req.host or peer}) claims worker rank {req.preferred_rank}, "
                 f"which {why}; every process needs its own rank"
             )
+            err.every_rank = True
             self.fail(err)
             raise err
         rank = req.preferred_rank if req.preferred_rank in free else free[0]

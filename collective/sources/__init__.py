@@ -115,6 +115,18 @@ def load_source(ref: str | os.PathLike[str], *, seed: int | None = None) -> Mode
     return source
 
 
+def takes_seed(ref: str | os.PathLike[str]) -> bool:
+    """Whether a seed changes what ``ref`` loads (``_open``'s reading of it): a preset or a
+    .yaml/.json spec draws its values; a stored file (.npz, .safetensors, an index, a checkpoint
+    directory) holds them, so a seed does nothing there."""
+    ref = os.fspath(ref)
+    key = ref.strip().lower()
+    if PRESET_ALIASES.get(key, key) in PRESETS:
+        return True
+    path = Path(ref).expanduser()
+    return not path.is_dir() and not path.name.lower().endswith(INDEX_SUFFIX) and path.suffix.lower() in SPEC_SUFFIXES
+
+
 def _open(ref: str, seed: int | None) -> ModelSource:
     key = ref.strip().lower()
     preset = PRESET_ALIASES.get(key, key)

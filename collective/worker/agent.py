@@ -33,7 +33,7 @@ from collective.errors import (
     RelayError,
     StopSignal,
 )
-from collective.keys import parse_devices
+from collective.keys import local_devices
 from collective.model import VariableSpec
 from collective.plan import (
     Receiver,
@@ -184,7 +184,7 @@ class WorkerAgent:
         self.link.retry_window = (timeouts or Timeouts()).lease
         self.expected = list(expected) if expected else []
         self.worker_id = worker_id or default_worker_id()
-        self.devices = parse_devices(devices)
+        self.devices = local_devices(devices)
         self.preferred_rank = preferred_rank
         self.timeouts = timeouts or Timeouts()
         self.host = host or socket.gethostname()

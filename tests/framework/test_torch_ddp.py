@@ -50,7 +50,10 @@ def test_a_rank_with_another_model_fails_every_rank_listing_each_difference():
         assert code != 0, out
         errors = rank_lines(out, r"rank (?P<rank>\d): error: (?P<text>.*)")
         assert len(errors) == 1, out
-        assert_names_each_difference(next(iter(errors.values()))["text"])
+        text = next(iter(errors.values()))["text"]
+        assert_names_each_difference(text)
+        # The docs' promise: PreconditionError on every rank (rank 1, not at fault, had AbortedError).
+        assert text.startswith("PreconditionError: "), out
         assert "DDP steps" not in out  # nobody trained
 
 
@@ -65,4 +68,5 @@ def test_torchrun_a_rank_with_another_model_fails_the_job_naming_each_difference
     assert {0, 2} <= set(errors), out
     for m in errors.values():
         assert_names_each_difference(m["text"])
+        assert m["text"].startswith("PreconditionError: "), out  # every rank that says why, rank 1 too
     assert "DDP steps" not in out  # nobody trained

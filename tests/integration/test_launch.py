@@ -101,7 +101,7 @@ def test_a_reused_run_dir_starts_clean_and_never_reads_the_last_runs_files(tmp_p
 def test_a_run_dir_it_creates_and_every_file_in_it_are_private_whatever_the_umask(tmp_path):
     # The default run dir (mkdtemp) was 0700 already; one named with --run-dir was 0755 with
     # 0644 logs (the usual umask): other local users could read variable names and addresses.
-    run_dir = tmp_path / "runs" / "r1"
+    run_dir = tmp_path / "r1"  # its parent exists: launch makes the run dir alone
     old = os.umask(0o022)
     try:
         proc = _launch(run_dir, "--workers", "2", "--quiet", "--join-timeout", "20")
@@ -236,3 +236,65 @@ def test_a_chief_that_cannot_write_its_summary_keeps_the_rounds_outcome(full_dir
     out = chief.output()
     assert "could not write the round's summary to" in out and "No space left on device" in out
     assert "the outcome stands (started)" in out and "Traceback" not in out
+
+
+def test_a_run_dir_whose_parent_is_missing_is_refused_and_nothing_is_made(tmp_path):
+    """`--run-dir /nonexistent/x` silently created /nonexistent (a mistyped path became a tree)."""
+    target = tmp_path / "nonexistent" / "x"
+    proc = _launch(target, "--workers", "1", "--quiet", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].endswith(f"cannot use run directory {target}: its parent directory {target.parent} does not "
+                             f"exist (create it first); pass another --run-dir"), lines
+    assert not target.parent.exists()
+
+
+def test_a_failed_launchs_summary_counts_the_workers_asked_for():
+    """A launch that failed before any worker joined said `workers 0` for `--workers 2`."""
+    from collective.chief.reports import failed_summary
+    from collective.launch import summary_table
+
+    failed = failed_summary(None, transport="grpc", model="nothere")
+    assert "  workers     0 of 2 joined\n" in summary_table(failed, expected=2)
+    assert "  workers     0\n" in summary_table(failed)  # collective.mpi's own table: the count it has
+
+
+def test_a_worker_refuses_a_gpu_this_host_does_not_show_in_one_line(tmp_path):
+    """`--devices cuda:0,gpu:3` on a host without GPUs was taken as two replicas in host memory
+    (`training started: 7 variables x 2 replicas`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    proc = subprocess.run([sys.executable, "-m", "collective.worker", "--chief", "127.0.0.1:1", "--join-timeout", "5",
+                           "--devices", "cpu:0,gpu:3"], env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.endswith("device gpu:3 does not exist: this host shows 0 GPU(s) (CUDA_VISIBLE_DEVICES applies); "
+                         "pass devices it has, such as cpu:0"), line
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_options_that_do_nothing_in_the_run_are_warned_about_in_one_line_each(tmp_path):
+    """`--transport mpi --topology chain --no-shm` and `--seed 5` with a .safetensors model were
+    accepted without a word (`warnings: []`; the summary said `topology star`)."""
+    import numpy as np
+
+    from collective.sources import save_safetensors
+
+    model = tmp_path / "m.safetensors"
+    save_safetensors(model, {"w": np.arange(12, dtype=np.float32)})
+    proc = _launch(tmp_path / "run", "--workers", "2", "--transport", "mpi", "--topology", "chain", "--no-shm",
+                   "--seed", "5", "--model", str(model), "--json", "--quiet", timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = [
+        f"--seed 5 does nothing: model {model} stores its values (only presets and .yaml/.json specs draw theirs "
+        f"from a seed)",
+        "--topology chain does nothing under --transport mpi: rank 0 sends each rank its stream (a star, over MPI)",
+        "--no-shm does nothing under --transport mpi: MPI moves the bytes, by its own means on one host",
+    ]
+    assert result["warnings"] == expected, result["warnings"]
+    for warning in expected:  # said at start on stderr, one line each, and in the table
+        assert f"launch   | WARNING {warning}\n" in proc.stderr, proc.stderr
+        assert f"  WARNING     {warning}\n" in proc.stderr, proc.stderr

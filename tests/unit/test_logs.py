@@ -58,7 +58,7 @@ def test_a_collective_log_level_that_is_no_level_is_a_usage_error_naming_it(rest
     from collective.errors import UsageError
 
     monkeypatch.setenv("COLLECTIVE_LOG_LEVEL", "loud\n")
-    with pytest.raises(UsageError, match=r"COLLECTIVE_LOG_LEVEL='loud\\\\x0a' is not one of debug, info, warning, error"):
+    with pytest.raises(UsageError, match=r"^environment variable COLLECTIVE_LOG_LEVEL='loud\\n': not one of debug, info, warning, error$"):
         logs.configure("chief", stream=io.StringIO())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -62,3 +63,87 @@ def test_no_parser_takes_an_abbreviated_option(capsys):
         assert info.value.code == 2
         assert f"unrecognized arguments: {' '.join(argv[-2:])}" in capsys.readouterr().err
     assert build_parser().parse_args(["launch", "--devices-per-worker", "2"]).devices_per_worker == 2
+
+
+def test_collective_version_prints_the_package_version(capsys):
+    from importlib import metadata
+
+    from collective.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"collective {metadata.version('collective')}\n"
+
+
+def test_an_unknown_option_gets_its_subcommands_usage_and_the_option_meant(capsys):
+    """`launch --devices 2` printed the top-level usage and no hint."""
+    from collective.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["launch", "--devices", "2"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith("usage: collective launch "), err
+    assert err.endswith("collective launch: error: unrecognized arguments: --devices 2 "
+                        "(--devices: did you mean --devices-per-worker?)\n"), err
+    with pytest.raises(SystemExit):
+        worker_parser().parse_args(["--chief=h:1", "--devcies", "cpu:0"])
+    assert "(--devcies: did you mean --devices?)" in capsys.readouterr().err
+
+
+def test_no_help_shows_restructuredtext_markup():
+    """`collective --help` printed ``collective``: docstrings' literal quotes are the docs' markup."""
+    import argparse
+
+    from collective.cli import build_parser
+    from collective.mpi import build_parser as mpi_parser
+
+    def parsers(p):
+        yield p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    yield from parsers(sub)
+
+    for top in (build_parser(), chief_parser(), worker_parser(), mpi_parser()):
+        for p in parsers(top):
+            text = p.format_help()
+            assert "``" not in text, f"{p.prog}: {text}"
+
+
+@pytest.mark.parametrize("env", [{"COLLECTIVE_TRANSPORT": "foo"}, {"COLLECTIVE_WORKERS": "x"},
+                                 {"COLLECTIVE_LOG_LEVEL": "loud"}, {"COLLECTIVE_TOPOLOGY": "ring"}])
+def test_a_bad_environment_value_is_one_line_of_one_form_naming_the_variable(env):
+    """`COLLECTIVE_TRANSPORT=foo` was reported as `--transport 'foo'`, in a log line; the log
+    level's error began a third way."""
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    proc = subprocess.run([sys.executable, "-m", "collective.cli", "launch", "--workers", "1"], env={**clean, **env},
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+    [(name, value)] = env.items()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: environment variable {name}={value!r}: "), proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_the_options_reference_hides_what_help_hides():
+    from tools.docgen import generate
+
+    text = generate()
+    assert "SUPPRESS" not in text and "`--no-table`" not in text
+
+
+def test_the_compose_files_topology_comment_names_every_topology():
+    from collective.topology import TOPOLOGIES
+    from tests.procs import ROOT
+
+    lines = (ROOT / "docker-compose.yml").read_text().splitlines()
+    [i] = [i for i, line in enumerate(lines) if line.strip().startswith("COLLECTIVE_TOPOLOGY:")]
+    comment = lines[i - 1]
+    assert comment.strip().startswith("#") and all(t in comment for t in TOPOLOGIES), comment
+    assert "16 MiB" not in comment  # auto is a time model, not a size threshold

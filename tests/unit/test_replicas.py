@@ -87,9 +87,9 @@ def test_a_replica_that_differs_on_a_second_device_is_named_with_its_variable_an
         return store, arenas
 
     monkeypatch.setattr(agent_mod, "make_replicas", corrupt_second_device)
-    service, (r,), sup = run_cluster(arrays, [["cpu:0", "gpu:1"]])
+    service, (r,), sup = run_cluster(arrays, [["cpu:0", "cpu:1"]])
     assert isinstance(r, IntegrityError)
-    assert "variable 'layer00123/w': replica 'layer00123/w/replica_1' on gpu:1 has digest" in str(r)
+    assert "variable 'layer00123/w': replica 'layer00123/w/replica_1' on cpu:1 has digest" in str(r)
     assert isinstance(sup, AbortedError) and "layer00123/w" in str(sup)
     assert service.phase is Phase.FAILED
 
