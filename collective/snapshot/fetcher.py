@@ -1,19 +1,26 @@
 """``fetch``: a published state from one or several holders, striped, every chunk verified.
 
-1. Each holder is asked for its plan (GetPlan, in pieces, at most
-   ``limits.MAX_SNAPSHOT_PLAN_BYTES``). A plan is checked before anything is allocated:
-   ``validate_plan``, its step (``Plan.model``), its size against ``max_bytes``, its skeleton
-   variable's size. The holders of the requested step whose manifest digests agree are used
-   together (those of one layout: the same chunks); holders that disagree fail the fetch, naming
-   both sides (one of them lies, and digests alone cannot say which).
+1. The holders are asked for their plans (GetPlan, in pieces, counted as they arrive, at most
+   ``limits.MAX_SNAPSHOT_PLAN_BYTES``) in order by at most ``MAX_ACTIVE_HOLDERS`` threads; the
+   sources not asked are spares. A plan is checked before anything is allocated:
+   ``validate_plan``, complete (no ``digests_follow``), not cut finer than the chunk floor
+   (``limits.snapshot_chunking_refused``), its step (``Plan.model``), its size against
+   ``max_bytes``, its skeleton variable's size. The holders of the requested step whose
+   manifest digests agree are used together (those of one layout: the same chunks); holders
+   that disagree fail the fetch, naming both sides (one of them lies, and digests alone cannot
+   say which).
 2. A holder on this host that offers its sealed copy (``publish(copy=True)``) is mapped instead,
-   every chunk of the mapping checked against the plan. Otherwise the arena's chunks are cut into stripes, taken in turn by one thread per holder: each stripe
-   is one data stream (``WorkerRef.resume_from`` .. ``stop_at``) received in place by a
-   ``Receiver`` of that span, so every chunk is checked against the plan's digest as it lands.
-   A holder whose stream breaks, stalls for ``stall_timeout`` or sends bytes that differ from
-   its plan is dropped; what it had not delivered goes back to the queue for the others.
-3. The skeleton variable is decoded (JSON only) and the state rebuilt: tensor leaves are numpy
-   views of the one received arena, or the caller's ``into`` arrays.
+   every chunk of the mapping checked against the plan. Otherwise the arena's chunks are cut
+   into stripes, taken in turn by one thread per holder: each stripe is one data stream
+   (``WorkerRef.resume_from`` .. ``stop_at``) received in place by a ``Receiver`` of that span
+   (its pages put in place just before: the arena is committed a stripe at a time), so every
+   chunk is checked against the plan's digest as it lands. A holder whose stream breaks, is
+   silent for ``stall_timeout``, verifies no chunk for ``stall_timeout`` while another holder
+   or a spare is left, or sends bytes that differ from its plan is dropped; what it had not
+   delivered goes back to the queue for the others, and its thread goes on with a spare.
+3. Every variable's bytes are checked against its own digest (the manifest's), the skeleton
+   variable is decoded (JSON only) and the state rebuilt: tensor leaves are numpy views of the
+   one received arena, or the caller's ``into`` arrays.
 """
 
 from __future__ import annotations
@@ -605,14 +612,17 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     """The state published at ``step`` by the holders at ``sources``, every byte verified.
 
     :param sources: one ``host:port`` (or several, comma-separated) or a sequence of them. The
-        holders of ``step`` whose manifests agree share the work: the chunks are striped over
-        them, and a holder lost (connection cut, process killed, silent for
-        ``stall_timeout``) or sending bytes that differ from its own plan is dropped and its
-        share retaken from the others.
+        holders of ``step`` whose manifests agree share the work, at most
+        ``MAX_ACTIVE_HOLDERS`` (8) at once (the other sources are spares): the chunks are
+        striped over them, and a holder lost (connection cut, process killed, silent for
+        ``stall_timeout``, or no verified chunk for ``stall_timeout`` while another is left)
+        or sending bytes that differ from its own plan is dropped and its share retaken from
+        the others.
     :param step: the step wanted; a holder of another step is refused.
     :param token: the cluster token (default ``COLLECTIVE_TOKEN``).
     :param timeout: seconds for the whole fetch.
-    :param stall_timeout: seconds a holder may send nothing before it counts as lost.
+    :param stall_timeout: seconds a holder may send nothing (or no whole verified chunk, while
+        another holder is left) before it counts as lost.
     :param into: name -> preallocated writable C-contiguous numpy array of that tensor's shape
         and dtype: those tensors are received into them (a stripe inside one tensor in place,
         checked as it lands; the rest in a buffer per holder, copied out once verified), so a
@@ -621,7 +631,9 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     :param manifest: the manifest digest the state must have (from a source trusted more than
         the holders: what catches a holder that lies consistently in its own plan).
     :param max_bytes: the largest state accepted (default: this machine's memory); a plan that
-        claims more is refused before anything is allocated.
+        claims more is refused before anything is allocated. Memory is committed a stripe at a
+        time as each is asked for: at most ``MAX_ACTIVE_HOLDERS`` x ``STRIPE_BYTES`` (8 x 64 MiB)
+        ahead of the bytes that arrived.
     :return: a ``Fetched`` dict: the state as published, tensors as numpy arrays (views of one
         received arena, zero copy) and JSON values for the rest; ``.step``,
         ``.manifest_digest``, ``.total_bytes`` and ``.stats`` (per holder: bytes delivered,
