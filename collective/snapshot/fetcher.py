@@ -111,6 +111,7 @@ class _Holder:
     def close(self) -> None:
         if self._link is not None:
             self._link.close()
+            self._link = None
 
     def name(self) -> str:
         return f"holder {self.label} at {self.address}" if self.label else f"holder at {self.address}"
