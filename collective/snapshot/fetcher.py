@@ -184,38 +184,37 @@ def _ask(h: _Holder, step: int, deadline: float, stall_timeout: float, max_bytes
 
 def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout: float,
                max_bytes: int, ident: str) -> tuple[list[_Holder], list[_Holder]]:
-    """The holders of ``step`` that agree on its manifest, asked in order by at most
-    ``MAX_ACTIVE_HOLDERS`` threads until that many answered; and the spares, those not asked."""
+    """The holders of ``step`` that agree on its manifest, asked in order in waves of at most
+    ``MAX_ACTIVE_HOLDERS`` (one thread each) until a wave has one that answered; and the
+    spares, those not asked (asked when a holder is dropped)."""
     errors: dict[str, E.CollectiveError] = {}
-    pending, answered = collections.deque(holders), []
-    lock = threading.Lock()
+    asked: list[_Holder] = []
+    answered: list[_Holder] = []  # in the order they answered; a thread still asking is not in it
 
-    def asker() -> None:
-        while True:
-            with lock:
-                if not pending or len(answered) >= MAX_ACTIVE_HOLDERS:
-                    return
-                h = pending.popleft()
-            exc = _ask(h, step, deadline, stall_timeout, max_bytes, ident)
-            with lock:
-                if exc is None:
-                    answered.append(h)
-                else:
-                    errors[h.address] = exc
+    def ask(h: _Holder) -> None:
+        exc = _ask(h, step, deadline, stall_timeout, max_bytes, ident)
+        if exc is not None:
+            errors[h.address] = exc
+        else:
+            answered.append(h)
 
-    threads = [threading.Thread(target=asker, name="fetch-plan", daemon=True)
-               for _ in range(min(MAX_ACTIVE_HOLDERS, len(holders)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()) + 1.0)
-    with lock:
-        asked = [h for h in holders if h not in pending]
-        spares = list(pending)
-        pending.clear()  # an asker still running stops here
-    ready = [h for h in asked if h.plan is not None]
+    while len(asked) < len(holders) and not answered:
+        if time.monotonic() >= deadline:
+            break
+        wave = holders[len(asked) : len(asked) + MAX_ACTIVE_HOLDERS]
+        threads = [threading.Thread(target=ask, args=(h,), name="fetch-plan", daemon=True) for h in wave]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, min(deadline - time.monotonic(), stall_timeout)) + 1.0)
+        asked.extend(wave)
+        for h in wave:
+            if h.address in errors:
+                h.close()  # left out: its channels go now, not at the end of the fetch
+    spares = holders[len(asked) :]
+    ready = [h for h in asked if h in answered]
     for h in asked:
-        if h.plan is None and h.address not in errors:
+        if h not in answered and h.address not in errors:
             errors[h.address] = E.DeadlineError(f"{h.name()} did not answer with its manifest in time")
     if not ready:
         if len(errors) == 1:
