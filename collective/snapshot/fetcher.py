@@ -1,8 +1,8 @@
 """``fetch``: a published state from one or several holders, striped, every chunk verified.
 
 1. The holders are asked for their plans (GetPlan, in pieces, counted as they arrive, at most
-   ``limits.MAX_SNAPSHOT_PLAN_BYTES``) in order by at most ``MAX_ACTIVE_HOLDERS`` threads; the
-   sources not asked are spares. A plan is checked before anything is allocated:
+   ``limits.MAX_SNAPSHOT_PLAN_BYTES``) in order, in waves of at most ``MAX_ACTIVE_HOLDERS``
+   threads, until a wave has one that answered; the sources not asked are spares. A plan is checked before anything is allocated:
    ``validate_plan``, complete (no ``digests_follow``), not cut finer than the chunk floor
    (``limits.snapshot_chunking_refused``), its step (``Plan.model``), its size against
    ``max_bytes``, its skeleton variable's size. The holders of the requested step whose
