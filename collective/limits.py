@@ -34,6 +34,23 @@ MAX_CULPRIT_CHARS = 300  # the culprit named beside it
 MAX_SNAPSHOT_PLAN_BYTES = 256 << 20  # its plan: 100,000 tensors and 1 TiB of chunk digests fit
 MAX_SNAPSHOT_TREE_BYTES = 64 << 20  # its structure (JSON): a few MiB for 100,000 tensors with long names
 MAX_SNAPSHOT_TREE_DEPTH = 64  # the structure's nesting (a state_dict is 3 or 4 levels deep)
+# Its chunks: each costs the fetcher a digest, a frame and a check whatever its size, so a plan
+# of 1-byte chunks (2 MB in 119 s and 1.2 GB) is refused. Chunks below the floor are accepted
+# for a small state only, of at most SMALL_PLAN_CHUNKS chunks.
+MIN_SNAPSHOT_CHUNK_BYTES = 64 << 10
+SMALL_PLAN_CHUNKS = 1024
+
+
+def snapshot_chunking_refused(total_bytes: int, chunk_bytes: int) -> str | None:
+    """Why a published state of ``total_bytes`` in chunks of ``chunk_bytes`` is refused (a
+    fetch refuses such a plan, publish such a ``chunk_bytes``), or None."""
+    if chunk_bytes >= MIN_SNAPSHOT_CHUNK_BYTES or chunk_bytes <= 0:
+        return None
+    chunks = -(-total_bytes // chunk_bytes)
+    if chunks <= SMALL_PLAN_CHUNKS:
+        return None
+    return (f"{chunks} chunks of {chunk_bytes} bytes: chunks below {MIN_SNAPSHOT_CHUNK_BYTES >> 10} KiB are for "
+            f"states of at most {SMALL_PLAN_CHUNKS} chunks")
 
 
 def declared_limit(model_variables: int) -> int:

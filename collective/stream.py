@@ -203,27 +203,45 @@ def new_arena(nbytes: int) -> np.ndarray:
     (``MADV_POPULATE_WRITE``: 0.08-0.19 s per 256 MiB, every time). So the arena costs about the
     faster of the two, plus at most one slow segment.
     """
+    arena = lazy_arena(nbytes)
+    warm(arena, 0, nbytes)
+    return arena
+
+
+def lazy_arena(nbytes: int) -> np.ndarray:
+    """A receive arena whose pages are not in place yet: memory is committed only as parts of
+    it are written or put in place (``warm``). A fetch's: a peer's claimed size commits nothing
+    before its bytes are asked for."""
     if nbytes <= 0:
         return np.empty(0, dtype=np.uint8)
-    if not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux: one write per page
-        arena = np.empty(nbytes, dtype=np.uint8)
-        arena[::PAGE] = 0
-        return arena
+    if not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux
+        return np.empty(nbytes, dtype=np.uint8)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena = np.frombuffer(region, dtype=np.uint8)
     region.madvise(mmap.MADV_HUGEPAGE)
-    for at in range(0, nbytes, SEGMENT):
+    return np.frombuffer(region, dtype=np.uint8)
+
+
+def warm(arena: np.ndarray, start: int, end: int) -> None:
+    """Put the pages of bytes ``start..end`` of a ``lazy_arena`` in place (as ``new_arena`` does
+    for a whole one), before a stream writes them. Writes only bytes of that range (those not
+    received yet), so other ranges may be received meanwhile."""
+    base = arena.base.obj if isinstance(arena.base, memoryview) else arena.base  # np.frombuffer's
+    region = base if isinstance(base, mmap.mmap) else None
+    if region is None:  # not Linux: one write per page
+        arena[start:end:PAGE] = 0
+        return
+    for at in range(start, end, SEGMENT):
         began = time.thread_time()
-        arena[at : at + SEGMENT : PAGE] = 0
-        rest = at + SEGMENT
-        if rest < nbytes and time.thread_time() - began > SEGMENT_SLOW:
-            region.madvise(mmap.MADV_NOHUGEPAGE, rest, nbytes - rest)
+        arena[at : min(at + SEGMENT, end) : PAGE] = 0
+        rest = (at + SEGMENT) // PAGE * PAGE  # madvise takes whole pages
+        if rest < end and time.thread_time() - began > SEGMENT_SLOW:
+            length = end - rest
+            region.madvise(mmap.MADV_NOHUGEPAGE, rest, length)
             try:
-                region.madvise(_MADV_POPULATE_WRITE, rest, nbytes - rest)
+                region.madvise(_MADV_POPULATE_WRITE, rest, length)
             except OSError:  # a kernel before 5.14: one write per page
-                arena[rest::PAGE] = 0
+                arena[at + SEGMENT : end : PAGE] = 0
             break
-    return arena
 
 
 def culprit(

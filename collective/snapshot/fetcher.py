@@ -1,19 +1,26 @@
 """``fetch``: a published state from one or several holders, striped, every chunk verified.
 
-1. Each holder is asked for its plan (GetPlan, in pieces, at most
-   ``limits.MAX_SNAPSHOT_PLAN_BYTES``). A plan is checked before anything is allocated:
-   ``validate_plan``, its step (``Plan.model``), its size against ``max_bytes``, its skeleton
-   variable's size. The holders of the requested step whose manifest digests agree are used
-   together (those of one layout: the same chunks); holders that disagree fail the fetch, naming
-   both sides (one of them lies, and digests alone cannot say which).
+1. The holders are asked for their plans (GetPlan, in pieces, counted as they arrive, at most
+   ``limits.MAX_SNAPSHOT_PLAN_BYTES``) in order, in waves of at most ``MAX_ACTIVE_HOLDERS``
+   threads, until a wave has one that answered; the sources not asked are spares. A plan is checked before anything is allocated:
+   ``validate_plan``, complete (no ``digests_follow``), not cut finer than the chunk floor
+   (``limits.snapshot_chunking_refused``), its step (``Plan.model``), its size against
+   ``max_bytes``, its skeleton variable's size. The holders of the requested step whose
+   manifest digests agree are used together (those of one layout: the same chunks); holders
+   that disagree fail the fetch, naming both sides (one of them lies, and digests alone cannot
+   say which).
 2. A holder on this host that offers its sealed copy (``publish(copy=True)``) is mapped instead,
-   every chunk of the mapping checked against the plan. Otherwise the arena's chunks are cut into stripes, taken in turn by one thread per holder: each stripe
-   is one data stream (``WorkerRef.resume_from`` .. ``stop_at``) received in place by a
-   ``Receiver`` of that span, so every chunk is checked against the plan's digest as it lands.
-   A holder whose stream breaks, stalls for ``stall_timeout`` or sends bytes that differ from
-   its plan is dropped; what it had not delivered goes back to the queue for the others.
-3. The skeleton variable is decoded (JSON only) and the state rebuilt: tensor leaves are numpy
-   views of the one received arena, or the caller's ``into`` arrays.
+   every chunk of the mapping checked against the plan. Otherwise the arena's chunks are cut
+   into stripes, taken in turn by one thread per holder: each stripe is one data stream
+   (``WorkerRef.resume_from`` .. ``stop_at``) received in place by a ``Receiver`` of that span
+   (its pages put in place just before: the arena is committed a stripe at a time), so every
+   chunk is checked against the plan's digest as it lands. A holder whose stream breaks, is
+   silent for ``stall_timeout``, verifies no chunk for ``stall_timeout`` while another holder
+   or a spare is left, or sends bytes that differ from its plan is dropped; what it had not
+   delivered goes back to the queue for the others, and its thread goes on with a spare.
+3. Every variable's bytes are checked against its own digest (the manifest's), the skeleton
+   variable is decoded (JSON only) and the state rebuilt: tensor leaves are numpy views of the
+   one received arena, or the caller's ``into`` arrays.
 """
 
 from __future__ import annotations
@@ -33,19 +40,28 @@ from collective import dtypes
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective.digest import bytes_digest, chunk_digests
-from collective.limits import MAX_HOLDER_NAME_CHARS, MAX_SNAPSHOT_PLAN_BYTES
+from collective.limits import (
+    MAX_HOLDER_NAME_CHARS,
+    MAX_SNAPSHOT_PLAN_BYTES,
+    snapshot_chunking_refused,
+)
 from collective.logs import printable
-from collective.plan import align, new_arena, validate_plan
+from collective.plan import align, validate_plan
 from collective.replicas import variable_view
 from collective.sizes import format_bytes
 from collective.snapshot import tree
 from collective.snapshot.holder import HOLDER_SEP, MODEL_PREFIX, cluster_token
-from collective.stream import Receiver, differing_chunk, frame_table, overlapping
+from collective.stream import Receiver, differing_chunk, frame_table, lazy_arena, overlapping, warm
 
 log = logging.getLogger(__name__)
 
 STRIPE_BYTES = 64 << 20
-"""At most this much in one stripe: a lost holder's share is retaken in pieces this size."""
+"""At most this much in one stripe: a lost holder's share is retaken in pieces this size. The
+arena's pages are put in place a stripe at a time, as each is asked for: a fetch commits at most
+``MAX_ACTIVE_HOLDERS`` stripes of memory ahead of the bytes that arrived."""
+MAX_ACTIVE_HOLDERS = 8
+"""At most this many holders serve one fetch at once, one thread each; the other sources are
+spares, asked for their plan only when a holder is dropped, to retake its share."""
 _REF = "fetch"  # who a fetch says it is (its worker id); under mutual TLS, its certificate's name
 
 
@@ -76,14 +92,26 @@ class Fetched(dict):
 
 
 class _Holder:
-    def __init__(self, address: str, link) -> None:
-        self.address, self.link = address, link
+    def __init__(self, address: str, connect) -> None:
+        self.address, self._connect, self._link = address, connect, None
         self.plan: pb.Plan | None = None
         self.bytes = 0
         self.stripes = 0
         self.shared = False  # its sealed copy was mapped (same host), not streamed
         self.dropped: str | None = None
         self.label = ""  # its name (publish(name=)), from its plan: printable, bounded
+
+    @property
+    def link(self):
+        """Its channel, opened when first used (a spare never asked opens none)."""
+        if self._link is None:
+            self._link = self._connect(self.address)
+        return self._link
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
 
     def name(self) -> str:
         return f"holder {self.label} at {self.address}" if self.label else f"holder at {self.address}"
@@ -125,6 +153,12 @@ def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
         validate_plan(plan)
     except E.ProtocolError as exc:
         raise E.ProtocolError(f"{h.name()} sent a plan that does not hold together: {exc}") from None
+    if plan.digests_follow:  # a publication's plan is complete: without digests no byte could be checked
+        raise E.ProtocolError(f"{h.name()} sent a plan without its digests (digests_follow); a fetch takes "
+                              f"only bytes its plan's digests cover")
+    refused = snapshot_chunking_refused(plan.total_bytes, plan.chunk_bytes)
+    if refused is not None:
+        raise E.ProtocolError(f"{h.name()} sent a plan of {refused}; refused before allocating")
     last = plan.variables[-1] if plan.variables else None
     if last is None or last.name != tree.TREE or last.dtype != "|u1" or len(last.shape) != 1:
         raise E.ProtocolError(f"{h.name()} sent a plan without its structure variable {tree.TREE!r} (bytes, last)")
@@ -133,35 +167,61 @@ def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
                               f"{tree.MAX_TREE_BYTES}; refused before allocating")
 
 
+def _ask(h: _Holder, step: int, deadline: float, stall_timeout: float, max_bytes: int,
+         ident: str) -> E.CollectiveError | None:
+    """Ask ``h`` for its plan and check it (``h.plan`` set); the error that left it out, or None."""
+    try:
+        # A holder that does not answer within the stall timeout is left out, not waited for.
+        wait = max(0.1, min(deadline - time.monotonic(), stall_timeout))
+        plan = h.link.get_plan(pb.WorkerRef(worker_id=ident), wait,
+                               phase="fetch (asking for its manifest)", max_bytes=MAX_SNAPSHOT_PLAN_BYTES)
+        _check_plan(h, plan, step, max_bytes)
+        h.plan = plan
+    except E.CollectiveError as exc:
+        return exc
+    return None
+
+
 def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout: float,
-               max_bytes: int, ident: str) -> list[_Holder]:
-    """Each holder's plan, in parallel; the holders of ``step`` that agree on its manifest."""
+               max_bytes: int, ident: str) -> tuple[list[_Holder], list[_Holder]]:
+    """The holders of ``step`` that agree on its manifest, asked in order in waves of at most
+    ``MAX_ACTIVE_HOLDERS`` (one thread each) until a wave has one that answered; and the
+    spares, those not asked (asked when a holder is dropped)."""
     errors: dict[str, E.CollectiveError] = {}
+    asked: list[_Holder] = []
+    answered: list[_Holder] = []  # in the order they answered; a thread still asking is not in it
 
     def ask(h: _Holder) -> None:
-        try:
-            # A holder that does not answer within the stall timeout is left out, not waited for.
-            wait = max(0.1, min(deadline - time.monotonic(), stall_timeout))
-            plan = h.link.get_plan(pb.WorkerRef(worker_id=ident), wait,
-                                   phase="fetch (asking for its manifest)", max_bytes=MAX_SNAPSHOT_PLAN_BYTES)
-            _check_plan(h, plan, step, max_bytes)
-            h.plan = plan
-        except E.CollectiveError as exc:
+        exc = _ask(h, step, deadline, stall_timeout, max_bytes, ident)
+        if exc is not None:
             errors[h.address] = exc
+        else:
+            answered.append(h)
 
-    threads = [threading.Thread(target=ask, args=(h,), name="fetch-plan", daemon=True) for h in holders]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, min(deadline - time.monotonic(), stall_timeout)) + 1.0)
-    ready = [h for h in holders if h.plan is not None]
-    for h in holders:
-        if h.plan is None and h.address not in errors:
+    while len(asked) < len(holders) and not answered:
+        if time.monotonic() >= deadline:
+            break
+        wave = holders[len(asked) : len(asked) + MAX_ACTIVE_HOLDERS]
+        threads = [threading.Thread(target=ask, args=(h,), name="fetch-plan", daemon=True) for h in wave]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, min(deadline - time.monotonic(), stall_timeout)) + 1.0)
+        asked.extend(wave)
+        for h in wave:
+            if h.address in errors:
+                h.close()  # left out: its channels go now, not at the end of the fetch
+    spares = holders[len(asked) :]
+    ready = [h for h in asked if h in answered]
+    for h in asked:
+        if h not in answered and h.address not in errors:
             errors[h.address] = E.DeadlineError(f"{h.name()} did not answer with its manifest in time")
     if not ready:
         if len(errors) == 1:
             raise next(iter(errors.values()))
-        raise E.FetchError(f"no holder serves step {step}: " + "; ".join(_one_line(e) for e in errors.values()))
+        said = [_one_line(e) for e in errors.values()]
+        more = f"; and {len(said) - 5} more" if len(said) > 5 else ""
+        raise E.FetchError(f"no holder serves step {step}: " + "; ".join(said[:5]) + more)
     for exc in errors.values():
         log.warning("fetch of step %d: %s; fetching from the other holders", step, _one_line(exc))
     groups = collections.defaultdict(list)
@@ -171,7 +231,8 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout
         sides = "; ".join(f"{', '.join(a)} publish manifest {d}" for d, a in groups.items())
         raise E.FetchError(f"holders disagree on the manifest of step {step}: {sides}; compare them "
                          f"(collective.check) before trusting any")
-    return _same_layout(ready)
+    best = _same_layout(ready)
+    return best[:MAX_ACTIVE_HOLDERS], best[MAX_ACTIVE_HOLDERS:] + spares
 
 
 def _layout(plan: pb.Plan) -> str:
@@ -217,13 +278,23 @@ def _differing(plan: pb.Plan, buf: np.ndarray, base: int, start: int, end: int) 
     return partial or "the padding between variables"
 
 
-class _Striper:
-    """The stripes of one fetch, the threads that take them (one per holder) and the outcome."""
+class _Watch:
+    """A stripe in progress: its receiver, and since when it has verified nothing more."""
 
-    def __init__(self, plan: pb.Plan, holders: list[_Holder], arena: np.ndarray | None, scatter,
-                 stall_timeout: float, ident: str) -> None:
+    def __init__(self, receiver: Receiver) -> None:
+        self.receiver, self.pos, self.since = receiver, receiver.verified_to, time.monotonic()
+
+
+class _Striper:
+    """The stripes of one fetch, the threads that take them (one per active holder, at most
+    ``MAX_ACTIVE_HOLDERS``) and the outcome. A thread whose holder is dropped goes on with a
+    spare, if one is left and its plan lays the state out alike."""
+
+    def __init__(self, plan: pb.Plan, holders: list[_Holder], spares: list[_Holder], arena: np.ndarray | None,
+                 scatter, stall_timeout: float, ident: str, ask) -> None:
         self.ident = ident
-        self.plan, self.holders, self.arena, self.scatter = plan, holders, arena, scatter
+        self.plan, self.holders, self.arena, self.scatter = plan, list(holders), arena, scatter
+        self.spares, self.ask, self.layout = collections.deque(spares), ask, _layout(plan)
         self.stall_timeout = stall_timeout
         self.table = frame_table(plan)  # once: every stripe's Receiver checks against it
         size, total = plan.chunk_bytes, plan.total_bytes
@@ -238,23 +309,33 @@ class _Striper:
         self.cond = threading.Condition()
         self.failure: BaseException | None = None
         self.bad: list[str] = []
+        self.watches: dict[_Holder, _Watch] = {}
 
     def run(self, deadline: float, timeout: float) -> None:
         threads = [threading.Thread(target=self._take, args=(h,), name="fetch-stripes", daemon=True)
                    for h in self.holders]
         for t in threads:
             t.start()
-        with self.cond:
-            while self.left and self.failure is None and time.monotonic() < deadline:
+        while True:
+            with self.cond:
+                if not (self.left and self.failure is None and time.monotonic() < deadline):
+                    break
                 if not any(t.is_alive() for t in threads):
                     break
-                self.cond.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+                self.cond.wait(min(1.0, self.stall_timeout / 4, max(0.0, deadline - time.monotonic())))
+                stalled = self._stalled()
+            for h in stalled:  # outside the lock: its stripe comes back through _receive
+                log.warning("fetch: %s delivered no verified chunk for %g s; dropping it", h.name(), self.stall_timeout)
+                h.link.interrupt(E.DeadlineError(f"{h.name()} delivered no verified chunk for "
+                                                 f"{self.stall_timeout:g} s (its stripe stalled)"))
+        with self.cond:
             done, failure = not self.left, self.failure
         if not done:
             why = failure or E.DeadlineError("the fetch did not complete in time")
             with self.cond:
                 self.failure = self.failure or why  # the threads waiting for a stripe stop
-            for h in self.holders:
+                holders = list(self.holders)
+            for h in holders:
                 h.link.interrupt(why if isinstance(why, E.CollectiveError) else E.AbortedError(str(why)))
             for t in threads:
                 t.join(5.0)
@@ -263,6 +344,21 @@ class _Striper:
             raise self._missing(deadline, timeout)
         for t in threads:
             t.join(5.0)
+
+    def _stalled(self) -> list[_Holder]:
+        """The holders whose stripe verified no chunk for ``stall_timeout`` while another holder
+        (or a spare) is left to retake it: a trickle is as lost as a silence. The only holder
+        left keeps its stripe until the fetch's deadline. Called with the lock held."""
+        now, out = time.monotonic(), []
+        for h, w in self.watches.items():
+            pos = w.receiver.verified_to
+            if pos != w.pos:
+                w.pos, w.since = pos, now
+            elif now - w.since >= self.stall_timeout and h.dropped is None and (
+                    self.spares or any(g is not h and g.dropped is None for g in self.holders)):
+                out.append(h)
+                w.since = float("inf")  # interrupted once
+        return out
 
     def _missing(self, deadline: float, timeout: float) -> E.CollectiveError:
         """Why stripes are left: every holder dropped, or the deadline."""
@@ -293,15 +389,40 @@ class _Striper:
                 self.cond.wait(0.5)
             return None
 
-    def _take(self, h: _Holder) -> None:
+    def _spare(self) -> _Holder | None:
+        """The next spare whose plan is this fetch's (same manifest, same layout), or None once
+        none is left, no stripe is left or the fetch has failed."""
+        while True:
+            with self.cond:
+                if self.failure is not None or not self.left or not self.spares:
+                    return None
+                h = self.spares.popleft()
+            exc = self.ask(h) if h.plan is None else None
+            if exc is None and (h.plan.manifest_digest != self.plan.manifest_digest or _layout(h.plan) != self.layout):
+                exc = E.FetchError(f"{h.name()} publishes manifest {h.plan.manifest_digest} in "
+                                   f"{h.plan.chunk_bytes}-byte chunks, not this fetch's")
+            if exc is not None:
+                log.warning("fetch: spare %s left out: %s", h.address, _one_line(exc))
+                h.close()
+                continue
+            log.info("fetch: %s takes over from a dropped holder", h.name())
+            with self.cond:
+                self.holders.append(h)
+            return h
+
+    def _take(self, h: _Holder | None) -> None:
         # With ``into``, a stripe that lies inside one tensor is received into it; each holder's
-        # thread receives the others into one buffer of its own, made once (its pages in place
-        # once), and copies each out once verified.
-        own = new_arena(self.mixed_bytes) if self.arena is None else None
+        # thread receives the others into one buffer of its own (its pages put in place as each
+        # stripe is asked for), and copies each out once verified.
+        own = lazy_arena(self.mixed_bytes) if self.arena is None else None
         try:
-            while (span := self._next()) is not None:
-                if not self._receive(h, span, own):
+            while h is not None:
+                while (span := self._next()) is not None:
+                    if not self._receive(h, span, own):
+                        break  # dropped: a spare takes its place
+                else:
                     return
+                h = self._spare()
         except BaseException as exc:  # a bug here must end the fetch, not hang it
             with self.cond:
                 self.failure = self.failure or exc
@@ -315,10 +436,16 @@ class _Striper:
         total = self.plan.total_bytes
         if self.arena is not None:
             buf, base = self.arena, 0
+            warm(buf, a, b)  # this stripe's pages, committed now that its bytes are asked for
         else:
-            buf, base = self.scatter.target(a, b) or (own[: b - a], a)
+            inside = self.scatter.target(a, b)
+            if inside is None:  # into this holder's buffer, copied out once verified
+                warm(own, 0, b - a)
+            buf, base = inside or (own[: b - a], a)
         receiver = Receiver(self.plan, buf, span=span, base=base, table=self.table)
         ref = pb.WorkerRef(worker_id=self.ident, resume_from=a, stop_at=b if b < total else 0)
+        with self.cond:
+            self.watches[h] = _Watch(receiver)
         try:
             h.link.receive_into(ref, receiver, self.stall_timeout)
             receiver.finish()
@@ -345,6 +472,9 @@ class _Striper:
                 self.queue.appendleft((pos, b))
                 self.cond.notify_all()
             return False
+        finally:
+            with self.cond:
+                self.watches.pop(h, None)
         return self._done(h, buf, base, a, b)
 
     def _done(self, h: _Holder, buf: np.ndarray, base: int, a: int, b: int) -> bool:
@@ -410,10 +540,10 @@ class _Into:
         self.plan = plan
         self.ends = [v.offset + v.nbytes for v in plan.variables]  # in arena order (validate_plan)
         self.flat = {name: a.reshape(-1).view(np.uint8) for name, a in self.targets.items()}
-        # The other variables in one receive arena of the fetch's own (its pages in place before
-        # the stream), each aligned as in the plan's layout.
+        # The other variables in one receive arena of the fetch's own (its memory committed as
+        # their bytes are copied in), each aligned as in the plan's layout.
         rest = [v for v in plan.variables if v.name not in self.targets]
-        own, pos = new_arena(sum(align(v.nbytes) for v in rest)), 0
+        own, pos = lazy_arena(sum(align(v.nbytes) for v in rest)), 0
         for v in rest:
             self.flat[v.name] = own[pos : pos + v.nbytes]
             pos += align(v.nbytes)
@@ -437,6 +567,21 @@ class _Into:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {v.name: self.targets.get(v.name, variable_view(self.flat[v.name], v, v.offset)) for v in self.plan.variables}
+
+
+def _check_variables(plan: pb.Plan, arrays: dict[str, np.ndarray], sender: str) -> None:
+    """Every variable's bytes against its own digest, the manifest's: the chunk digests that
+    checked the stream are the holder's word too, and a plan whose chunk digests cover other
+    bytes than its variables' digests (a manifest copied from an honest holder over forged
+    chunks) would otherwise hand out bytes that no trusted digest covered."""
+    for v in plan.variables:
+        if not v.nbytes:
+            continue
+        got = bytes_digest(memoryview(np.ascontiguousarray(arrays[v.name]).reshape(-1).view(np.uint8)))
+        if got != v.digest:
+            raise E.IntegrityError(f"{sender}: the bytes of {v.name!r} match the plan's chunk digests but not "
+                                   f"its own digest {v.digest} (they hash to {got}): the plan does not hold "
+                                   f"together; nothing returned")
 
 
 def _attach(ready: list[_Holder], plan: pb.Plan, ident: str) -> np.ndarray | None:
@@ -467,14 +612,17 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     """The state published at ``step`` by the holders at ``sources``, every byte verified.
 
     :param sources: one ``host:port`` (or several, comma-separated) or a sequence of them. The
-        holders of ``step`` whose manifests agree share the work: the chunks are striped over
-        them, and a holder lost (connection cut, process killed, silent for
-        ``stall_timeout``) or sending bytes that differ from its own plan is dropped and its
-        share retaken from the others.
+        holders of ``step`` whose manifests agree share the work, at most
+        ``MAX_ACTIVE_HOLDERS`` (8) at once (the other sources are spares): the chunks are
+        striped over them, and a holder lost (connection cut, process killed, silent for
+        ``stall_timeout``, or no verified chunk for ``stall_timeout`` while another is left)
+        or sending bytes that differ from its own plan is dropped and its share retaken from
+        the others.
     :param step: the step wanted; a holder of another step is refused.
     :param token: the cluster token (default ``COLLECTIVE_TOKEN``).
     :param timeout: seconds for the whole fetch.
-    :param stall_timeout: seconds a holder may send nothing before it counts as lost.
+    :param stall_timeout: seconds a holder may send nothing (or no whole verified chunk, while
+        another holder is left) before it counts as lost.
     :param into: name -> preallocated writable C-contiguous numpy array of that tensor's shape
         and dtype: those tensors are received into them (a stripe inside one tensor in place,
         checked as it lands; the rest in a buffer per holder, copied out once verified), so a
@@ -483,7 +631,9 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     :param manifest: the manifest digest the state must have (from a source trusted more than
         the holders: what catches a holder that lies consistently in its own plan).
     :param max_bytes: the largest state accepted (default: this machine's memory); a plan that
-        claims more is refused before anything is allocated.
+        claims more is refused before anything is allocated. Memory is committed a stripe at a
+        time as each is asked for: at most ``MAX_ACTIVE_HOLDERS`` x ``STRIPE_BYTES`` (8 x 64 MiB)
+        ahead of the bytes that arrived.
     :return: a ``Fetched`` dict: the state as published, tensors as numpy arrays (views of one
         received arena, zero copy) and JSON values for the rest; ``.step``,
         ``.manifest_digest``, ``.total_bytes`` and ``.stats`` (per holder: bytes delivered,
@@ -508,10 +658,10 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     deadline = started + timeout
     token = cluster_token(token)
     ident = _identity(tls)
-    holders = [_Holder(a, GrpcChiefLink(a, token=token, name="holder", tls=tls)) for a in addresses]
+    limit = max_bytes if max_bytes is not None else _memory_bytes()
+    holders = [_Holder(a, lambda a: GrpcChiefLink(a, token=token, name="holder", tls=tls)) for a in addresses]
     try:
-        ready = _ask_plans(holders, step, deadline, stall_timeout,
-                           max_bytes if max_bytes is not None else _memory_bytes(), ident)
+        ready, spares = _ask_plans(holders, step, deadline, stall_timeout, limit, ident)
         plan = ready[0].plan
         if manifest is not None and plan.manifest_digest != manifest:
             raise E.FetchError(f"{', '.join(h.name() for h in ready)} publish manifest {plan.manifest_digest} "
@@ -523,14 +673,19 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
             if scatter is not None:
                 scatter(mapped, 0, 0, plan.total_bytes)
         else:
-            arena = new_arena(plan.total_bytes) if scatter is None else None
-            _Striper(plan, ready, arena, scatter, stall_timeout, ident).run(deadline, timeout)
+            # Its pages committed a stripe at a time, as each is asked for (``warm``).
+            arena = lazy_arena(plan.total_bytes) if scatter is None else None
+            striper = _Striper(plan, ready, spares, arena, scatter, stall_timeout, ident,
+                               lambda h: _ask(h, step, deadline, stall_timeout, limit, ident))
+            striper.run(deadline, timeout)
+            ready = striper.holders
         arrays = {v.name: variable_view(arena, v) for v in plan.variables} if scatter is None else scatter.arrays()
         sender = ", ".join(h.name() for h in ready)
+        _check_variables(plan, arrays, sender)
         state = tree.unflatten(tree.decode(arrays[tree.TREE], step, sender), arrays, sender)
     finally:
         for h in holders:
-            h.link.close()
+            h.close()
     out = Fetched(state)
     out.step, out.manifest_digest, out.total_bytes = step, plan.manifest_digest, plan.total_bytes
     out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped, "shared_memory": h.shared}

@@ -33,7 +33,12 @@ from collective._proto import collective_pb2 as pb
 from collective.config import TlsFiles
 from collective.digest import array_digest, bytes_digest, chunk_digests
 from collective.errors import AbortedError, ProtocolError, UnimplementedError, UsageError
-from collective.limits import MAX_HOLDER_NAME_CHARS, check_ref
+from collective.limits import (
+    MAX_HOLDER_NAME_CHARS,
+    MIN_SNAPSHOT_CHUNK_BYTES,
+    check_ref,
+    snapshot_chunking_refused,
+)
 from collective.model import VariableSpec
 from collective.plan import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, build_plan, layout, new_arena
 from collective.snapshot import tree
@@ -268,6 +273,11 @@ def _state_served(state: Mapping, step: int, copy: bool, chunk_bytes: int, name:
     """(handler, keep, shm_server) serving ``state`` at ``step``: its plan, its arena, and with
     ``copy`` the sealed copy's server a same-host fetcher maps."""
     plan, arena, keep = build(state, step, copy=copy, chunk_bytes=chunk_bytes, name=name)
+    refused = snapshot_chunking_refused(plan.total_bytes, chunk_bytes)
+    if refused is not None:  # a fetch would refuse this plan
+        _release(keep, None)
+        raise UsageError(f"chunk_bytes={chunk_bytes} cuts this state of {plan.total_bytes} bytes into {refused}; "
+                         f"use chunk_bytes of at least {MIN_SNAPSHOT_CHUNK_BYTES} (default {DEFAULT_CHUNK_BYTES})")
     shm_server = None
     if keep[2] is not None:  # a sealed copy: a fetcher on this host maps it instead of the stream
         from collective.transport.shm import ShmServer
@@ -383,7 +393,8 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
         bytes that differ from the digests, and name this holder). True: one copy is taken
         now (into a sealed memory file: a fetcher on this host maps it instead of receiving
         the stream) and the caller may change its tensors at once.
-    :param chunk_bytes: the unit of streaming and verification (default 4 MiB).
+    :param chunk_bytes: the unit of streaming and verification (default 4 MiB; at least 64 KiB
+        unless the state is at most 1,024 chunks: a fetch refuses finer plans).
     :param tls: ``TlsFiles(cert=, key=)`` to serve over TLS; with ``ca=`` too, mutual TLS
         (a fetcher must present a certificate that CA signed).
     :param name: what fetchers' errors call this holder (``holder NAME at ADDR``), at most

@@ -428,13 +428,13 @@ def _catch(fn):
 
 
 def test_the_fetch_receives_into_the_shared_receive_arena(monkeypatch):
-    # One allocator (stream.new_arena) for the broadcast's and the fetch's arenas: its pages in
-    # place before the first byte (tests/unit/test_plan.py checks how).
+    # One allocator (stream.lazy_arena, then warm: a stripe's pages in place before it is asked
+    # for) for the broadcast's and the fetch's arenas (tests/unit/test_plan.py checks how).
     from collective.snapshot import fetcher
 
     made = []
-    real = fetcher.new_arena
-    monkeypatch.setattr(fetcher, "new_arena", lambda nbytes: made.append(real(nbytes)) or made[-1])
+    real = fetcher.lazy_arena
+    monkeypatch.setattr(fetcher, "lazy_arena", lambda nbytes: made.append(real(nbytes)) or made[-1])
     state = {"x": np.arange(300_000, dtype=np.float32)}
     with collective.publish(state, step=4, bind="127.0.0.1:0", token=TOKEN) as pub:
         got = collective.fetch(pub.address, step=4, token=TOKEN, timeout=30, shm=False)

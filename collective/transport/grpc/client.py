@@ -37,17 +37,25 @@ log = logging.getLogger(__name__)
 
 class _Collected:
     """A server-streaming method called as ``_unary`` calls a unary one: ``future(...)`` starts
-    the call, ``result()`` is the list of its messages, ``cancel()`` ends it."""
+    the call, ``result()`` is ``join(its messages)``, ``cancel()`` ends it.
 
-    def __init__(self, method) -> None:
-        self._method = method
+    ``join`` consumes the messages as they arrive (``plan.from_pieces`` counts the bytes piece
+    by piece), so a sender that streams past its limit is refused at the piece that passes it,
+    the call cancelled, never gathered whole first."""
+
+    def __init__(self, method, join) -> None:
+        self._method, self._join = method, join
 
     def future(self, request, *, timeout: float, metadata) -> _Collected:
         self._call = self._method(request, timeout=timeout, metadata=metadata)
         return self
 
-    def result(self) -> list:
-        return list(self._call)
+    def result(self):
+        try:
+            return self._join(iter(self._call))
+        except E.CollectiveError:
+            self._call.cancel()  # refused mid-stream: the sender stops here
+            raise
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -254,8 +262,10 @@ class GrpcChiefLink(ChiefLink):
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float, *, phase: str = "join (waiting for the plan)",
                  max_bytes: int = MAX_PIECED_BYTES) -> pb.Plan:
-        pieces = self._unary(_Collected(self._stub.GetPlan), ref, phase, timeout, retry=True)
-        return from_pieces(pb.Plan, pieces, f"{self.name} at {self.address}", max_bytes=max_bytes)
+        def join(pieces):
+            return from_pieces(pb.Plan, pieces, f"{self.name} at {self.address}", max_bytes=max_bytes)
+
+        return self._unary(_Collected(self._stub.GetPlan, join), ref, phase, timeout, retry=True)
 
     def await_prepared(self, ref: pb.WorkerRef, timeout: float) -> pb.PreparedReply:
         return self._unary(self._stub.AwaitPrepared, ref, "waiting for every worker to prepare", timeout, retry=True)
