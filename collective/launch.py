@@ -60,7 +60,8 @@ class Child:
 
 
 # How long a worker's death may precede the chief's own verdict before launch stops waiting:
-# a chief that aborts the round exits right after telling its workers.
+# a chief that aborts the round exits right after telling its workers. Also how long workers
+# still running may take to end once the chief has exited with an error.
 WORKER_LOSS_GRACE = 2.0
 _LOG_LINE = re.compile(r"^\S+ (?:ERROR|CRITICAL) \S+ rank=\S* id=\S* phase=\S*: (.*)$")
 
@@ -331,7 +332,9 @@ class Launcher:
             chief_args += self._shard_args()
             chief = self._spawn("chief", chief_args, "chief.log")
             port = self._wait_for_port(chief, port_file, t.join)
-            if port is not None:
+            # A chief that failed before serving (a bad model, --chunk-bytes, --shards) may be
+            # gone by now: workers started then would only retry a closed port.
+            if port is not None and chief.proc.poll() is None:
                 self._write_status(port)
                 self._start_progress(port)
                 for i in range(self.workers):
@@ -411,8 +414,15 @@ class Launcher:
             now = time.monotonic()
             if codes[0] is not None and chief_done_at is None:
                 chief_done_at = now
-            # Once the chief has decided, workers have a few seconds to hear it and exit.
-            if chief_done_at is not None and now - chief_done_at > self.timeouts.linger + 10:
+            # Once the chief has decided, workers have a few seconds to hear it and exit. A chief
+            # that ended with an error has told whom it could (it lingers for them first): one
+            # that failed before serving told no one, and a worker still retrying its closed
+            # port would wait out its join timeout, so the rest are stopped after a short grace.
+            after = self.timeouts.linger + 10 if codes[0] == 0 else WORKER_LOSS_GRACE
+            if chief_done_at is not None and now - chief_done_at > after:
+                if codes[0] != 0:
+                    self._note(f"the chief ended ({self.children[0].exit_text()}); stopping "
+                               f"{sum(c is None for c in codes)} worker(s) it can no longer tell")
                 return
             # A worker that failed will not come back (launch restarts nothing): the round cannot
             # succeed, so the chief need not wait out its join timeout for it.
