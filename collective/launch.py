@@ -63,6 +63,7 @@ class Child:
 # a chief that aborts the round exits right after telling its workers. Also how long workers
 # still running may take to end once the chief has exited with an error.
 WORKER_LOSS_GRACE = 2.0
+NO_SUMMARY = "the chief ended without a summary"
 _LOG_LINE = re.compile(r"^\S+ (?:ERROR|CRITICAL) \S+ rank=\S* id=\S* phase=\S*: (.*)$")
 
 
@@ -110,6 +111,7 @@ class Launcher:
         self.run_dir = self._dir.path
         self.keep_run_dir = keep_run_dir or not self._dir.temporary
         self.interrupted = False  # Ctrl-C: the children were asked to stop with SIGINT
+        self._interrupted_result: dict | None = None  # the summary of a run Ctrl-C ended
         self.out = out or sys.stdout
         self.quiet = quiet
         self.children: list[Child] = []
@@ -231,7 +233,8 @@ class Launcher:
         """Run one round. Returns the chief's summary (``ok`` says whether it succeeded).
 
         Raises ``UsageError`` when the run directory is unsafe or another live launch holds it,
-        ``KeyboardInterrupt`` on Ctrl-C once every child has been stopped (``interrupted``)."""
+        ``KeyboardInterrupt`` on Ctrl-C once every child has been stopped (``interrupted``; its
+        summary, kept in the run directory too, is ``interrupted_summary()``)."""
         try:
             self._claim_run_dir()
         except BaseException:
@@ -250,6 +253,9 @@ class Launcher:
             if ok and not self.keep_run_dir:
                 result["run_dir"] = None  # removed below: nothing of a good run is worth keeping
             return result
+        except KeyboardInterrupt:  # the children are stopped (_run_grpc / _run_mpi): what they left
+            self._keep_result(self.interrupted_summary())
+            raise
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
@@ -274,6 +280,18 @@ class Launcher:
             self._note("still stopping the processes of this run; they get SIGKILL after a few seconds")
 
         return signal.signal(signal.SIGINT, on_sigint)
+
+    def interrupted_summary(self) -> dict:
+        """The summary of a run Ctrl-C ended, with every key of any other (``--json`` prints one
+        line for every ending): the chief's, naming SIGINT and the phase, when it left one, else
+        launch's own; ``exit_code`` 130, as the command exits."""
+        if self._interrupted_result is None:
+            result = self._result(self._result_file)
+            if not result.get("error") or result["error"] == NO_SUMMARY:
+                result["error"] = "interrupted (SIGINT): every process of the run was stopped"
+            result["ok"], result["exit_code"] = False, 130
+            self._interrupted_result = result
+        return self._interrupted_result
 
     def _claim_run_dir(self) -> None:
         """Take the run directory for this launch and clear the previous run's files from it."""
@@ -474,16 +492,18 @@ class Launcher:
             self._progress_link.close()
             self._progress = None
 
-    def _result(self, result_file: Path) -> dict:
+    def _result(self, result_file: Path | None) -> dict:
         """The chief's summary with launch's own keys; every key of ``SUMMARY_KEYS``, whatever
         happened (a chief that left no summary: its last error line, and what launch knows)."""
         codes = {c.label: c.proc.returncode for c in self.children}
         base = failed_summary(None, transport=self.transport, model=self.model)
         try:
+            if result_file is None:  # stopped before the chief was started
+                raise FileNotFoundError(NO_SUMMARY)
             result = {**base, **json.loads(result_file.read_text())}
         except (OSError, ValueError):
             chief_lines = self.children[0].lines if self.children else []
-            result = {**base, "error": _error_line(chief_lines) or "the chief ended without a summary"}
+            result = {**base, "error": _error_line(chief_lines) or NO_SUMMARY}
         if self._failure and (not result.get("error") or "chief shutting down (SIGTERM)" in result["error"]):
             result["error"] = self._failure  # we stopped the chief; the lost workers are the reason
             result["culprit"] = self._failure_culprit
