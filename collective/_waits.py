@@ -111,11 +111,6 @@ def stopped_by_signal(service, signum: int) -> None:
         log.error("%s (the round had already %s)", err, "failed" if service.error is not None else "started")
 
 
-# What a worker was doing in each phase of its log context, for the line a SIGTERM leaves.
-_DOING = {"join": "joining", "receive": "receiving", "verify": "verifying", "ready": "waiting for start",
-          "started": "starting"}
-
-
 def stop_on_sigterm(who: str, culprit: str | None) -> dict[int, Any]:
     """On the main thread, SIGTERM (``scancel``, ``kill``, a supervisor) ends the call in one
     line naming the phase, "worker w0 stopped by SIGTERM while receiving", and exit status 143,
@@ -131,7 +126,7 @@ def stop_on_sigterm(who: str, culprit: str | None) -> dict[int, Any]:
         from collective import logs
 
         phase = logs.current("phase")
-        err = AbortedError(f"{who} stopped by {signal.Signals(signum).name} while {_DOING.get(phase, phase)}",
+        err = AbortedError(f"{who} stopped by {signal.Signals(signum).name} {logs.doing(phase)}",
                            culprit=culprit, phase=phase)
         err.exit_code = 128 + signum
         raise StopSignal(err)

@@ -56,6 +56,20 @@ def phase(name: str) -> None:
     set_context(phase=name)
 
 
+# What a worker is doing in each phase of its log context: the words its own line on a stop
+# signal and the chief's line on its failure report both use.
+_DOING = {"join": "joining", "receive": "receiving", "verify": "verifying", "ready": "waiting for start",
+          "started": "starting"}
+
+
+def doing(phase: str | None) -> str:
+    """What a worker was doing in ``phase``, as a clause: "while waiting for start" (ready),
+    "while starting" before its first phase, "during <phase>" for any other."""
+    if phase in (None, "", "-"):
+        return "while starting"
+    return f"while {_DOING[phase]}" if phase in _DOING else f"during {phase}"
+
+
 class _ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         for key, value in _context.items():

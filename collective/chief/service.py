@@ -513,7 +513,8 @@ class ChiefService(Admission):
         with self._cond:
             m = self._member(req.worker)
             m.phase, m.told = "failed", True
-            self.fail(AbortedError(f"{m.name()} failed during {logs.printable(req.phase or 'the round')}: "
+            # In the worker's own words for its phase ("while waiting for start"), as its line says.
+            self.fail(AbortedError(f"{m.name()} failed {logs.doing(logs.printable(req.phase))}: "
                                    f"{logs.printable(req.message, limit=4000)}",
                                    culprit=req.culprit or m.worker_id, phase=req.phase or None))
             return pb.FailureReply()

@@ -6,6 +6,7 @@ Real processes on loopback; heartbeats shrunk as in test_liveness so every case 
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 
@@ -32,6 +33,27 @@ def test_sigterm_to_a_worker_mid_receive_says_so_in_one_line(cluster):
     assert "worker victim stopped by SIGTERM while receiving" in line, victim.output()
     assert "Traceback" not in victim.output()
     assert chief.wait(30) != 0 and "victim" in error_line(chief.output(), "round aborted:")
+
+
+def test_a_worker_stopped_while_waiting_for_start_tells_the_chief_why_in_the_same_words(cluster):
+    """The stopped worker said "stopped by SIGTERM while waiting for start", but the chief, never
+    told, named it "lost during the broadcast: its presence call was cut off": the worker now
+    reports its stop before it goes, and the chief names the phase as the worker does."""
+    chief = cluster.chief("--workers", "2", *BIG, *HB, "--topology", "star")
+    victim = cluster.worker("victim", "--rank", "0", *HB)
+    cluster.worker("slow", "--rank", "1", *HB, code=SLOW_RECEIVER)
+    wait_for(chief, "worker victim (rank 0", timeout=60)
+    wait_for(chief, "is ready with digest", timeout=90)  # only the victim: the slow one still receives
+    victim.signal(signal.SIGTERM)
+    assert victim.wait(30) == 128 + signal.SIGTERM, victim.output()
+    said = "worker victim stopped by SIGTERM while waiting for start"
+    assert said in error_line(victim.output()), victim.output()
+    assert chief.wait(60) != 0
+    line = error_line(chief.output(), "round aborted:")
+    assert "worker victim (rank 0, " in line and f"failed while waiting for start: {said}" in line, line
+    assert "lost" not in line and "cut off" not in line, line
+    result = json.loads((cluster.tmp / "result.json").read_text())
+    assert (result["culprit"], result["error_phase"]) == ("victim", "ready"), result
 
 
 def test_sigterm_to_the_chief_mid_broadcast_names_who_was_still_receiving(cluster):
