@@ -14,7 +14,7 @@ import pytest
 
 from tests.clusters import SLOW_RECEIVER
 from tests.integration.test_sync import SCRIPT, collective_env, free_port
-from tests.procs import Proc, error_line, run_all, wait_for
+from tests.procs import ROOT, Proc, error_line, run_all, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -67,6 +67,19 @@ def test_sigterm_to_the_chief_mid_broadcast_names_who_was_still_receiving(cluste
     assert "chief shutting down (SIGTERM) while broadcasting; still waiting for worker slow (rank 0" in line, line
     assert slow.wait(30) != 0 and "chief shutting down (SIGTERM)" in slow.output()
     assert "Traceback" not in chief.output() + slow.output()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigterm_as_sync_starts_ends_it_in_one_line(tmp_path, rank):
+    """A scancel in the first half second of collective.sync, before the chief's or the worker's
+    own handler is installed, killed the rank without a line (exit -15, nothing from the
+    library): the call's handler is installed as it starts."""
+    codes, outputs = run_all([str(ROOT / "tests" / "sync_stop_probe.py")], [tmp_path / f"rank{rank}.log"],
+                             [collective_env(rank, free_port())], 60)
+    assert codes == [128 + signal.SIGTERM], outputs
+    result = json.loads(outputs[0].strip().splitlines()[-1])
+    assert (result["error"], result["message"]) == ("AbortedError", "collective.sync stopped by SIGTERM while starting")
+    assert "Traceback" not in outputs[0], outputs[0]
 
 
 def test_sync_ranks_waiting_for_a_missing_rank_warn_naming_it(tmp_path):
