@@ -85,11 +85,14 @@ def test_a_failed_chief_writes_its_result_before_it_lingers_for_a_worker_that_ne
     assert chief.wait(30) != 0
 
 
-def test_a_worker_killed_before_the_broadcast_frees_its_slot_for_its_restart(cluster):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_worker_killed_before_the_broadcast_frees_its_slot_for_its_restart(cluster, sig):
+    """Also one stopped by SIGTERM: it tells the chief why it goes once the broadcast is under
+    way, but a departure before it is no failure of the round."""
     chief = cluster.chief("--workers", "2", *HB)
     first = cluster.worker("w0", *HB)
     wait_for(first, "waiting for the plan")
-    first.signal(signal.SIGKILL)
+    first.signal(sig)
     wait_for(chief, "its slot is free again")
     restarted = cluster.worker("w0", *HB)
     other = cluster.worker("w1", *HB)
