@@ -522,18 +522,18 @@ class WorkerAgent:
         A broken data stream while the heartbeat is content is reported too, with a short
         deadline: the chief is likely alive, and only it can tell the stream's fault from ours.
         ``stopped``: a stop signal ended this worker (its error an AbortedError of its own, not
-        the chief's word): told with a short deadline too, as the process must go soon; not
+        the chief's word): told within the same 5 s at most, well inside a stop's grace (10 s
+        for docker stop, 30 s for Kubernetes and Slurm's KillWait); not
         while it waits for the plan, where the chief frees its slot for a restart instead of
         failing the round (its presence call cut off says it left)."""
         if self._reported or self.rank < 0 or self._verdict is not None or \
                 (isinstance(exc, AbortedError) and not stopped) or (stopped and logs.current("phase") == "join"):
             return
         self._reported = True
-        short = stopped or isinstance(exc, ChiefUnreachableError)
         self.link.report_failure(
             pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc),
                              culprit=exc.culprit or ""),
-            timeout=min(1.0 if short else 5.0, self.timeouts.rpc),
+            timeout=min(1.0 if isinstance(exc, ChiefUnreachableError) else 5.0, self.timeouts.rpc),
         )
 
     def _presence(self) -> None:
