@@ -284,12 +284,16 @@ class Launcher:
     def interrupted_summary(self) -> dict:
         """The summary of a run Ctrl-C ended, with every key of any other (``--json`` prints one
         line for every ending): the chief's, naming SIGINT and the phase, when it left one, else
-        launch's own; ``exit_code`` 130, as the command exits."""
+        launch's own; ``exit_code`` 130, as the command exits. A Ctrl-C after start was released
+        (it cut only the chief's linger) leaves ``ok`` true, with a warning: the round happened."""
         if self._interrupted_result is None:
-            result = self._result(self._result_file)
-            if not result.get("error") or result["error"] == NO_SUMMARY:
+            result = self._result(self._result_file, spare_stopped=True)
+            if result["ok"]:
+                result["warnings"] = [*result["warnings"], "interrupted (SIGINT) after start was released: "
+                                      "only the chief's linger was cut short"]
+            elif not result.get("error") or result["error"] == NO_SUMMARY:
                 result["error"] = "interrupted (SIGINT): every process of the run was stopped"
-            result["ok"], result["exit_code"] = False, 130
+            result["exit_code"] = 130
             self._interrupted_result = result
         return self._interrupted_result
 
@@ -492,9 +496,10 @@ class Launcher:
             self._progress_link.close()
             self._progress = None
 
-    def _result(self, result_file: Path | None) -> dict:
+    def _result(self, result_file: Path | None, spare_stopped: bool = False) -> dict:
         """The chief's summary with launch's own keys; every key of ``SUMMARY_KEYS``, whatever
-        happened (a chief that left no summary: its last error line, and what launch knows)."""
+        happened (a chief that left no summary: its last error line, and what launch knows).
+        ``spare_stopped``: what launch stopped is no failure even after a good round (Ctrl-C)."""
         codes = {c.label: c.proc.returncode for c in self.children}
         base = failed_summary(None, transport=self.transport, model=self.model)
         try:
@@ -511,7 +516,7 @@ class Launcher:
             result["error_phase"] = "broadcast" if (result.get("phases") or {}).get("join") is not None else "join"
         # After a failed round, what launch itself ended (workers still waiting to hear of it) did
         # not fail on its own: listing it would point at processes that are not at fault.
-        spared = {c.label for c in self.children if c.stopped} if not result.get("ok") else set()
+        spared = {c.label for c in self.children if c.stopped} if spare_stopped or not result.get("ok") else set()
         result["failed_processes"] = {label: code for label, code in codes.items() if code != 0 and label not in spared}
         if result["failed_processes"]:
             result["ok"] = False
