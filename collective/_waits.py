@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import signal
 import threading
 import time
@@ -129,28 +128,11 @@ def stop_on_sigterm(who: str, culprit: str | None) -> dict[int, Any]:
         from collective import logs
 
         phase = logs.current("phase")
-        err = AbortedError(stop_message(who, signum, phase), culprit=culprit, phase=phase)
+        err = AbortedError(logs.stop_message(who, signum, phase), culprit=culprit, phase=phase)
         err.exit_code = 128 + signum
         raise StopSignal(err)
 
     return {signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
-
-
-def stop_message(who: str, signum: int, phase: str | None) -> str:
-    """"worker w0 stopped by SIGTERM while receiving": the line a stop signal leaves, and what a
-    stopped worker reports to its chief (``is_stop``)."""
-    from collective import logs
-
-    return f"{who} stopped by {signal.Signals(signum).name} {logs.doing(phase)}"
-
-
-_STOP = re.compile(r" stopped by SIG[A-Z]+ (?:while|during) ")
-
-
-def is_stop(message: str) -> bool:
-    """A failure report that says a stop signal ended the worker (``stop_message``): a preempted
-    process, which a restart may replace within the chief's rejoin window."""
-    return _STOP.search(message) is not None
 
 
 # The handlers ``stopped_from_the_start`` replaced, the innermost call's last (main thread only).
@@ -175,7 +157,7 @@ def stopped_from_the_start(call: Callable) -> Callable:
             from collective import logs
 
             phase = logs.current("phase")  # "-" before a phase began: "while starting"
-            err = AbortedError(stop_message(name, signum, phase), phase=None if phase == "-" else phase)
+            err = AbortedError(logs.stop_message(name, signum, phase), phase=None if phase == "-" else phase)
             err.exit_code = 128 + signum
             raise StopSignal(err)
 

@@ -22,7 +22,6 @@ import numpy as np
 
 from collective import logs, parking
 from collective._proto import collective_pb2 as pb
-from collective._waits import is_stop
 from collective.chief import reports
 from collective.chief.admission import Admission, not_its_secret
 from collective.chief.arena import ChiefArena
@@ -513,7 +512,7 @@ class ChiefService(Admission):
     def report_failure(self, req: pb.FailureReport) -> pb.FailureReply:
         with self._cond:
             m = self._member(req.worker)
-            if is_stop(req.message) and self._rejoins.waits() and m.phase != "lost":
+            if logs.is_stop(req.message) and self._rejoins.waits() and m.phase != "lost":
                 # Stopped (preempted) mid-broadcast: a restart may take its rank, as for a
                 # process lost outright; the chief names it in its own words.
                 self.lost(req.worker, f"it was stopped ({logs.printable(req.message)})", after_grace=True)
