@@ -30,8 +30,10 @@ from collective._waits import (
     Awaited,
     StopSignal,
     chief_awaits,
+    handlers_before_the_call,
     on_stop_signals,
     stop_on_sigterm,
+    stopped_from_the_start,
     worker_awaits,
 )
 from collective.clusterenv import resolve_roles
@@ -459,6 +461,7 @@ def _alone(source: ModelSource, devices: list[str]) -> tuple[VariableStore, str]
     return store, worker_digest(plan.manifest_digest, [d.chunk_digests for d in verified])
 
 
+@stopped_from_the_start
 def sync(
     values: Values | None = None,
     *,
@@ -538,7 +541,8 @@ def sync(
     if roles.mpi:
         from collective.mpi import sync_over_mpi
 
-        return sync_over_mpi(source, devices, roles, timeouts, shards=shards, from_file=from_file)
+        with handlers_before_the_call():  # a rank blocked in MPI would not run a Python handler
+            return sync_over_mpi(source, devices, roles, timeouts, shards=shards, from_file=from_file)
     if roles.rank == 0:
         host, port = parse_address(roles.chief, what="the chief's address")
         bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or _bind_for(host, port)

@@ -3,11 +3,13 @@ how it ends on SIGTERM / SIGINT: one line naming the phase and whom the round wa
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 from collective.errors import AbortedError, CollectiveError, StopSignal
@@ -111,11 +113,6 @@ def stopped_by_signal(service, signum: int) -> None:
         log.error("%s (the round had already %s)", err, "failed" if service.error is not None else "started")
 
 
-# What a worker was doing in each phase of its log context, for the line a SIGTERM leaves.
-_DOING = {"join": "joining", "receive": "receiving", "verify": "verifying", "ready": "waiting for start",
-          "started": "starting"}
-
-
 def stop_on_sigterm(who: str, culprit: str | None) -> dict[int, Any]:
     """On the main thread, SIGTERM (``scancel``, ``kill``, a supervisor) ends the call in one
     line naming the phase, "worker w0 stopped by SIGTERM while receiving", and exit status 143,
@@ -131,9 +128,62 @@ def stop_on_sigterm(who: str, culprit: str | None) -> dict[int, Any]:
         from collective import logs
 
         phase = logs.current("phase")
-        err = AbortedError(f"{who} stopped by {signal.Signals(signum).name} while {_DOING.get(phase, phase)}",
-                           culprit=culprit, phase=phase)
+        err = AbortedError(logs.stop_message(who, signum, phase), culprit=culprit, phase=phase)
         err.exit_code = 128 + signum
         raise StopSignal(err)
 
     return {signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
+
+
+# The handlers ``stopped_from_the_start`` replaced, the innermost call's last (main thread only).
+_replaced: list[dict[int, Any]] = []
+
+
+def stopped_from_the_start(call: Callable) -> Callable:
+    """Decorate an API call (``collective.sync``) so SIGTERM ends it in one line from its first
+    statement: ``AbortedError`` "collective.sync stopped by SIGTERM while starting", exit status
+    143. Without it a ``scancel`` in the call's first half second, before its role's handler is
+    installed (the chief's ``on_stop_signals`` once its port is bound, the worker's
+    ``stop_on_sigterm`` once its relay is up), kills the process without a word. Those handlers
+    take over when installed and give this one back when they end. Main thread only."""
+
+    @functools.wraps(call)
+    def wrapper(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return call(*args, **kwargs)
+        name = call.__module__.split(".")[0] + "." + call.__name__
+
+        def on_signal(signum, frame) -> None:
+            from collective import logs
+
+            phase = logs.current("phase")  # "-" before a phase began: "while starting"
+            err = AbortedError(logs.stop_message(name, signum, phase), phase=None if phase == "-" else phase)
+            err.exit_code = 128 + signum
+            raise StopSignal(err)
+
+        _replaced.append({signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)})
+        try:
+            return call(*args, **kwargs)
+        except StopSignal as stop:
+            raise stop.error from None
+        finally:
+            for sig, handler in _replaced.pop().items():
+                signal.signal(sig, handler)
+
+    return wrapper
+
+
+@contextmanager
+def handlers_before_the_call():
+    """Inside a ``stopped_from_the_start`` call: the handlers it replaced, back for this block.
+    Under mpiexec: a Python handler runs only between bytecodes, so a rank blocked in an MPI
+    collective would never act on it, where the default ends the process and mpiexec the job."""
+    if not _replaced or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    ours = {sig: signal.signal(sig, handler) for sig, handler in _replaced[-1].items()}
+    try:
+        yield
+    finally:
+        for sig, handler in ours.items():
+            signal.signal(sig, handler)

@@ -165,6 +165,8 @@ def _launch(args: argparse.Namespace) -> int:
         where = launcher.run_dir
         print(f"interrupted: every process of the run was stopped; its logs are in {where} "
               f"(collective logs {where})", file=sys.stderr)
+        if args.json:
+            print(json.dumps(launcher.interrupted_summary()))
         return 130
     print(summary_table(result, expected=args.workers), file=sys.stderr if args.json else sys.stdout)
     if args.json:

@@ -60,8 +60,10 @@ class Child:
 
 
 # How long a worker's death may precede the chief's own verdict before launch stops waiting:
-# a chief that aborts the round exits right after telling its workers.
+# a chief that aborts the round exits right after telling its workers. Also how long workers
+# still running may take to end once the chief has exited with an error.
 WORKER_LOSS_GRACE = 2.0
+NO_SUMMARY = "the chief ended without a summary"
 _LOG_LINE = re.compile(r"^\S+ (?:ERROR|CRITICAL) \S+ rank=\S* id=\S* phase=\S*: (.*)$")
 
 
@@ -109,6 +111,7 @@ class Launcher:
         self.run_dir = self._dir.path
         self.keep_run_dir = keep_run_dir or not self._dir.temporary
         self.interrupted = False  # Ctrl-C: the children were asked to stop with SIGINT
+        self._interrupted_result: dict | None = None  # the summary of a run Ctrl-C ended
         self.out = out or sys.stdout
         self.quiet = quiet
         self.children: list[Child] = []
@@ -255,7 +258,8 @@ class Launcher:
         """Run one round. Returns the chief's summary (``ok`` says whether it succeeded).
 
         Raises ``UsageError`` when the run directory is unsafe or another live launch holds it,
-        ``KeyboardInterrupt`` on Ctrl-C once every child has been stopped (``interrupted``)."""
+        ``KeyboardInterrupt`` on Ctrl-C once every child has been stopped (``interrupted``; its
+        summary, kept in the run directory too, is ``interrupted_summary()``)."""
         try:
             self._claim_run_dir()
         except BaseException:
@@ -276,6 +280,9 @@ class Launcher:
             if ok and not self.keep_run_dir:
                 result["run_dir"] = None  # removed below: nothing of a good run is worth keeping
             return result
+        except KeyboardInterrupt:  # the children are stopped (_run_grpc / _run_mpi): what they left
+            self._keep_result(self.interrupted_summary())
+            raise
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
@@ -300,6 +307,22 @@ class Launcher:
             self._note("still stopping the processes of this run; they get SIGKILL after a few seconds")
 
         return signal.signal(signal.SIGINT, on_sigint)
+
+    def interrupted_summary(self) -> dict:
+        """The summary of a run Ctrl-C ended, with every key of any other (``--json`` prints one
+        line for every ending): the chief's, naming SIGINT and the phase, when it left one, else
+        launch's own; ``exit_code`` 130, as the command exits. A Ctrl-C after start was released
+        (it cut only the chief's linger) leaves ``ok`` true, with a warning: the round happened."""
+        if self._interrupted_result is None:
+            result = self._result(self._result_file, spare_stopped=True)
+            if result["ok"]:
+                result["warnings"] = [*result["warnings"], "interrupted (SIGINT) after start was released: "
+                                      "only the chief's linger was cut short"]
+            elif not result.get("error") or result["error"] == NO_SUMMARY:
+                result["error"] = "interrupted (SIGINT): every process of the run was stopped"
+            result["exit_code"] = 130
+            self._interrupted_result = result
+        return self._interrupted_result
 
     def _claim_run_dir(self) -> None:
         """Take the run directory for this launch and clear the previous run's files from it."""
@@ -358,7 +381,9 @@ class Launcher:
             chief_args += self._shard_args()
             chief = self._spawn("chief", chief_args, "chief.log")
             port = self._wait_for_port(chief, port_file, t.join)
-            if port is not None:
+            # A chief that failed before serving (a bad model, --chunk-bytes, --shards) may be
+            # gone by now: workers started then would only retry a closed port.
+            if port is not None and chief.proc.poll() is None:
                 self._write_status(port)
                 self._start_progress(port)
                 for i in range(self.workers):
@@ -438,8 +463,15 @@ class Launcher:
             now = time.monotonic()
             if codes[0] is not None and chief_done_at is None:
                 chief_done_at = now
-            # Once the chief has decided, workers have a few seconds to hear it and exit.
-            if chief_done_at is not None and now - chief_done_at > self.timeouts.linger + 10:
+            # Once the chief has decided, workers have a few seconds to hear it and exit. A chief
+            # that ended with an error has told whom it could (it lingers for them first): one
+            # that failed before serving told no one, and a worker still retrying its closed
+            # port would wait out its join timeout, so the rest are stopped after a short grace.
+            after = self.timeouts.linger + 10 if codes[0] == 0 else WORKER_LOSS_GRACE
+            if chief_done_at is not None and now - chief_done_at > after:
+                if codes[0] != 0:
+                    self._note(f"the chief ended ({self.children[0].exit_text()}); stopping "
+                               f"{sum(c is None for c in codes)} worker(s) it can no longer tell")
                 return
             # A worker that failed will not come back (launch restarts nothing): the round cannot
             # succeed, so the chief need not wait out its join timeout for it.
@@ -491,16 +523,19 @@ class Launcher:
             self._progress_link.close()
             self._progress = None
 
-    def _result(self, result_file: Path) -> dict:
+    def _result(self, result_file: Path | None, spare_stopped: bool = False) -> dict:
         """The chief's summary with launch's own keys; every key of ``SUMMARY_KEYS``, whatever
-        happened (a chief that left no summary: its last error line, and what launch knows)."""
+        happened (a chief that left no summary: its last error line, and what launch knows).
+        ``spare_stopped``: what launch stopped is no failure even after a good round (Ctrl-C)."""
         codes = {c.label: c.proc.returncode for c in self.children}
         base = failed_summary(None, transport=self.transport, model=self.model)
         try:
+            if result_file is None:  # stopped before the chief was started
+                raise FileNotFoundError(NO_SUMMARY)
             result = {**base, **json.loads(result_file.read_text())}
         except (OSError, ValueError):
             chief_lines = self.children[0].lines if self.children else []
-            result = {**base, "error": _error_line(chief_lines) or "the chief ended without a summary"}
+            result = {**base, "error": _error_line(chief_lines) or NO_SUMMARY}
         if self._failure and (not result.get("error") or "chief shutting down (SIGTERM)" in result["error"]):
             result["error"] = self._failure  # we stopped the chief; the lost workers are the reason
             result["culprit"] = self._failure_culprit
@@ -508,7 +543,7 @@ class Launcher:
             result["error_phase"] = "broadcast" if (result.get("phases") or {}).get("join") is not None else "join"
         # After a failed round, what launch itself ended (workers still waiting to hear of it) did
         # not fail on its own: listing it would point at processes that are not at fault.
-        spared = {c.label for c in self.children if c.stopped} if not result.get("ok") else set()
+        spared = {c.label for c in self.children if c.stopped} if spare_stopped or not result.get("ok") else set()
         result["failed_processes"] = {label: code for label, code in codes.items() if code != 0 and label not in spared}
         if result["failed_processes"]:
             result["ok"] = False

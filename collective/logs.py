@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 
@@ -54,6 +55,35 @@ def current(field: str) -> str:
 
 def phase(name: str) -> None:
     set_context(phase=name)
+
+
+# What a worker is doing in each phase of its log context: the words its own line on a stop
+# signal and the chief's line on its failure report both use.
+_DOING = {"join": "joining", "receive": "receiving", "verify": "verifying", "ready": "waiting for start",
+          "started": "starting"}
+
+
+def doing(phase: str | None) -> str:
+    """What a worker was doing in ``phase``, as a clause: "while waiting for start" (ready),
+    "while starting" before its first phase, "during <phase>" for any other."""
+    if phase in (None, "", "-"):
+        return "while starting"
+    return f"while {_DOING[phase]}" if phase in _DOING else f"during {phase}"
+
+
+def stop_message(who: str, signum: int, phase: str | None) -> str:
+    """"worker w0 stopped by SIGTERM while receiving": the line a stop signal leaves, and what a
+    stopped worker reports to its chief (``is_stop``)."""
+    return f"{who} stopped by {signal.Signals(signum).name} {doing(phase)}"
+
+
+_STOP = re.compile(r" stopped by SIG[A-Z]+ (?:while|during) ")
+
+
+def is_stop(message: str) -> bool:
+    """A failure report that says a stop signal ended the worker (``stop_message``): a preempted
+    process, which a restart may replace within the chief's rejoin window."""
+    return _STOP.search(message) is not None
 
 
 class _ContextFilter(logging.Filter):

@@ -218,7 +218,7 @@ class WorkerAgent:
         try:
             return self._run()
         except StopSignal as stop:  # SIGTERM (``_waits.stop_on_sigterm``): a failure like any other
-            self._report_failure(stop.error)
+            self._report_failure(stop.error, stopped=True)
             outcome = f"worker {self.worker_id} stopped: {stop.error}"
             raise stop.error from None
         except CollectiveError as exc:
@@ -516,13 +516,19 @@ class WorkerAgent:
             log.info("prepared to receive %d bytes in %.3f s (plan checked, arena allocated); every worker "
                      "prepared %.3f s later", plan.total_bytes, t0 - self._prepare_from, self._prepared_at - t0)
 
-    def _report_failure(self, exc: CollectiveError) -> None:
+    def _report_failure(self, exc: CollectiveError, *, stopped: bool = False) -> None:
         """Tell the chief once, before this process goes (so the chief names this cause, not the
         presence call it sees cut off when we exit); never raises. A failure the chief announced
         itself needs no echo, nor one the heartbeat found (the chief gone, frozen, restarted).
         A broken data stream while the heartbeat is content is reported too, with a short
-        deadline: the chief is likely alive, and only it can tell the stream's fault from ours."""
-        if self._reported or self.rank < 0 or isinstance(exc, AbortedError) or self._verdict is not None:
+        deadline: the chief is likely alive, and only it can tell the stream's fault from ours.
+        ``stopped``: a stop signal ended this worker (its error an AbortedError of its own, not
+        the chief's word): told within the same 5 s at most, well inside a stop's grace (10 s
+        for docker stop, 30 s for Kubernetes and Slurm's KillWait); not
+        while it waits for the plan, where the chief frees its slot for a restart instead of
+        failing the round (its presence call cut off says it left)."""
+        if self._reported or self.rank < 0 or self._verdict is not None or \
+                (isinstance(exc, AbortedError) and not stopped) or (stopped and logs.current("phase") == "join"):
             return
         self._reported = True
         self.link.report_failure(

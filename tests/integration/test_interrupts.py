@@ -5,6 +5,7 @@ relay server half started when the KeyboardInterrupt landed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -53,12 +54,14 @@ def test_ctrl_c_on_a_background_chief_exits_130_naming_sigint(cluster, delay):
     assert "chief interrupted (SIGINT)" in chief.output() and "SIGTERM" not in chief.output()
 
 
-def _launch(tmp_path, *args: str, env: dict[str, str]) -> tuple[subprocess.Popen, object]:
+def _launch(tmp_path, *args: str, env: dict[str, str], stdout=subprocess.STDOUT) -> tuple[subprocess.Popen, object]:
+    """``stdout``: where launch's stdout goes (a file of its own for ``--json``), else with stderr."""
     out = open(tmp_path / "launch.out", "w")
     launch = subprocess.Popen(
         [sys.executable, "-m", "collective.cli", "launch", "--workers", "2", "--run-dir", str(tmp_path / "run"),
          "--join-timeout", "60", *args],
-        stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, stdin=subprocess.DEVNULL, env={**os.environ, **env},
+        stdout=out if stdout == subprocess.STDOUT else stdout, stderr=out, text=True, cwd=ROOT,
+        stdin=subprocess.DEVNULL, env={**os.environ, **env},
     )
     return launch, out
 
@@ -100,6 +103,26 @@ def test_ctrl_c_on_launch_passes_sigint_on_and_says_where_the_logs_are(tmp_path,
     chief_log = (tmp_path / "run" / "chief.log").read_text()
     assert "chief interrupted (SIGINT)" in chief_log and "SIGTERM" not in chief_log + text, chief_log
     _clean(chief_log + (tmp_path / "run" / "worker-0.log").read_text())
+
+
+@pytest.mark.parametrize("transport", ["grpc", pytest.param("mpi", marks=pytest.mark.mpi)])
+def test_ctrl_c_on_launch_json_still_prints_the_summary_line(tmp_path, transport):
+    """``--json``: the last line on stdout is the summary, for every ending; on Ctrl-C there was
+    none. It is the chief's (naming SIGINT and the phase the run was in), exit code 130."""
+    if transport == "mpi":
+        env, hold = held_worker_env(tmp_path, "PMI_RANK=2", module="collective.mpi")
+    else:
+        env, hold = held_worker_env(tmp_path)
+    with open(tmp_path / "launch.json", "w") as stdout:
+        launch, out = _launch(tmp_path, "--transport", transport, "--json", "--quiet", env=env, stdout=stdout)
+        _interrupt_launch(tmp_path, launch, out, hold, 0.5)
+    lines = (tmp_path / "launch.json").read_text().splitlines()
+    assert lines, "no JSON line on stdout"
+    result = json.loads(lines[-1])
+    assert (result["ok"], result["exit_code"], result["transport"]) == (False, 130, transport), result
+    assert "SIGINT" in result["error"], result["error"]
+    assert result["run_dir"] == str(tmp_path / "run") and result["failed_processes"] == {}, result
+    assert json.loads((tmp_path / "run" / "result.json").read_text()) == result  # kept with the logs
 
 
 @pytest.mark.mpi

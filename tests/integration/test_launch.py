@@ -168,6 +168,33 @@ def test_launch_fails_within_seconds_naming_workers_that_all_died(tmp_path):
     assert (result["model"], result["culprit"], result["error_phase"]) == ("preset mlp (seed 0)", None, "join")
 
 
+@pytest.mark.parametrize(("args", "says"), [
+    (["--model", "nothere"], "model 'nothere': no such file or preset"),
+    (["--chunk-bytes", "100GiB"], "chunk"),
+    (["--model", "{bad}"], "bad.yaml"),
+    (["--shards", '{"nope": "dim0", "*": "all"}'], "nope"),
+], ids=["unknown-model", "huge-chunk-bytes", "bad-yaml", "bad-shards"])
+def test_a_chief_that_fails_before_serving_ends_the_launch_without_its_workers_waiting(tmp_path, args, says):
+    """The chief exits 2 before its round exists; its workers, started once its port was bound,
+    only retried a closed port until launch stopped them after the linger (41 s). Now launch stops
+    them as soon as the chief has exited with its error, and says so."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("variables: [unclosed\n")
+    args = [a.replace("{bad}", str(bad)) for a in args]
+    proc = _launch(tmp_path / "run", "--workers", "2", "--json", "--quiet", "--join-timeout", "300", *args,
+                   timeout=100)
+    assert proc.returncode == 2, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] is False and says in result["error"], result["error"]
+    assert result["failed_processes"] == {"chief": 2}, result  # the workers it stopped are not blamed
+    # Stopped because the chief had ended, not after waiting out the chief's linger.
+    stopped = [line for line in proc.stderr.splitlines() if "stopping" in line and line.startswith("launch")]
+    assert stopped in ([], ["launch   | the chief ended (exit 2); stopping 2 worker(s) it can no longer tell"]), stopped
+    assert "Traceback" not in proc.stderr
+    if not stopped:  # the chief was gone before its port was read: no worker was started at all
+        assert not (tmp_path / "run" / "worker-0.log").exists()
+
+
 @pytest.fixture
 def full_dir(tmp_path):
     """A tiny tmpfs filled to the last byte, unmounted afterwards."""

@@ -85,11 +85,14 @@ def test_a_failed_chief_writes_its_result_before_it_lingers_for_a_worker_that_ne
     assert chief.wait(30) != 0
 
 
-def test_a_worker_killed_before_the_broadcast_frees_its_slot_for_its_restart(cluster):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_worker_killed_before_the_broadcast_frees_its_slot_for_its_restart(cluster, sig):
+    """Also one stopped by SIGTERM: it tells the chief why it goes once the broadcast is under
+    way, but a departure before it is no failure of the round."""
     chief = cluster.chief("--workers", "2", *HB)
     first = cluster.worker("w0", *HB)
     wait_for(first, "waiting for the plan")
-    first.signal(signal.SIGKILL)
+    first.signal(sig)
     wait_for(chief, "its slot is free again")
     restarted = cluster.worker("w0", *HB)
     other = cluster.worker("w1", *HB)
@@ -210,18 +213,22 @@ def test_a_restart_while_the_frozen_holder_looks_alive_is_refused_and_the_round_
         old.signal(signal.SIGCONT)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_with_a_rejoin_window_a_killed_worker_restarted_mid_broadcast_takes_its_rank_and_the_round_completes(
-        cluster):
+        cluster, sig):
     """``--rejoin-timeout``: a worker SIGKILLed mid-stream and started again with its id is
-    admitted in its rank; the other worker is not restarted and the round completes."""
+    admitted in its rank; the other worker is not restarted and the round completes. So is one
+    preempted (SIGTERM): it tells the chief it was stopped, which keeps its rank for a restart."""
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
                           "--topology", "star", "--rejoin-timeout", "60", *HB)
     victim = cluster.worker("phoenix", "--rank", "0", *HB, code=SLOW_RECEIVER)
     other = cluster.worker("other", "--rank", "1", *HB)
     wait_for(victim, "phase=receive")
-    victim.signal(signal.SIGKILL)
-    assert victim.wait(10) == -signal.SIGKILL
+    victim.signal(sig)
+    assert victim.wait(10) == (-sig if sig == signal.SIGKILL else 128 + sig), victim.output()
     wait_for(chief, "waiting up to 60 s for it to rejoin")
+    if sig == signal.SIGTERM:  # named in the worker's own words
+        assert "it was stopped (worker phoenix stopped by SIGTERM while receiving)" in chief.output()
     reborn = cluster.worker("phoenix", "--rank", "0", *HB)
     assert reborn.wait(60) == 0, reborn.output()
     assert other.wait(60) == 0, other.output()

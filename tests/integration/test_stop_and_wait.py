@@ -6,6 +6,7 @@ Real processes on loopback; heartbeats shrunk as in test_liveness so every case 
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 
@@ -13,7 +14,7 @@ import pytest
 
 from tests.clusters import SLOW_RECEIVER
 from tests.integration.test_sync import SCRIPT, collective_env, free_port
-from tests.procs import Proc, error_line, run_all, wait_for
+from tests.procs import ROOT, Proc, error_line, run_all, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -34,6 +35,27 @@ def test_sigterm_to_a_worker_mid_receive_says_so_in_one_line(cluster):
     assert chief.wait(30) != 0 and "victim" in error_line(chief.output(), "round aborted:")
 
 
+def test_a_worker_stopped_while_waiting_for_start_tells_the_chief_why_in_the_same_words(cluster):
+    """The stopped worker said "stopped by SIGTERM while waiting for start", but the chief, never
+    told, named it "lost during the broadcast: its presence call was cut off": the worker now
+    reports its stop before it goes, and the chief names the phase as the worker does."""
+    chief = cluster.chief("--workers", "2", *BIG, *HB, "--topology", "star")
+    victim = cluster.worker("victim", "--rank", "0", *HB)
+    cluster.worker("slow", "--rank", "1", *HB, code=SLOW_RECEIVER)
+    wait_for(chief, "worker victim (rank 0", timeout=60)
+    wait_for(chief, "is ready with digest", timeout=90)  # only the victim: the slow one still receives
+    victim.signal(signal.SIGTERM)
+    assert victim.wait(30) == 128 + signal.SIGTERM, victim.output()
+    said = "worker victim stopped by SIGTERM while waiting for start"
+    assert said in error_line(victim.output()), victim.output()
+    assert chief.wait(60) != 0
+    line = error_line(chief.output(), "round aborted:")
+    assert "worker victim (rank 0, " in line and f"failed while waiting for start: {said}" in line, line
+    assert "lost" not in line and "cut off" not in line, line
+    result = json.loads((cluster.tmp / "result.json").read_text())
+    assert (result["culprit"], result["error_phase"]) == ("victim", "ready"), result
+
+
 def test_sigterm_to_the_chief_mid_broadcast_names_who_was_still_receiving(cluster):
     chief = cluster.chief("--workers", "2", *BIG, *HB)
     slow = cluster.worker("slow", "--rank", "0", *HB, code=SLOW_RECEIVER)
@@ -45,6 +67,19 @@ def test_sigterm_to_the_chief_mid_broadcast_names_who_was_still_receiving(cluste
     assert "chief shutting down (SIGTERM) while broadcasting; still waiting for worker slow (rank 0" in line, line
     assert slow.wait(30) != 0 and "chief shutting down (SIGTERM)" in slow.output()
     assert "Traceback" not in chief.output() + slow.output()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigterm_as_sync_starts_ends_it_in_one_line(tmp_path, rank):
+    """A scancel in the first half second of collective.sync, before the chief's or the worker's
+    own handler is installed, killed the rank without a line (exit -15, nothing from the
+    library): the call's handler is installed as it starts."""
+    codes, outputs = run_all([str(ROOT / "tests" / "sync_stop_probe.py")], [tmp_path / f"rank{rank}.log"],
+                             [collective_env(rank, free_port())], 60)
+    assert codes == [128 + signal.SIGTERM], outputs
+    result = json.loads(outputs[0].strip().splitlines()[-1])
+    assert (result["error"], result["message"]) == ("AbortedError", "collective.sync stopped by SIGTERM while starting")
+    assert "Traceback" not in outputs[0], outputs[0]
 
 
 def test_sync_ranks_waiting_for_a_missing_rank_warn_naming_it(tmp_path):

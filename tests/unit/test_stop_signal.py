@@ -52,3 +52,30 @@ def test_a_sigterm_inside_a_logging_call_still_ends_the_call_naming_the_phase(si
     assert isinstance(err, AbortedError) and err.exit_code == 143
     assert str(err) == "worker w0 stopped by SIGTERM while receiving" and err.culprit == "w0"
 
+
+
+def test_a_call_stopped_from_the_start_hands_back_the_handler_it_replaced_under_mpi():
+    """``collective.sync`` ends on SIGTERM from its first statement; its MPI path runs with the
+    handler from before the call (a Python handler would wait for a blocking MPI call to
+    return), and the call restores it when it ends, also when stopped."""
+    from collective._waits import handlers_before_the_call, stopped_from_the_start
+
+    seen = {}
+
+    @stopped_from_the_start
+    def sync(stop: bool):
+        seen["in the call"] = signal.getsignal(signal.SIGTERM)
+        with handlers_before_the_call():
+            seen["under mpi"] = signal.getsignal(signal.SIGTERM)
+        if stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0.01)  # bytecodes after the kill: the handler has run by now
+        return "started"
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert sync(False) == "started"
+    assert seen["in the call"] not in (before, signal.SIG_DFL) and seen["under mpi"] is before
+    with pytest.raises(AbortedError) as info:
+        sync(True)
+    assert str(info.value).endswith(".sync stopped by SIGTERM while starting") and info.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is before
