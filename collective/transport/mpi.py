@@ -286,6 +286,20 @@ def abort(comm: MPI.Comm, code: int) -> None:
         os._exit(code)
 
 
+def refuse_joins(comm: MPI.Comm, watchdog: PhaseWatchdog, timeouts, error: E.CollectiveError) -> None:
+    """Rank 0 failed before serving (its values, its shards, its model, an option): answer every
+    other rank's join, the step each of them starts with, with ``error``, so every rank raises
+    the chief's own cause at once and ends normally, as a refused join over gRPC does
+    (``chief/pending.py``). The wait for the ranks to get there is the join phase's, bounded by
+    the watchdog. Marks ``error.refused``."""
+    watchdog.step("join", timeouts.join)
+    gather_bytes(comm, b"")
+    log.info("rank 0 failed before serving; every rank's join is answered with its error")
+    told = E.rebuild(E.describe(error), error.code, f"rank 0: {error}")
+    bcast_bytes(comm, pack([encode_error(told)] * (comm.size - 1)))
+    error.refused = True
+
+
 # --- chief side -----------------------------------------------------------------------------
 
 

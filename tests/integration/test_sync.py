@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.integration.test_mpi import MPIEXEC
-from tests.procs import ROOT, Proc, run_all
+from tests.procs import ROOT, Proc, kill_tree, run_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -184,6 +184,31 @@ def mpirun_sync(tmp_path, extra: dict[str, str] | None = None) -> list[dict]:
     for line in lines:
         line["exit"], line["log"] = (1 if "error" in line else 0), proc.stdout + proc.stderr
     return proc, lines
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_under_mpiexec_a_bad_shards_request_on_rank_0_reaches_every_rank_at_once(tmp_path, ranks):
+    """Rank 0 asks for shards of a variable its model lacks, under a real mpiexec. Every rank
+    joins MPI before any check can fail, and rank 0's error is every other rank's answer at the
+    join step: each rank raises it (exit 2, naming 'nope'), the job ends well within the join
+    timeout (300 s), no MPI_Abort. Before: rank 0 raised before MPI_Init and the others spun at
+    100% CPU inside theirs for ever, deaf to Ctrl-C (this test waited out its 120 s)."""
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: `make test` installs the mpich wheel (the `mpi` extra)")
+    env = {"SYNC_SHARDS": "bad", "SYNC_JOIN_TIMEOUT": "300", "SYNC_OUT": str(tmp_path)}
+    job = Proc([SCRIPT], tmp_path / "job.log", env=env, launcher=[MPIEXEC, "-n", str(ranks)])
+    try:
+        code = job.wait(120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job did not end within 120 s:\n{job.output()}")
+    finally:
+        kill_tree(job)
+    out = job.log.read_text()
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert [r["rank"] for r in results] == list(range(ranks)), out
+    for r in results:
+        assert r["error"] == "UsageError" and "not variables of the model: 'nope'" in r["message"], out
+    assert code == 2 and "MPI_Abort" not in out, out
 
 
 def test_under_mpiexec_every_rank_ends_with_rank_0s_values(tmp_path):
