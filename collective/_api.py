@@ -508,8 +508,10 @@ def sync(
 
     Returns a ``SyncResult``; ``result.arrays(i)`` is name -> the array on ``devices[i]``.
     Raises ``UsageError`` for bad roles or values, otherwise the round's ``CollectiveError``
-    (the same one on every rank). Under MPI, a failure of one rank alone aborts the job
-    (``MPI_Abort``), since the other ranks could not leave their collectives otherwise.
+    (the same one on every rank). What rank 0 finds wrong before it serves (its values, its
+    ``shards``, its model) is every rank's error, over gRPC and under mpiexec alike. Under MPI,
+    a failure of one other rank alone aborts the job (``MPI_Abort``), since the other ranks
+    could not leave their collectives otherwise.
     """
     from collective.keys import parse_devices
 
