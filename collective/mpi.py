@@ -98,8 +98,8 @@ FOLLOWER_WAIT = 2.0  # a rank other than 0 ends the job itself if rank 0 has not
 
 
 def _end_job(code: int, rank: int | None) -> None:
-    """End this rank and the whole job with exit ``code``, from a stop signal's handler. Never
-    returns.
+    """End this rank and the whole job with exit ``code``, from a stop signal's handler or once
+    every rank heard rank 0's failure before serving (``refuse_joins``). Never returns.
 
     mpiexec SIGKILLs every rank as soon as the first one ends, and then exits 9 with its "BAD
     TERMINATION" banner: ranks that each exit after the same short moment end together only if
@@ -175,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("rank %d (%s on %s) failed: %s", rank, who, socket.gethostname(), exc)
         if rank == 0:  # the file is how a launcher learns the cause (also when the job is aborted)
             _keep_failure(args, exc)
-        if not getattr(exc, "refused", False):  # every rank heard it at the join step otherwise
+        if not getattr(exc, "refused", False):
             abort(comm, exc.exit_code)
-        code = exc.exit_code
+        _end_job(exc.exit_code, rank)  # every rank heard it at the join step: all end with its code
     except BaseException:
         log.exception("rank %d failed with an unexpected error; aborting the job", rank)
         abort(comm, 1)
@@ -295,6 +295,8 @@ def _worker(comm, args, watchdog) -> int:
     except CollectiveError as exc:
         if not exc.unannounced:  # every rank got it at the same step: no need to abort them
             log.error("rank %d (worker on %s): %s", comm.rank, socket.gethostname(), exc)
+            if getattr(exc, "refused", False):  # rank 0 failed before serving: it ends the job with its code
+                _end_job(exc.exit_code, comm.rank)
             return exc.exit_code
         raise
     result.log_started()

@@ -60,8 +60,13 @@ def encode_outcome(fn: Callable[[], object]) -> bytes:
     return bytes([_OK]) + (msg.SerializeToString() if msg is not None else b"")
 
 
-def encode_error(exc: E.CollectiveError) -> bytes:
-    return bytes([_ERR]) + json.dumps({**E.describe(exc), "code": exc.code, "message": str(exc)}).encode()
+def encode_error(exc: E.CollectiveError, *, refused: bool = False) -> bytes:
+    """``refused``: rank 0 failed before serving (``refuse_joins``); the error raised from the
+    frame carries ``refused`` too."""
+    info = {**E.describe(exc), "code": exc.code, "message": str(exc)}
+    if refused:
+        info["refused"] = True
+    return bytes([_ERR]) + json.dumps(info).encode()
 
 
 def decode_outcome(data: bytes, cls):
@@ -71,7 +76,9 @@ def decode_outcome(data: bytes, cls):
     if data[0] == _OK:
         return cls.FromString(data[1:])
     info = json.loads(data[1:].decode())
-    raise E.rebuild(info, info.get("code"), info.get("message", "the chief reported an error"))
+    error = E.rebuild(info, info.get("code"), info.get("message", "the chief reported an error"))
+    error.refused = bool(info.get("refused"))
+    raise error
 
 
 def pack(items: list[bytes]) -> bytes:
@@ -296,7 +303,7 @@ def refuse_joins(comm: MPI.Comm, watchdog: PhaseWatchdog, timeouts, error: E.Col
     gather_bytes(comm, b"")
     log.info("rank 0 failed before serving; every rank's join is answered with its error")
     told = E.rebuild(E.describe(error), error.code, f"rank 0: {error}")
-    bcast_bytes(comm, pack([encode_error(told)] * (comm.size - 1)))
+    bcast_bytes(comm, pack([encode_error(told, refused=True)] * (comm.size - 1)))
     error.refused = True
 
 
