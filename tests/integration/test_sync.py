@@ -217,6 +217,21 @@ def test_under_mpiexec_a_bad_shards_request_on_rank_0_reaches_every_rank_at_once
     assert code in (2, 9) and "MPI_Abort" not in out, out
 
 
+def test_under_mpiexec_the_other_ranks_wait_asleep_while_rank_0_loads_its_values(tmp_path):
+    """Rank 0's values take 20 s to load (a callable). Every rank enters MPI first, so the others
+    wait for rank 0 in the join step's non-blocking barrier, asleep: each uses a small part of a
+    core meanwhile (measured at load 36 on two cores: 0.33 s of CPU in a 21.7 s call). Before,
+    rank 0 loaded before its MPI_Init and the others spun inside theirs (sched_yield) all that
+    time, taking whatever share of a core the machine gave them (3.24 s in 21.5 s at that load;
+    a whole core on a quiet machine)."""
+    proc, results = mpirun_sync(tmp_path, {"SYNC_SLOW_VALUES": "20"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_every_rank_holds_rank_0s_inputs(results)
+    for r in results:
+        if r["rank"]:
+            assert r["wall"] > 20 and r["cpu"] < 0.1 * r["wall"], (r["cpu"], r["wall"], r["log"])
+
+
 def test_under_mpiexec_every_rank_ends_with_rank_0s_values(tmp_path):
     proc, results = mpirun_sync(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
