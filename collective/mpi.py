@@ -122,6 +122,19 @@ def _end_job(code: int, rank: int | None) -> None:
     os._exit(code)
 
 
+def _end_together(comm, code: int) -> None:
+    """Every rank heard rank 0's failure before serving (``refuse_joins``) and logs it: once all
+    have (asleep, for at most ``2 * FOLLOWER_WAIT`` s), end the job with ``code`` (``_end_job``:
+    rank 0's MPI_Abort, so mpiexec exits ``code`` rather than 9). Never returns."""
+    from collective.transport.mpi import settle
+
+    try:
+        settle(comm, timeout=2 * FOLLOWER_WAIT, what="the end of the job")
+    except CollectiveError:
+        pass  # a rank that does not get there is ended by the abort all the same
+    _end_job(code, comm.rank)
+
+
 _WATCHDOG = None  # this rank's PhaseWatchdog once it exists: the phase a SIGTERM names
 
 
@@ -177,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             _keep_failure(args, exc)
         if not getattr(exc, "refused", False):
             abort(comm, exc.exit_code)
-        _end_job(exc.exit_code, rank)  # every rank heard it at the join step: all end with its code
+        _end_together(comm, exc.exit_code)  # every rank heard it at the join step: all end with its code
     except BaseException:
         log.exception("rank %d failed with an unexpected error; aborting the job", rank)
         abort(comm, 1)
@@ -296,7 +309,7 @@ def _worker(comm, args, watchdog) -> int:
         if not exc.unannounced:  # every rank got it at the same step: no need to abort them
             log.error("rank %d (worker on %s): %s", comm.rank, socket.gethostname(), exc)
             if getattr(exc, "refused", False):  # rank 0 failed before serving: it ends the job with its code
-                _end_job(exc.exit_code, comm.rank)
+                _end_together(comm, exc.exit_code)
             return exc.exit_code
         raise
     result.log_started()
