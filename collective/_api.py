@@ -511,38 +511,50 @@ def sync(
 
     Returns a ``SyncResult``; ``result.arrays(i)`` is name -> the array on ``devices[i]``.
     Raises ``UsageError`` for bad roles or values, otherwise the round's ``CollectiveError``
-    (the same one on every rank). Under MPI, a failure of one rank alone aborts the job
-    (``MPI_Abort``), since the other ranks could not leave their collectives otherwise.
+    (the same one on every rank). What rank 0 finds wrong before it serves (its values, its
+    ``shards``, its model) is every rank's error, over gRPC and under mpiexec alike. Under MPI,
+    a failure of one other rank alone aborts the job (``MPI_Abort``), since the other ranks
+    could not leave their collectives otherwise.
     """
     from collective.keys import local_devices
 
     roles = resolve_roles(rank, world_size, chief)
-    if roles.rank == 0 and values is None:
-        raise UsageError("rank 0 must pass the values to broadcast: collective.sync(values)")
     env = dict(os.environ)
-    with config.reading(env):
-        devices = local_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
-    log.info("sync: rank %d of %d (%s), devices %s", roles.rank, roles.world_size, roles.source, ",".join(devices))
     # Rank 0 of a gRPC round checks its values and shards after binding its port (``serve``),
     # so what is wrong with them reaches every rank, not only this one.
     chief_over_grpc = roles.rank == 0 and roles.world_size > 1 and not roles.mpi
-    source = as_source(values) if values is not None and not chief_over_grpc else None
-    if shards is not None and roles.rank == 0 and not chief_over_grpc:
-        from collective.shards import normalize
 
-        normalize(shards, [s.name for s in source.specs()], roles.world_size)  # a bad request fails before any work
+    def prepare() -> tuple[list[str], ModelSource | None, bool]:
+        """This rank's checks before the round: (devices, source, from_file), or raise."""
+        if roles.rank == 0 and values is None:
+            raise UsageError("rank 0 must pass the values to broadcast: collective.sync(values)")
+        with config.reading(env):
+            devs = local_devices(devices if devices is not None else config.env_default("devices", "cpu:0"))
+        log.info("sync: rank %d of %d (%s), devices %s", roles.rank, roles.world_size, roles.source, ",".join(devs))
+        source = as_source(values) if values is not None and not chief_over_grpc else None
+        if shards is not None and roles.rank == 0 and not chief_over_grpc:
+            from collective.shards import normalize
+
+            normalize(shards, [s.name for s in source.specs()], roles.world_size)  # a bad request fails before any work
+        given = from_file
+        if given is None and roles.rank == 0 and roles.world_size > 1:  # rank 0's argument alone
+            with config.reading(env):
+                given = config.parse_bool(config.env_default("from-file", False))
+        return devs, source, bool(given)
+
+    if roles.mpi and roles.world_size > 1:
+        from collective.mpi import sync_over_mpi
+
+        # Every rank joins MPI before any check can fail: a rank that ends before MPI_Init
+        # leaves the others spinning inside theirs for ever (deaf to signals). Rank 0's failure
+        # is then every rank's answer at the join step.
+        with handlers_before_the_call():  # a rank blocked in MPI would not run a Python handler
+            return sync_over_mpi(prepare, roles, timeouts, shards=shards)
+    devices, source, from_file = prepare()
     if roles.world_size == 1:
         store, digest = _alone(source, devices)
         store.start()
         return SyncResult(0, 1, devices, store, digest)
-    if from_file is None:
-        with config.reading(env):
-            from_file = config.parse_bool(config.env_default("from-file", False))
-    if roles.mpi:
-        from collective.mpi import sync_over_mpi
-
-        with handlers_before_the_call():  # a rank blocked in MPI would not run a Python handler
-            return sync_over_mpi(source, devices, roles, timeouts, shards=shards, from_file=from_file)
     if roles.rank == 0:
         host, port = parse_address(roles.chief, what="the chief's address")
         bind = bind or (env.get("COLLECTIVE_BIND") or "").strip() or _bind_for(host, port)

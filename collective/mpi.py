@@ -100,8 +100,8 @@ FOLLOWER_WAIT = 2.0  # a rank other than 0 ends the job itself if rank 0 has not
 
 
 def _end_job(code: int, rank: int | None) -> None:
-    """End this rank and the whole job with exit ``code``, from a stop signal's handler. Never
-    returns.
+    """End this rank and the whole job with exit ``code``, from a stop signal's handler or once
+    every rank heard rank 0's failure before serving (``refuse_joins``). Never returns.
 
     mpiexec SIGKILLs every rank as soon as the first one ends, and then exits 9 with its "BAD
     TERMINATION" banner: ranks that each exit after the same short moment end together only if
@@ -122,6 +122,19 @@ def _end_job(code: int, rank: int | None) -> None:
         finally:
             os._exit(code)
     os._exit(code)
+
+
+def _end_together(comm, code: int) -> None:
+    """Every rank heard rank 0's failure before serving (``refuse_joins``) and logs it: once all
+    have (asleep, for at most ``2 * FOLLOWER_WAIT`` s), end the job with ``code`` (``_end_job``:
+    rank 0's MPI_Abort, so mpiexec exits ``code`` rather than 9). Never returns."""
+    from collective.transport.mpi import settle
+
+    try:
+        settle(comm, timeout=2 * FOLLOWER_WAIT, what="the end of the job")
+    except CollectiveError:
+        pass  # a rank that does not get there is ended by the abort all the same
+    _end_job(code, comm.rank)
 
 
 _WATCHDOG = None  # this rank's PhaseWatchdog once it exists: the phase a SIGTERM names
@@ -175,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     except CollectiveError as exc:
         who = "chief" if rank == 0 else "worker"
         log.error("rank %d (%s on %s) failed: %s", rank, who, socket.gethostname(), exc)
-        if rank == 0:  # the job ends in MPI_Abort: the file is how a launcher learns the cause
+        if rank == 0:  # the file is how a launcher learns the cause (also when the job is aborted)
             _keep_failure(args, exc)
-        abort(comm, exc.exit_code)
+        if not getattr(exc, "refused", False):
+            abort(comm, exc.exit_code)
+        _end_together(comm, exc.exit_code)  # every rank heard it at the join step: all end with its code
     except BaseException:
         log.exception("rank %d failed with an unexpected error; aborting the job", rank)
         abort(comm, 1)
@@ -199,12 +214,12 @@ def _chief(comm, args, watchdog) -> int:
 
     timeouts = timeouts_from_args(args)
     watchdog.phase("load model", timeouts.join)
-    source = load_source_reporting(args.model, seed=args.seed, result_file=args.result_file, transport="mpi")
     devices = [f"cpu:{i}" for i in range(args.devices_per_worker)] if args.chief_trains else None
-    service, _held = run_chief_rank(comm, source, watchdog, timeouts, chunk_bytes=args.chunk_bytes,
-                                    split_bytes=args.split_bytes, devices=devices,
-                                    max_model_bytes=args.max_model_bytes, from_file=args.from_file, shards=args.shards,
-                                    result_file=args.result_file)
+    service, _held = run_chief_rank(
+        comm, lambda: load_source_reporting(args.model, seed=args.seed, result_file=args.result_file, transport="mpi"),
+        watchdog, timeouts, chunk_bytes=args.chunk_bytes, split_bytes=args.split_bytes, devices=devices,
+        max_model_bytes=args.max_model_bytes, from_file=args.from_file, shards=args.shards,
+        result_file=args.result_file)
     result = service.result()
     if not args.no_table:
         print(summary_table(result), file=sys.stderr if args.json else sys.stdout, flush=True)
@@ -221,26 +236,46 @@ def _chief(comm, args, watchdog) -> int:
 def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_bytes=None, devices=None,
                    spmd=False, max_model_bytes=None, from_file=False, shards=None, result_file=None):
     """Rank 0's round: the chief's round (``run_round``) driven by the MPI collectives; with
-    ``devices``, the chief's own replicas too. ``from_file``: the model's files mapped, not
-    copied (the plan waits for them to be read: the ranks derive every trailer from it).
-    Returns (service, (store, digest) or None); the outcome is ``service.result()``."""
-    from collective.chief.round import run_round
-    from collective.plan import DEFAULT_CHUNK_BYTES
-    from collective.transport.mpi import MpiChiefDriver
+    ``devices``, the chief's own replicas too. ``source``: the model source, or a callable
+    making it (its checks then fail the round as the rest does). ``from_file``: the model's
+    files mapped, not copied (the plan waits for them to be read: the ranks derive every
+    trailer from it). Returns (service, (store, digest) or None); the outcome is
+    ``service.result()``.
 
-    if split_bytes and split_bytes >= 2**31:
-        raise UsageError(f"--split-bytes {split_bytes} must stay below 2 GiB, MPI's count limit")
+    Whatever fails before the round is served (the source, the values, ``shards``, an option)
+    is every other rank's answer at the join step (``refuse_joins``: the error is raised here
+    with ``refused`` set); a failure after that is carried by the driver, or leaves the ranks
+    out of step (the caller aborts the job)."""
+    from collective.chief.round import run_round
+    from collective.errors import AbortedError
+    from collective.plan import DEFAULT_CHUNK_BYTES
+    from collective.transport.mpi import MpiChiefDriver, refuse_joins
+
+    serving = False
 
     def drive(service, local) -> None:
+        nonlocal serving
+        serving = True
         log.info("chief %s on rank 0; %d worker rank(s)%s", service.incarnation, comm.size - 1,
                  "; rank 0 trains too" if devices else "")
         MpiChiefDriver(comm, service, watchdog, timeouts, split_bytes=split_bytes, local=local).serve()
 
-    return run_round(
-        source, comm.size - 1, drive, devices=devices, timeouts=timeouts,
-        chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi", heartbeats=False, spmd=spmd,
-        max_model_bytes=max_model_bytes, from_file=from_file, shards=shards, result_file=result_file,
-    )
+    try:
+        if split_bytes and split_bytes >= 2**31:
+            raise UsageError(f"--split-bytes {split_bytes} must stay below 2 GiB, MPI's count limit")
+        if callable(source) and not hasattr(source, "specs"):
+            source = source()
+        return run_round(
+            source, comm.size - 1, drive, devices=devices, timeouts=timeouts,
+            chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi", heartbeats=False, spmd=spmd,
+            max_model_bytes=max_model_bytes, from_file=from_file, shards=shards, result_file=result_file,
+        )
+    except Exception as exc:
+        if not serving:
+            refuse_joins(comm, watchdog, timeouts, exc if isinstance(exc, CollectiveError) else
+                         AbortedError(f"the chief failed before serving: {type(exc).__name__}: {exc}"))
+            exc.refused = True
+        raise
 
 
 def run_worker_rank(comm, watchdog, timeouts, devices, *, split_bytes=None, expected=None):
@@ -275,25 +310,31 @@ def _worker(comm, args, watchdog) -> int:
     except CollectiveError as exc:
         if not exc.unannounced:  # every rank got it at the same step: no need to abort them
             log.error("rank %d (worker on %s): %s", comm.rank, socket.gethostname(), exc)
+            if getattr(exc, "refused", False):  # rank 0 failed before serving: it ends the job with its code
+                _end_together(comm, exc.exit_code)
             return exc.exit_code
         raise
     result.log_started()
     return 0
 
 
-def sync_over_mpi(source, devices, roles, timeouts=None, shards=None, from_file=False):
-    """``collective.sync`` under mpiexec: rank 0 serves ``source`` and trains too, every other
-    rank receives (declaring ``source``'s variables if given). A failure every rank heard
-    together is raised on every rank; a failure of one rank alone aborts the job (MPI_Abort),
-    as the command does, since the others cannot leave their collectives otherwise. With
-    ``shards`` each rank gets its own plan and its own stream, point to point from rank 0."""
+def sync_over_mpi(prepare, roles, timeouts=None, shards=None):
+    """``collective.sync`` under mpiexec: rank 0 serves its values and trains too, every other
+    rank receives (declaring its own values' variables if given). ``prepare()``: this rank's
+    checks, called once MPI is up, returning (devices, source, from_file): a rank that ended
+    before MPI_Init would leave the others spinning inside theirs, deaf even to Ctrl-C. Rank 0's
+    failure before serving is every rank's answer at the join step (``refuse_joins``), raised on
+    every rank; a failure every rank heard together is raised on every rank; a failure of one
+    rank alone aborts the job (MPI_Abort), as the command does, since the others cannot leave
+    their collectives otherwise. With ``shards`` each rank gets its own plan and its own stream,
+    point to point from rank 0."""
     from mpi4py import MPI
 
     from collective.config import Timeouts
     from collective.errors import AbortedError
     from collective.replicas import SyncResult
     from collective.shards import placements
-    from collective.transport.mpi import PhaseWatchdog, abort
+    from collective.transport.mpi import PhaseWatchdog, abort, refuse_joins
 
     comm = MPI.COMM_WORLD
     if (comm.rank, comm.size) != (roles.rank, roles.world_size):
@@ -306,10 +347,17 @@ def sync_over_mpi(source, devices, roles, timeouts=None, shards=None, from_file=
     try:
         if comm.rank == 0:
             try:
-                service, held = run_chief_rank(comm, source, watchdog, timeouts, devices=devices,
-                                               spmd=True, shards=shards, from_file=from_file)
+                try:
+                    devices, source, from_file = prepare()
+                except CollectiveError as exc:  # every rank's answer at the join step
+                    refuse_joins(comm, watchdog, timeouts, exc)
+                    raise
+                service, held = run_chief_rank(comm, source, watchdog, timeouts, devices=devices, spmd=True,
+                                               shards=shards, from_file=from_file)
             except CollectiveError as exc:
-                exc.unannounced = True  # the driver did not carry it: the workers wait in a collective
+                # Refused at the join step: every rank raises it. Else the driver did not carry it:
+                # the workers wait in a collective.
+                exc.unannounced = not getattr(exc, "refused", False)
                 raise
             result = service.result()
             if not result["ok"]:  # every rank heard it at the same step
@@ -318,6 +366,11 @@ def sync_over_mpi(source, devices, roles, timeouts=None, shards=None, from_file=
             store.start()
             placed = placements(service.await_plan(0.0)) if service.sharded else None
             return SyncResult(0, comm.size, list(devices), store, digest, result, shards=placed)
+        try:
+            devices, source, _ = prepare()
+        except CollectiveError as exc:
+            exc.unannounced = True  # this rank alone: it cannot take part in the round
+            raise
         worker = run_worker_rank(comm, watchdog, timeouts, devices,
                                  expected=source.specs() if source is not None else None)
         return SyncResult(comm.rank, comm.size, list(worker.devices), worker.variables, worker.worker_digest,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -137,3 +138,28 @@ def run_all(argv: list[str], logs: list[Path], envs: list[dict[str, str]], timeo
     finally:
         for p in procs:
             p.kill()
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process descended from it (a launcher's proxies and ranks: MPICH's
+    proxies start sessions of their own, so no process group holds them all)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as fh:
+                    todo += [int(c) for c in fh.read().split()]
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
+def kill_tree(proc: Proc) -> None:
+    """Kill ``proc`` and every process it started, each by its pid (the tree is read first:
+    once the launcher is gone its children are no longer found under it)."""
+    for pid in reversed(process_tree(proc.pid)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.kill()

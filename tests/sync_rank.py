@@ -11,6 +11,8 @@ rank 0's values it should hold (``expected``) and the bytes it received.
 ``SYNC_SHARDS=bad``: rank 0 asks for shards of a variable its model lacks (``nope``).
 ``SYNC_STRAGGLER_LOG=s``: the API's "still waiting" warnings come after ``s`` s (default 10).
 ``SYNC_JOIN_TIMEOUT=s``: the join timeout of every rank (default 30 s).
+``SYNC_SLOW_VALUES=s``: rank 0 passes a callable that takes ``s`` s to return its values (a slow
+load). Every line says the CPU and wall seconds the sync call took (``cpu``, ``wall``).
 ``SYNC_FROM_FILE=path``: rank 0 passes ``path`` (a .safetensors of its values) with
 ``from_file=True`` instead of the arrays; the others pass no values.
 """
@@ -68,20 +70,29 @@ def main() -> int:
     t = collective.Timeouts(join=float(os.environ.get("SYNC_JOIN_TIMEOUT", 30)), rpc=10, stall=10, ready=30, start=30,
                             linger=2, heartbeat=1, lease=10,
                             straggler_log=float(os.environ.get("SYNC_STRAGGLER_LOG", 10)))
+    slow = float(os.environ.get("SYNC_SLOW_VALUES", 0))
+    if slow and rank == 0:
+        loaded = given
+
+        def given():  # noqa: F811 - the same values, after a slow load
+            time.sleep(slow)
+            return loaded
+
     shards = os.environ.get("SYNC_SHARDS") or None
     if shards == "bad":
         shards = {"nope": "dim0", "*": "all"}
+    wall, cpu = time.monotonic(), time.process_time()
     try:
         result = collective.sync(given, devices="cpu:0,cpu:1", timeouts=t, shards=shards if rank == 0 else None,
                                  from_file=bool(path) if rank == 0 else None)
     except collective.CollectiveError as exc:
         report(rank, {"rank": rank, "error": type(exc).__name__, "message": str(exc), "culprit": exc.culprit,
-                      "phase": exc.phase})
+                      "phase": exc.phase, "cpu": time.process_time() - cpu, "wall": time.monotonic() - wall})
         return exc.exit_code
     line = {
         "rank": result.rank, "world_size": result.world_size, "devices": result.devices,
         "inputs": digests(values), "held": [digests(result.arrays(i)) for i in range(len(result.devices))],
-        "digest": result.digest,
+        "digest": result.digest, "cpu": time.process_time() - cpu, "wall": time.monotonic() - wall,
     }
     if result.summary is not None:  # rank 0: did it serve from the file (mapped) or a copy?
         line["from_file"] = result.summary["chief"]["from_file"]

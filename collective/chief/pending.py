@@ -24,6 +24,11 @@ HOLD = 2.0
 LOADING = "loading"
 
 
+def _loading(exc: E.CollectiveError) -> bool:
+    """Whether ``exc`` is the "still loading, ask again" answer (what a joining worker retries)."""
+    return isinstance(exc, E.ChiefUnreachableError) and exc.phase == LOADING
+
+
 class PendingChief:
     """A ``ChiefHandler`` standing in for the round's ``ChiefService`` until ``serve(service)``
     (then every call goes to it) or ``refuse(error)`` (then every call raises ``error``)."""
@@ -69,10 +74,11 @@ class PendingChief:
             self._service = None
             self._cond.notify_all()
 
-    def linger(self, timeout: float) -> None:
-        """After ``refuse``: keep answering until every worker was told, at most ``timeout`` s."""
+    def linger(self, timeout: float) -> bool:
+        """After ``refuse``: keep answering until every worker was told, at most ``timeout`` s.
+        True if every one was."""
         with self._cond:
-            self._cond.wait_for(lambda: len(self._told) >= self.num_workers, timeout)
+            return self._cond.wait_for(lambda: len(self._told) >= self.num_workers, timeout)
 
     def _target(self, hold: float = 0.0):
         """The round's service, waiting up to ``hold`` s for it; else raise why there is none."""
@@ -96,9 +102,12 @@ class PendingChief:
             self._held += 1
         try:
             target = self._target(hold)
-        except E.CollectiveError:
-            with self._cond:
-                if self._error is not None and req.worker_id:
+        except E.CollectiveError as exc:
+            # Told only if the refusal itself is this answer: a "still loading" answer that
+            # raced the refusal tells the worker nothing, and the chief must not stop serving
+            # on its account (the worker's next try would find the port closed).
+            if not _loading(exc) and req.worker_id:
+                with self._cond:
                     self._told.add(req.worker_id)
                     self._cond.notify_all()
             raise

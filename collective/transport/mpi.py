@@ -60,8 +60,13 @@ def encode_outcome(fn: Callable[[], object]) -> bytes:
     return bytes([_OK]) + (msg.SerializeToString() if msg is not None else b"")
 
 
-def encode_error(exc: E.CollectiveError) -> bytes:
-    return bytes([_ERR]) + json.dumps({**E.describe(exc), "code": exc.code, "message": str(exc)}).encode()
+def encode_error(exc: E.CollectiveError, *, refused: bool = False) -> bytes:
+    """``refused``: rank 0 failed before serving (``refuse_joins``); the error raised from the
+    frame carries ``refused`` too."""
+    info = {**E.describe(exc), "code": exc.code, "message": str(exc)}
+    if refused:
+        info["refused"] = True
+    return bytes([_ERR]) + json.dumps(info).encode()
 
 
 def decode_outcome(data: bytes, cls):
@@ -71,7 +76,9 @@ def decode_outcome(data: bytes, cls):
     if data[0] == _OK:
         return cls.FromString(data[1:])
     info = json.loads(data[1:].decode())
-    raise E.rebuild(info, info.get("code"), info.get("message", "the chief reported an error"))
+    error = E.rebuild(info, info.get("code"), info.get("message", "the chief reported an error"))
+    error.refused = bool(info.get("refused"))
+    raise error
 
 
 def pack(items: list[bytes]) -> bytes:
@@ -90,8 +97,22 @@ def unpack(data: bytes) -> list[bytes]:
     return out
 
 
-POLL_SECONDS = 0.0005
+POLL_SECONDS = 0.0005  # the first sleeps of a wait: a step the other ranks reach at once costs little
+POLL_MAX_SECONDS = 0.01  # a long wait (rank 0 still loading) wakes 100 times a second, not 2,000
 ABORT_GRACE = 0.5  # seconds between a rank's last line and its MPI_Abort (see abort)
+
+
+def _asleep(req: MPI.Request, deadline: float | None = None) -> bool:
+    """Wait for ``req`` asleep, polling with sleeps that grow from ``POLL_SECONDS`` to
+    ``POLL_MAX_SECONDS``: never a spin, and a signal's handler runs between two polls. False if
+    ``deadline`` (a ``time.monotonic()``) passed first."""
+    pause = POLL_SECONDS
+    while not req.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_MAX_SECONDS)
+    return True
 
 
 def settle(comm: MPI.Comm, timeout: float | None = None, what: str = "this step", phase: str | None = None) -> None:
@@ -103,23 +124,18 @@ def settle(comm: MPI.Comm, timeout: float | None = None, what: str = "this step"
     collective that follows finds everyone already there.
 
     ``timeout``: give up after that many seconds with a DeadlineError naming ``what`` and
-    ``phase`` (the barrier stays posted: the job cannot go on with its collectives).
+    ``phase`` (the barrier stays posted: the job cannot go on with its collectives). Without
+    it, the phase watchdog bounds the wait.
     """
-    req = comm.Ibarrier()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not req.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            raise E.DeadlineError(f"not every one of the {comm.size} MPI ranks reached {what} within "
-                                  f"{timeout:g} s (rank {comm.rank} waited)", phase=phase)
-        time.sleep(POLL_SECONDS)
+    if not _asleep(comm.Ibarrier(), None if timeout is None else time.monotonic() + timeout):
+        raise E.DeadlineError(f"not every one of the {comm.size} MPI ranks reached {what} within "
+                              f"{timeout:g} s (rank {comm.rank} waited)", phase=phase)
 
 
 def recv_asleep(comm: MPI.Comm, buf, source: int = 0, tag: int = 0) -> None:
     """``Recv`` that waits asleep: a rank waiting its turn (another rank's stream goes first)
-    leaves its core to the ranks at work, as ``settle`` does."""
-    req = comm.Irecv(buf, source=source, tag=tag)
-    while not req.Test():
-        time.sleep(POLL_SECONDS)
+    leaves its core to the ranks at work, as ``settle`` does. The phase watchdog bounds it."""
+    _asleep(comm.Irecv(buf, source=source, tag=tag))
 
 
 def bcast_bytes(comm: MPI.Comm, data: bytes | None, root: int = 0) -> bytes:
@@ -256,9 +272,9 @@ def forget_shm_names(comm: MPI.Comm) -> None:
     MPICH removes its segment only in MPI_Finalize, so every aborted or killed job would leave
     ~3 MB in /dev/shm. After MPI_Init and one barrier every rank of this host has mapped it and
     the name is needed no more: each rank unlinks the names it has mapped (never another job's),
-    and the memory goes when the last rank exits, however it exits. Blocks for the barrier.
+    and the memory goes when the last rank exits, however it exits. Waits (asleep) for the barrier.
     """
-    comm.Barrier()
+    settle(comm)  # asleep, not MPI_Barrier's spin: a rank may still be starting
     with open("/proc/self/maps") as fh:
         paths = {f[5].strip() for f in (line.split(None, 5) for line in fh) if len(f) > 5}
     for path in paths:
@@ -284,6 +300,20 @@ def abort(comm: MPI.Comm, code: int) -> None:
         comm.Abort(code)
     finally:
         os._exit(code)
+
+
+def refuse_joins(comm: MPI.Comm, watchdog: PhaseWatchdog, timeouts, error: E.CollectiveError) -> None:
+    """Rank 0 failed before serving (its values, its shards, its model, an option): answer every
+    other rank's join, the step each of them starts with, with ``error``, so every rank raises
+    the chief's own cause at once and ends normally, as a refused join over gRPC does
+    (``chief/pending.py``). The wait for the ranks to get there is the join phase's, bounded by
+    the watchdog. Marks ``error.refused``."""
+    watchdog.step("join", timeouts.join)
+    gather_bytes(comm, b"")
+    log.info("rank 0 failed before serving; every rank's join is answered with its error")
+    told = E.rebuild(E.describe(error), error.code, f"rank 0: {error}")
+    bcast_bytes(comm, pack([encode_error(told, refused=True)] * (comm.size - 1)))
+    error.refused = True
 
 
 # --- chief side -----------------------------------------------------------------------------

@@ -196,6 +196,12 @@ def test_a_bad_model_file_ends_every_rank_naming_rank_0_and_the_file(tmp_path):
     out = proc.stdout + proc.stderr
     assert "rank 0 (chief" in out and "broken.safetensors" in out
     assert "Traceback" not in out and "training started" not in out
+    # Rank 0's failure before serving is every rank's answer at the join step: each worker names
+    # its cause (before: the job was aborted and the workers said nothing).
+    for rank in (1, 2):
+        line = next((ln for ln in out.splitlines() if f"rank {rank} (worker on" in ln), "")
+        assert "rank 0: " in line and "broken.safetensors" in line, out
+    assert "MPI_Abort" not in out, out
 
 
 def test_collective_launch_runs_the_mpi_transport_for_you(tmp_path):

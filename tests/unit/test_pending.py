@@ -128,3 +128,26 @@ def test_a_retired_chief_answers_presence_and_heartbeat_after_start_with_the_out
     for call in (lambda: chief.await_outcome(ref, 5.0), lambda: chief.heartbeat(pb.HeartbeatRequest(worker_id="w1"))):
         with pytest.raises(E.AbortedError, match="worker w2 lost"):
             call()
+
+
+def test_a_still_loading_answer_that_races_the_refusal_does_not_count_the_worker_as_told(monkeypatch):
+    """A held join's hold runs out ("still loading") just as the chief fails before serving.
+    That worker heard nothing: the chief must keep answering (``linger``) until its next try
+    gets the refusal. Before, it was counted as told, the SPMD chief stopped its server at once,
+    and the worker's next try found the port closed: it retried until its join timeout."""
+    chief = PendingChief(1)
+    error = E.UsageError("shards: 1 name(s) are not variables of the model: 'nope'")
+    held = chief._target
+
+    def hold_runs_out_as_the_chief_fails(hold: float = 0.0):
+        chief.refuse(error)  # between the hold's end and the join's look at the error
+        raise E.ChiefUnreachableError("the chief is still loading the model (2 s so far)", phase=pending.LOADING)
+
+    monkeypatch.setattr(chief, "_target", hold_runs_out_as_the_chief_fails)
+    with pytest.raises(E.ChiefUnreachableError):
+        chief.join(pb.JoinRequest(worker_id="w0"), "peer")
+    assert chief.linger(0.0) is False  # nobody was told yet: it keeps answering
+    monkeypatch.setattr(chief, "_target", held)
+    with pytest.raises(E.UsageError, match="nope"):  # the next try gets the refusal: now it was told
+        chief.join(pb.JoinRequest(worker_id="w0"), "peer")
+    assert chief.linger(0.0) is True
