@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from collective.limits import MAX_NAME_CHARS
+from collective.limits import MAX_ERROR_CHARS, MAX_NAME_CHARS
 from tests.clusters import TOKEN
 from tests.procs import Proc, wait_for_file
 
@@ -158,6 +158,57 @@ def test_a_ten_mb_tensor_name_is_one_line_and_leaves_no_file(holder, tmp_path):
         assert not out.exists() and _leftovers(tmp_path) == []  # before: a 22-byte partial file
 
 
+def test_a_holders_60_mib_error_frame_is_refused_unread(holder, tmp_path):
+    address = holder("--error-chars", str(60 << 20))
+    out = tmp_path / "x.npz"
+    run = fetch(address, out)
+    assert run.returncode == 1, run.stderr[:2000]
+    # Before: 125,829,455 bytes of stderr (the 60 MiB message twice: the warning and the error).
+    assert len(run.stderr) < 2000, len(run.stderr)
+    assert re.fullmatch(rf"collective fetch: error: holder h0 at {address} was lost \(error frame of 62,914,\d\d\d "
+                        r"bytes refused: an error is at most 65,536 bytes\); no holder is left for bytes 0\.\.1048628 "
+                        r"\('w' \.\. '#tree'\)", run.stderr.strip().splitlines()[-1]), run.stderr
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("data_path", ["tcp", "grpc"])
+def test_a_holders_long_error_is_cut_where_it_is_received(holder, tmp_path, data_path):
+    # 40,000 characters and a 4,000-character culprit and phase: within the frame's limit, beyond
+    # the message's; gRPC's own limit on trailers (16 KiB) keeps it in bounds over FetchRaw too.
+    address = holder("--error-chars", "40000", "--error-field-chars", "4000")
+    out = tmp_path / "x.npz"
+    run = fetch(address, out, env={"COLLECTIVE_DATA_PATH": data_path})
+    assert run.returncode == 1, run.stderr[:2000]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"collective fetch: error: holder h0 at {address} was lost ("), last[:300]
+    assert len(last) < MAX_ERROR_CHARS + 400, len(last)  # before: 40,000 characters and more
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_an_error_rebuilt_from_the_wire_is_bounded_in_every_field():
+    from collective import errors as E
+    from collective.limits import MAX_CULPRIT_CHARS, MAX_PHASE_CHARS
+
+    # MPI's path: the chief's error as a dict, as a hostile or buggy rank 0 could fill it.
+    err = E.rebuild({"class": ["not", "a", "name"], "culprit": "c" * (10 << 20), "phase": "p\n" * 100},
+                    "ABORTED", "m\x1b" * (10 << 20))
+    assert type(err) is E.AbortedError
+    assert len(str(err)) < MAX_ERROR_CHARS + 40 and "\x1b" not in str(err)
+    assert len(err.culprit) < MAX_CULPRIT_CHARS + 40 and len(err.phase) < MAX_PHASE_CHARS + 40
+    assert "\n" not in err.phase
+
+
+def test_a_ten_mb_torchft_metadata_is_quoted_short():
+    pytest.importorskip("torchft")
+    from collective.errors import UsageError
+    from collective.torchft import parse_metadata
+
+    with pytest.raises(UsageError) as info:
+        parse_metadata("x" * (10 << 20))
+    # Before: a 10,485,888-character UsageError.
+    assert len(str(info.value)) < 300 and "(10485760 characters)" in str(info.value), str(info.value)[:400]
+
+
 def test_a_write_that_fails_midway_is_one_line_and_leaves_no_partial_file(holder, tmp_path):
     # The file system refuses past 100 kB (RLIMIT_FSIZE, as a full disk or quota would): the
     # 1 MiB state fails midway through the write.
@@ -213,7 +264,8 @@ def test_the_success_line_gives_sizes_in_readable_units(holder, tmp_path):
     address = holder("--mib", "0.25")
     out = tmp_path / "state.safetensors"
     run = fetch(address, out)
-    assert run.returncode == 0, run.stderr
+    assert run.returncode == 0 and run.stderr == "", run.stderr  # a holder with the token: no warning
     # Before: "0.3 MiB" overall and "0 MiB" for the holder.
     assert re.match(rf"^fetched step 8 \(1 tensor, 256\.\d KiB, manifest \S+\) in \d+\.\d\d s from "
                     rf"{address} 256\.\d KiB -> {re.escape(str(out))}$", run.stdout.strip()), run.stdout
+
