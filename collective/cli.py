@@ -227,11 +227,36 @@ def _fetch(args: argparse.Namespace) -> int:
                                               "collective.structure": json.dumps(skeleton)})
     finally:
         target.discard()  # a fetch or write that failed leaves no file (after commit: nothing to do)
+    from collective.snapshot.holder import cluster_token
+
+    if cluster_token(args.token):
+        for address in _tokenless(list(got.stats), tls if tls.enabled else None):
+            print(f"collective fetch: warning: holder at {address} asks for no token: the token given was not needed "
+                  f"and proves nothing about that holder, and anyone who can reach it can fetch its state; publish "
+                  f"with a token (publish(token=) or COLLECTIVE_TOKEN)", file=sys.stderr)
     holders = ", ".join(f"{a} {format_bytes(s['bytes'])}" for a, s in got.stats.items())
     print(f"fetched step {got.step} ({len(arrays)} tensor{'' if len(arrays) == 1 else 's'}, "
           f"{format_bytes(got.total_bytes)}, manifest "
           f"{got.manifest_digest}) in {time.monotonic() - started:.2f} s from {holders} -> {out}")
     return 0
+
+
+def _tokenless(addresses: list[str], tls) -> list[str]:
+    """The holders at ``addresses`` that answer a call without a token (a Status): those that
+    ask for none. One that cannot be asked (gone since the fetch) is not named."""
+    from collective.transport.grpc import GrpcChiefLink
+
+    out = []
+    for address in addresses:
+        link = GrpcChiefLink(address, token=None, tls=tls, name="holder")
+        try:
+            link.status(timeout=10.0, brief=True)
+            out.append(address)
+        except CollectiveError:
+            pass  # AuthError: the token is required, as it should be; else gone since: nothing to say
+        finally:
+            link.close()
+    return out
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -269,3 +269,15 @@ def test_the_success_line_gives_sizes_in_readable_units(holder, tmp_path):
     assert re.match(rf"^fetched step 8 \(1 tensor, 256\.\d KiB, manifest \S+\) in \d+\.\d\d s from "
                     rf"{address} 256\.\d KiB -> {re.escape(str(out))}$", run.stdout.strip()), run.stdout
 
+
+def test_a_token_given_to_a_holder_that_asks_for_none_is_warned_about(holder, tmp_path):
+    address = holder(token=None)
+    run = fetch(address, tmp_path / "a.safetensors")
+    # Before: rc 0 and not a word.
+    assert run.returncode == 0 and run.stderr.strip().splitlines() == [
+        f"collective fetch: warning: holder at {address} asks for no token: the token given was not needed and "
+        f"proves nothing about that holder, and anyone who can reach it can fetch its state; publish with a token "
+        f"(publish(token=) or COLLECTIVE_TOKEN)"], run.stderr
+    assert run.stdout.startswith("fetched step 8 "), run.stdout
+    run = fetch(address, tmp_path / "b.safetensors", token=None)  # no token asked, none given: nothing to say
+    assert run.returncode == 0 and run.stderr == "", run.stderr
