@@ -199,12 +199,11 @@ def describe(exc: CollectiveError) -> dict[str, str | None]:
 
 
 def rebuild(info: dict | None, code: str | None, message: str) -> CollectiveError:
-    """The error ``describe`` described (its class by name, else by ``code``), with ``message``:
-    message, culprit and phase as a peer may have sent them, bounded (``limits.peer_error``)."""
-    from collective.limits import peer_error  # limits imports this module
-
-    message, culprit, phase = peer_error(message, info)
-    return wire_class((info or {}).get("class"), code)(message, culprit=culprit, phase=phase)
+    """The error ``describe`` described (its class by name, else by ``code``), with ``message``.
+    What a peer sent is bounded first (``limits.peer_error``)."""
+    info = info or {}
+    cls = wire_class(info.get("class"), code)
+    return cls(message, culprit=info.get("culprit"), phase=info.get("phase"))
 
 
 class StopSignal(BaseException):

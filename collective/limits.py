@@ -84,8 +84,9 @@ def peer_error(message: str, info: dict | None) -> tuple[str, str | None, str | 
     """(message, culprit, phase) of an error a peer sent (``info``: ``errors.describe`` as it
     arrived), each one printable line cut to its limit (``logs.printable``). Every transport's
     error decoding passes what it received through this before it builds the error, so a peer's
-    text, however long, never reaches a message, a log line or a terminal whole: an honest
-    sender cuts its own the same way."""
+    text, however long, never reaches a message, a log line or a terminal whole (the gRPC link's
+    ``_error_of``, for gRPC statuses and raw-path error frames; MPI's ``decode_outcome``): an
+    honest sender cuts its own the same way."""
     info = info or {}
     culprit, phase = info.get("culprit"), info.get("phase")
     return (printable(message, limit=MAX_ERROR_CHARS),

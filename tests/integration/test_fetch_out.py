@@ -185,17 +185,28 @@ def test_a_holders_long_error_is_cut_where_it_is_received(holder, tmp_path, data
     assert not out.exists() and _leftovers(tmp_path) == []
 
 
-def test_an_error_rebuilt_from_the_wire_is_bounded_in_every_field():
-    from collective import errors as E
-    from collective.limits import MAX_CULPRIT_CHARS, MAX_PHASE_CHARS
+def test_an_mpi_outcome_error_is_bounded_in_every_field():
+    import json
 
-    # MPI's path: the chief's error as a dict, as a hostile or buggy rank 0 could fill it.
-    err = E.rebuild({"class": ["not", "a", "name"], "culprit": "c" * (10 << 20), "phase": "p\n" * 100},
-                    "ABORTED", "m\x1b" * (10 << 20))
-    assert type(err) is E.AbortedError
+    pytest.importorskip("mpi4py")
+    from collective import errors as E
+    from collective._proto import collective_pb2 as pb
+    from collective.limits import MAX_CULPRIT_CHARS
+    from collective.transport import mpi
+
+    # MPI's path: rank 0's error frame, as a hostile or buggy rank 0 could fill it.
+    frame = bytes([mpi._ERR]) + json.dumps({"class": ["not", "a", "name"], "code": "ABORTED", "culprit": "c" * (10 << 20),
+                                            "phase": "p\n" * 100, "message": "m\x1b" * (10 << 20)}).encode()
+    with pytest.raises(E.AbortedError) as info:  # before: a TypeError (a list as the class name)
+        mpi.decode_outcome(frame, pb.JoinReply)
+    err = info.value
     assert len(str(err)) < MAX_ERROR_CHARS + 40 and "\x1b" not in str(err)
-    assert len(err.culprit) < MAX_CULPRIT_CHARS + 40 and len(err.phase) < MAX_PHASE_CHARS + 40
-    assert "\n" not in err.phase
+    assert len(err.culprit) < MAX_CULPRIT_CHARS + 40 and len(err.phase) < 64 + 40 and "\n" not in err.phase
+    frame = bytes([mpi._ERR]) + json.dumps({"class": "ProtocolError", "code": "INVALID_ARGUMENT",
+                                            "culprit": "c" * (10 << 20), "message": "m" * (10 << 20)}).encode()
+    with pytest.raises(E.ProtocolError) as info:  # before: a 10,485,760-character error and culprit
+        mpi.decode_outcome(frame, pb.JoinReply)
+    assert len(str(info.value)) < MAX_ERROR_CHARS + 40 and len(info.value.culprit) < MAX_CULPRIT_CHARS + 40
 
 
 def test_a_ten_mb_torchft_metadata_is_quoted_short():
