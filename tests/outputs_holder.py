@@ -2,7 +2,7 @@
 ``w``, or as named) and serves it until killed. Its address goes to ``--address-file`` once it
 serves.
 
-``--tensor NAME``     the tensor's name (a key path: ``../../../../tmp/x`` is one tensor)
+``--tensor NAME``     the tensor's name (a key path: ``../../../../home/x`` is one tensor)
 ``--long-name N``     the tensor named by N characters
 ``--mib N``           the tensor's size (default 1 MiB)
 
