@@ -6,8 +6,9 @@ the command may run as root. A name another user planted there (``state.safetens
 /victim``, or the output's own name a link) must never be followed: root would overwrite what it
 points to. So, as ``rundir.py`` does for launch's run directory:
 
-- the directory is opened once, by its path, before anything else; every later step goes through
-  that descriptor (a missing directory, or one this user cannot write, is a one-line UsageError
+- the directory is opened once, by its path, before anything else (a symbolic link on the way
+  that belongs to another user is refused: its owner could point it anywhere); every later
+  step goes through that descriptor (a missing directory, or one this user cannot write, is a one-line UsageError
   before any work: ``collective fetch`` checks ``--out`` before it fetches);
 - the bytes go to a new file with an unguessable name beside the output, created through the
   directory's descriptor with ``O_CREAT | O_EXCL | O_NOFOLLOW``: nothing that exists is ever opened;
@@ -42,6 +43,10 @@ class OutputFile:
         if not name or name in (".", ".."):
             raise UsageError(f"{self.what}: name a file, not a directory")
         parent = self.path.parent
+        link = _foreign_link(parent)
+        if link is not None:
+            raise UsageError(f"{self.what}: {link} is a symbolic link of another user (uid {link.lstat().st_uid}), who "
+                             f"could point it anywhere; name the directory it leads to")
         try:
             self._dir: int | None = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -106,6 +111,22 @@ class OutputFile:
         if self._dir is not None:
             os.close(self._dir)
             self._dir = None
+
+
+def _foreign_link(directory: Path) -> Path | None:
+    """The first symbolic link on the way to ``directory`` that belongs to a user other than this
+    one or root (what the kernel's ``fs.protected_symlinks`` refuses in sticky directories), or
+    None. Such a link in a shared directory would let its owner choose where the output goes."""
+    parts = directory.parts
+    for i in range(1, len(parts) + 1):
+        above = Path(*parts[:i])
+        try:
+            st = os.lstat(above)
+        except OSError:
+            return None  # opening the directory says what is wrong
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+            return above
+    return None
 
 
 @contextlib.contextmanager

@@ -114,6 +114,26 @@ def test_a_link_another_user_plants_beside_the_output_is_never_followed(holder, 
         assert (shared_dir / planted).is_symlink()
 
 
+def test_a_directory_link_of_another_user_on_the_way_to_the_output_is_refused(holder, other_user, shared_dir,
+                                                                             tmp_path):
+    # The other user points shared/out at a directory of their choosing (here one of root's):
+    # root's write would land there, replacing any file of that name.
+    target = tmp_path / "roots"
+    target.mkdir()
+    _as(other_user, "ln", "-s", str(target), str(shared_dir / "out"))
+    address = holder()
+    out = shared_dir / "out" / "state.npz"
+    run = fetch(address, out)
+    # Before: rc 0 and roots/state.npz written through the other user's link.
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        f"collective fetch: error: --out {out}: {shared_dir / 'out'} is a symbolic link of another user (uid "
+        f"{other_user[1]}), who could point it anywhere; name the directory it leads to"], run.stderr
+    assert list(target.iterdir()) == []
+    own = shared_dir / "mine"  # a link of this user (or root) is followed as before
+    own.symlink_to(target)
+    assert fetch(address, own / "state.npz").returncode == 0 and [p.name for p in target.iterdir()] == ["state.npz"]
+
+
 # --- item 4: member names an unzip would write outside its directory ------------------------------
 
 
