@@ -204,7 +204,8 @@ def wire_class(name: str | None, code: str | None) -> type[CollectiveError]:
     """The class of an error that arrived as ``name`` (a class of this family) and ``code``:
     by name when it is ours, else by code, else AbortedError (any other failure aborts)."""
     by_name = {cls.__name__: cls for cls in family()}
-    return by_name.get(name or "") or FROM_CODE.get(code or "", AbortedError)
+    name, code = (x if isinstance(x, str) else "" for x in (name, code))  # a peer's JSON may hold anything
+    return by_name.get(name) or FROM_CODE.get(code, AbortedError)
 
 
 def describe(exc: CollectiveError) -> dict[str, str | None]:
@@ -213,7 +214,8 @@ def describe(exc: CollectiveError) -> dict[str, str | None]:
 
 
 def rebuild(info: dict | None, code: str | None, message: str) -> CollectiveError:
-    """The error ``describe`` described (its class by name, else by ``code``), with ``message``."""
+    """The error ``describe`` described (its class by name, else by ``code``), with ``message``.
+    What a peer sent is bounded first (``limits.peer_error``)."""
     info = info or {}
     cls = wire_class(info.get("class"), code)
     return cls(message, culprit=info.get("culprit"), phase=info.get("phase"))

@@ -35,7 +35,7 @@ from collective.chief.reports import PHASES, failed_summary, shards_text
 from collective.clusterenv import CLUSTER_VARS
 from collective.config import Timeouts
 from collective.errors import DeadlineError, UsageError
-from collective.model import available_memory
+from collective.model import VariableSpec, available_memory
 from collective.rundir import RESULT_FILE, STATUS_FILE, RunDir
 from collective.sizes import format_bytes
 
@@ -604,12 +604,21 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def model_bytes(result: dict) -> int:
+    """The bytes of the round's variables (what "bytes in the model" counts): the summary's
+    ``bytes`` is its arena's, which from a model's files (``--from-file``) holds their headers too."""
+    variables = result.get("variables") or []
+    if not variables:
+        return int(result.get("bytes") or 0)
+    return sum(VariableSpec(v["name"], tuple(v["shape"]), v["dtype"]).nbytes for v in variables)
+
+
 def summary_table(result: dict, expected: int | None = None) -> str:
     """The human summary of a round, as ``collective launch`` prints it. ``expected``: the
     workers asked for (``--workers``); a failed round lists only those that joined."""
     workers = result.get("workers") or []
     ok = bool(result.get("ok"))
-    nbytes = result.get("bytes") or 0
+    nbytes = model_bytes(result)
     digests = {w["digest"] for w in workers}
     same_devices = len({len(w["devices"]) for w in workers}) <= 1
     if ok:

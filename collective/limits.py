@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collective._proto import collective_pb2 as pb
 from collective.errors import ProtocolError
+from collective.logs import printable
 
 MAX_DEVICES = 4096  # devices of one worker
 MAX_DEVICE_CHARS = 64  # one device string, e.g. "/device:CPU:12"
@@ -29,6 +30,7 @@ MAX_MODE_CHARS = 64  # a declared dtype, synchronization or aggregation
 MAX_RELAY_CERT_BYTES = 64 << 10  # a PEM certificate is a few KiB
 MAX_ERROR_CHARS = 4000  # an error's message as sent back to a peer, cut (``logs.printable``) where it is sent
 MAX_CULPRIT_CHARS = 300  # the culprit named beside it
+MAX_PHASE_CHARS = 64  # and the phase ("receive", "ready": a word)
 # A published state's holder, as its fetcher sees it (collective.snapshot): refused before
 # anything is allocated for it.
 MAX_SNAPSHOT_PLAN_BYTES = 256 << 20  # its plan: 100,000 tensors and 1 TiB of chunk digests fit
@@ -93,3 +95,17 @@ def check_join(req: pb.JoinRequest, model_variables: int = 0) -> None:
         _at_most(f"declared variable {v.name!r}'s shape", len(v.shape), MAX_DIMS, "dimensions")
         _at_most(f"declared variable {v.name!r}'s modes",
                  max(len(v.dtype), len(v.synchronization), len(v.aggregation)), MAX_MODE_CHARS)
+
+
+def peer_error(message: str, info: dict | None) -> tuple[str, str | None, str | None]:
+    """(message, culprit, phase) of an error a peer sent (``info``: ``errors.describe`` as it
+    arrived), each one printable line cut to its limit (``logs.printable``). Every transport's
+    error decoding passes what it received through this before it builds the error, so a peer's
+    text, however long, never reaches a message, a log line or a terminal whole (the gRPC link's
+    ``_error_of``, for gRPC statuses and raw-path error frames; MPI's ``decode_outcome``): an
+    honest sender cuts its own the same way."""
+    info = info or {}
+    culprit, phase = info.get("culprit"), info.get("phase")
+    return (printable(message, limit=MAX_ERROR_CHARS),
+            None if culprit is None else printable(culprit, limit=MAX_CULPRIT_CHARS),
+            None if phase is None else printable(phase, limit=MAX_PHASE_CHARS))

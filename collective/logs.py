@@ -30,8 +30,15 @@ def _escape(text: str) -> str:
 def printable(value: object, limit: int = 300) -> str:
     """``value`` as one safe line: control characters (newline, ESC, ...) escaped as ``\\xNN``,
     cut to ``limit`` characters. For anything a peer chose: worker ids, hosts, failure messages."""
-    text = _escape(str(value))
-    return text if len(text) <= limit else text[:limit] + f"...({len(text) - limit} more)"
+    raw = str(value)
+    text = _escape(raw[:limit])  # no more than is kept: a peer's 60 MiB is never escaped whole
+    if len(raw) <= limit and len(text) <= limit:
+        return text
+    shown = pos = 0  # the characters of ``raw`` the first ``limit`` of ``text`` show
+    while pos < limit:
+        pos += len(_escape(raw[shown]))
+        shown += 1
+    return text[:limit] + f"...({len(raw) - shown} more)"
 
 
 def first_of(items: list[str], n: int, sep: str = "; ", what: str = "more") -> str:

@@ -38,6 +38,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 import collective
 from collective import tensors
 from collective.errors import AbortedError, ChiefUnreachableError, UsageError
+from collective.model import quoted
 from collective.torch import as_tensors
 
 __all__ = ["Transport"]
@@ -62,7 +63,7 @@ def parse_metadata(metadata: str) -> list[str]:
     sources = [s.strip() for s in str(metadata).split(",") if s.strip()]
     bad = [s for s in sources if not _ADDRESS.match(s)]
     if not sources or bad:
-        raise UsageError(f"checkpoint metadata {metadata!r} is not a collective holder address (host:port): "
+        raise UsageError(f"checkpoint metadata {quoted(metadata)} is not a collective holder address (host:port): "
                          "every replica group must use collective.torchft.Transport")
     return sources
 

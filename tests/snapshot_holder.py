@@ -109,12 +109,18 @@ def main() -> None:
     folder = os.path.dirname(a.address_file)
     with open(os.path.join(folder, "state_digests.json"), "w") as fh:
         json.dump({"digests": digests(state), "manifest": pub.manifest_digest}, fh)
-    tmp = a.address_file + ".tmp"
+    serve(pub, a.address_file, a.step)
+
+
+def serve(pub, address_file: str, step: int) -> None:
+    """Write ``pub``'s address to ``address_file`` (whole, by a rename) and serve until killed
+    (600 s at most: never outlives a test that forgot it)."""
+    tmp = address_file + ".tmp"
     with open(tmp, "w") as fh:
         fh.write(pub.address)
-    os.replace(tmp, a.address_file)
-    print(f"serving step {a.step} at {pub.address}", flush=True)
-    deadline = time.monotonic() + 600  # never outlives a test that forgot it
+    os.replace(tmp, address_file)
+    print(f"serving step {step} at {pub.address}", flush=True)
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         time.sleep(0.2)
     pub.close()

@@ -46,6 +46,7 @@ from collective.limits import (
     snapshot_chunking_refused,
 )
 from collective.logs import printable
+from collective.model import quoted
 from collective.plan import align, validate_plan
 from collective.replicas import variable_view
 from collective.sizes import format_bytes
@@ -367,7 +368,7 @@ class _Striper:
         if left:
             a = left[0][0]
             names = overlapping(self.plan, a, left[-1][1])
-            what = (f"bytes {a}..{left[-1][1]} ({names[0].name!r}" + (f" .. {names[-1].name!r})" if len(names) > 1 else ")")
+            what = (f"bytes {a}..{left[-1][1]} ({quoted(names[0].name)}" + (f" .. {quoted(names[-1].name)})" if len(names) > 1 else ")")
                     if names else f"bytes {a}..{left[-1][1]}")
         else:
             what = "stripes in progress"
@@ -460,7 +461,7 @@ class _Striper:
                 return False
             if isinstance(exc, E.IntegrityError):
                 name = _differing(self.plan, buf, base, pos, min(pos + self.plan.chunk_bytes, b))
-                reason = f"sent bytes of {name!r} that differ from its own plan"
+                reason = f"sent bytes of {quoted(name)} that differ from its own plan"
                 with self.cond:
                     self.bad.append(f"{h.name()} {reason}")
             else:

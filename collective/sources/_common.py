@@ -15,6 +15,7 @@ import numpy as np
 
 from collective import dtypes as dtypemod
 from collective.errors import ModelError
+from collective.limits import MAX_NAME_CHARS
 from collective.model import MAX_NDIM, VariableSpec, quoted, shape_problem
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
@@ -95,6 +96,14 @@ def _check_name(name: object) -> str:
     if not name:
         raise _Problem("empty variable name")
     return name
+
+
+def written_name_problem(name: str) -> str | None:
+    """Why a tensor named ``name`` cannot be written to a model file (``save_npz``,
+    ``save_safetensors``), or None. The names may come from a peer (``collective fetch``)."""
+    if len(name) > MAX_NAME_CHARS:
+        return f"its name has {len(name):,} characters; the limit is {MAX_NAME_CHARS:,}"
+    return None
 
 
 def _check_out(label: str, spec: VariableSpec, out: np.ndarray) -> None:

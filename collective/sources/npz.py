@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ import numpy as np
 from collective import dtypes as dtypemod
 from collective.errors import ModelError
 from collective.model import VariableSpec, quoted
+from collective.outfile import OutputFile, written
 from collective.sources._common import (
     StoredSource,
     _dtype_problem,
@@ -23,6 +25,7 @@ from collective.sources._common import (
     _Problem,
     _read_c_order,
     _read_fortran_order,
+    written_name_problem,
 )
 
 _NPZ_READ_ERRORS = (
@@ -58,19 +61,54 @@ NPZ_DTYPES_MEMBER = "__dtypes__"
 """The .npz member naming the ``ml_dtypes`` types of raw void members (see the module doc)."""
 
 
-def save_npz(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], *, compress: bool = False) -> None:
-    """``numpy.savez`` of ``arrays`` plus the ``__dtypes__`` member that keeps their bfloat16 /
-    float8 types (numpy stores those bytes as raw void)."""
+def save_npz(path: str | os.PathLike[str] | OutputFile, arrays: Mapping[str, np.ndarray], *,
+             compress: bool = False) -> None:
+    """``arrays`` as an ``.npz`` archive (what ``numpy.load`` reads), plus the ``__dtypes__``
+    member that keeps their bfloat16 / float8 types (numpy stores those bytes as raw void).
+
+    Written safely (``collective.outfile``: a new file beside ``path``, renamed onto it; never
+    through a link; nothing left if it fails). A name that is not a safe member name (absolute,
+    with a ``..`` component, a backslash, a drive letter or a control character: unzipping the
+    archive would write outside its directory) or longer than ``limits.MAX_NAME_CHARS`` is
+    refused (ModelError) before anything is written: names are never changed."""
     members = {name: np.asarray(a) for name, a in arrays.items()}
+    what = path.what if isinstance(path, OutputFile) else str(path)
     if NPZ_DTYPES_MEMBER in members:
-        raise ValueError(f"{NPZ_DTYPES_MEMBER!r} is reserved for the types of bfloat16/float8 arrays")
+        raise ModelError(f"{what}: {NPZ_DTYPES_MEMBER!r} is reserved for the types of bfloat16/float8 arrays")
+    for name in members:
+        problem = _member_problem(name)
+        if problem:
+            raise ModelError(f"{what}: tensor {quoted(name)}: {problem}; write a .safetensors file, "
+                             f"which keeps any name")
     types = {name: a.dtype.name for name, a in members.items() if dtypemod.is_extended(a.dtype)}
     for name in types:  # raw void: numpy cannot read back some of these types' own headers (<f1)
         a = members[name]
         members[name] = np.ascontiguousarray(a).view(np.dtype((np.void, a.dtype.itemsize)))
     if types:
         members[NPZ_DTYPES_MEMBER] = np.array(json.dumps(types, sort_keys=True))
-    (np.savez_compressed if compress else np.savez)(path, **members)  # type: ignore[arg-type]
+    # As numpy.savez does, without its keyword arguments (a tensor named "file" is a member too)
+    # and never a pickle.
+    compression = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+    with written(path) as fh, zipfile.ZipFile(fh, mode="w", compression=compression, allowZip64=True) as archive:
+        for name, a in members.items():
+            with archive.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, a, allow_pickle=False)
+
+
+_DRIVE = re.compile(r"^[A-Za-z]:")
+
+
+def _member_problem(name: str) -> str | None:
+    """Why ``name`` is no safe .npz member name, or None."""
+    problem = written_name_problem(name)
+    if problem:
+        return problem
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "its name holds a control character"
+    if name.startswith("/") or "\\" in name or _DRIVE.match(name) or ".." in name.split("/"):
+        return ("its name is no safe archive member name (absolute, a '..' component, a backslash or a drive): "
+                "unzipping the archive would write outside its directory")
+    return None
 
 
 def _npz_types(archive: zipfile.ZipFile, label: str) -> dict[str, np.dtype]:

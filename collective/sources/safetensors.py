@@ -12,6 +12,7 @@ import numpy as np
 from collective import dtypes as dtypemod
 from collective.errors import ModelError
 from collective.model import VariableSpec, quoted
+from collective.outfile import OutputFile, written
 from collective.sources._common import (
     _SAFETENSORS_MAX_HEADER,
     SAFETENSORS_SUFFIX,
@@ -23,6 +24,7 @@ from collective.sources._common import (
     _Problem,
     _read_c_order,
     not_regular,
+    written_name_problem,
 )
 from collective.sources.mapped import DataFile
 
@@ -44,29 +46,36 @@ _SAFETENSORS_DTYPES: dict[str, str] = {
 }
 
 
-def save_safetensors(path: str | os.PathLike[str], arrays: dict[str, np.ndarray],
+def save_safetensors(path: str | os.PathLike[str] | OutputFile, arrays: dict[str, np.ndarray],
                      metadata: dict[str, str] | None = None) -> None:
     """Write ``arrays`` (name -> array, in order) as a ``.safetensors`` file, with ``metadata``
     (str -> str) as its ``__metadata__``: what this module and the ``safetensors`` package read
-    back, bfloat16 / float8 included. Written to a temporary name, then renamed."""
+    back, bfloat16 / float8 included. Written safely (``collective.outfile``: a new file beside
+    ``path``, renamed onto it; never through a link; nothing left if it fails). A name longer
+    than ``limits.MAX_NAME_CHARS`` is refused (ModelError) before anything is written."""
+    what = path.what if isinstance(path, OutputFile) else str(path)
     codes = {wire: code for code, wire in _SAFETENSORS_DTYPES.items()}
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     pos = 0
     for name, a in arrays.items():
+        problem = written_name_problem(name)
+        if problem:
+            raise ModelError(f"{what}: tensor {quoted(name)}: {problem}")
         code = codes.get(dtypemod.wire(a.dtype))
         if code is None:
-            raise ModelError(f"{name!r}: dtype {a.dtype} has no safetensors code; write .npz instead")
+            raise ModelError(f"{what}: tensor {quoted(name)}: dtype {a.dtype} has no safetensors code; write .npz instead")
         header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [pos, pos + a.nbytes]}
         pos += a.nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "wb") as fh:
+    if len(head) > _SAFETENSORS_MAX_HEADER:
+        raise ModelError(f"{what}: the header would take {len(head):,} bytes; readers refuse more than "
+                         f"{_SAFETENSORS_MAX_HEADER:,}")
+    with written(path) as fh:
         fh.write(len(head).to_bytes(8, "little"))
         fh.write(head)
         for a in arrays.values():
             fh.write(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)

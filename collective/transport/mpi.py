@@ -38,6 +38,7 @@ from mpi4py import MPI
 
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.limits import peer_error
 from collective.plan import frame_messages
 from collective.transport.api import ChiefHandler, ChiefLink
 
@@ -76,7 +77,8 @@ def decode_outcome(data: bytes, cls):
     if data[0] == _OK:
         return cls.FromString(data[1:])
     info = json.loads(data[1:].decode())
-    error = E.rebuild(info, info.get("code"), info.get("message", "the chief reported an error"))
+    message, culprit, phase = peer_error(info.get("message", "the chief reported an error"), info)  # bounded
+    error = E.rebuild({**info, "culprit": culprit, "phase": phase}, info.get("code"), message)
     error.refused = bool(info.get("refused"))
     raise error
 

@@ -68,6 +68,9 @@ _HELLO = struct.Struct("<4sII")  # magic, WorkerRef length, token length
 _HEAD = struct.Struct("<BIQ")  # kind, metadata length, data length
 CHUNK, ERROR = 0, 1
 MAX_META = 64 << 20  # a Chunk's metadata: keys of the variables it fuses, never near this
+# An error frame: its code, class, culprit and phase and a message the sender cut to
+# MAX_ERROR_CHARS (escaped, so at most a few bytes a character): never near this.
+MAX_ERROR_META = 64 << 10
 HELLO_TIMEOUT = 10.0  # a connection must say who it is within this
 PENDING_MAX = 64  # connections that have not said who they are yet; beyond it the oldest is cut
 _IOV = 3
@@ -387,6 +390,9 @@ def receive(sock: socket.socket, ref: pb.WorkerRef, token: str | None, receiver,
             kind, nmeta, ndata = _HEAD.unpack(head)
             if nmeta > MAX_META or kind not in (CHUNK, ERROR):
                 raise E.ProtocolError(f"data frame of kind {kind} with {nmeta} bytes of metadata is not a frame")
+            if kind == ERROR and nmeta > MAX_ERROR_META:  # refused before it is read: a peer's text is bounded
+                raise E.ProtocolError(f"error frame of {nmeta:,} bytes refused: an error is at most "
+                                      f"{MAX_ERROR_META:,} bytes")
             meta = bytearray(nmeta)
             _recv_exact(sock, meta)
             if kind == ERROR:

@@ -21,7 +21,7 @@ PACKAGES = ("collective",)
 LAYERS: list[tuple[str, ...]] = [
     # What every layer may use: errors, units, digests, logging, the wire types.
     ("collective.errors", "collective.dtypes", "collective.tensors", "collective.digest", "collective.sizes", "collective.logs",
-     "collective.entry", "collective.keys", "collective.limits", "collective.status", "collective.logmerge", "collective.rundir", "collective._proto",
+     "collective.entry", "collective.keys", "collective.limits", "collective.status", "collective.logmerge", "collective.rundir", "collective.outfile", "collective._proto",
      "collective.parking",
      "collective._protogen"),
     # Settings: timeouts, TLS files, COLLECTIVE_* and the clusters' own variables.

@@ -31,6 +31,18 @@ def test_printable_escapes_every_control_character_and_cuts_long_text():
     assert logs.printable("plain id-3 ünïcode") == "plain id-3 ünïcode"
 
 
+def test_printable_escapes_only_what_it_keeps(monkeypatch):
+    # A peer's 20 MiB of control characters: escaping all of it (one call per character) took
+    # 28 s on a quiet machine, and past pytest's 120 s beside three CPU-bound processes.
+    seen = []
+    real = logs._escape
+    monkeypatch.setattr(logs, "_escape", lambda text: seen.append(len(text)) or real(text))
+    out = logs.printable("m\x1b" * (10 << 20), limit=4000)
+    assert max(seen) <= 4000, max(seen)  # before: 20,971,520
+    assert out.startswith("m\\x1bm") and out.endswith(f"...({(20 << 20) - 1600} more)"), out[-40:]
+    assert logs.printable("ab\x1bcd" * 3, limit=10) == "ab\\x1bcdab...(8 more)"
+
+
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_a_logged_worker_id_with_newlines_and_escapes_stays_one_safe_line(restore_logging, fmt):
     out = io.StringIO()

@@ -15,6 +15,7 @@ from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
 from collective.config import TlsFiles
+from collective.limits import peer_error
 from collective.logs import printable
 from collective.plan import MAX_PIECED_BYTES, from_pieces, to_pieces
 from collective.transport.api import ChiefLink
@@ -143,9 +144,10 @@ class GrpcChiefLink(ChiefLink):
                   raised: dict | None = None) -> E.CollectiveError:
         """The error a failed call stands for: what the peer raised (``raised``: its class,
         culprit and phase), or, for a status gRPC made itself, what its code means here."""
+        details, culprit, phase = peer_error(details, raised)  # a peer's text, bounded
         if raised is not None:
             err = self._raised(E.wire_class(raised.get("class"), code.name), details)
-            err.culprit, err.phase = raised.get("culprit"), raised.get("phase")
+            err.culprit, err.phase = culprit, phase
             return err
         if code == grpc.StatusCode.UNAUTHENTICATED:
             # A holder (collective.fetch) has no chief: the token is the one its holders share.
