@@ -185,6 +185,12 @@ at worst): per 8 MiB segment, under 0.7 ms, about 20 ms and under 3 ms. The thre
 not the clock: a thread preempted meanwhile is not slow memory (the host's first touch stalls
 the virtual CPU, so it counts)."""
 _MADV_POPULATE_WRITE = 23  # madvise(2), Linux 5.14; Python 3.11's mmap has no name for it
+POPULATE_STEP = 64 << 20
+"""``new_arena`` has the kernel populate small pages this many bytes a call. ``mmap.madvise``
+holds the GIL for a whole call: one call for the rest of a 4 GiB arena held it 37.7 s beside
+three CPU-bound processes, the worker's heartbeat thread never ran meanwhile, and the chief
+declared the worker lost (no heartbeat for 17.5 s, lease 15 s). Between two calls other threads
+run."""
 
 
 def new_arena(nbytes: int) -> np.ndarray:
@@ -218,10 +224,12 @@ def new_arena(nbytes: int) -> np.ndarray:
         rest = at + SEGMENT
         if rest < nbytes and time.thread_time() - began > SEGMENT_SLOW:
             region.madvise(mmap.MADV_NOHUGEPAGE, rest, nbytes - rest)
-            try:
-                region.madvise(_MADV_POPULATE_WRITE, rest, nbytes - rest)
-            except OSError:  # a kernel before 5.14: one write per page
-                arena[rest::PAGE] = 0
+            for step in range(rest, nbytes, POPULATE_STEP):
+                length = min(POPULATE_STEP, nbytes - step)
+                try:
+                    region.madvise(_MADV_POPULATE_WRITE, step, length)
+                except OSError:  # a kernel before 5.14: one write per page
+                    arena[step : step + length : PAGE] = 0
             break
     return arena
 
