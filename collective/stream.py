@@ -179,9 +179,9 @@ SEGMENT = 8 << 20
 """``new_arena`` puts the pages of an arena in place this many bytes at a time."""
 SEGMENT_SLOW = 0.005
 """CPU seconds of one segment's huge pages beyond which the rest of the arena takes small pages
-populated in one call. On a 2-core VM 32 MiB take 1.5-2.5 ms of huge pages where the memory is
-warm, 75-100 ms where its host touches it first, and 10-11 ms of small pages either way (40 ms
-at worst): per 8 MiB segment, under 0.7 ms, about 20 ms and under 3 ms. The thread's CPU time,
+populated by the kernel (``POPULATE_STEP`` bytes a call). On a 2-core VM 32 MiB take 1.5-2.5 ms
+of huge pages where the memory is warm, 75-100 ms where its host touches it first, and 10-11 ms
+of small pages either way (40 ms at worst): per 8 MiB segment, under 0.7 ms, about 20 ms and under 3 ms. The thread's CPU time,
 not the clock: a thread preempted meanwhile is not slow memory (the host's first touch stalls
 the virtual CPU, so it counts)."""
 _MADV_POPULATE_WRITE = 23  # madvise(2), Linux 5.14; Python 3.11's mmap has no name for it
@@ -205,7 +205,7 @@ def new_arena(nbytes: int) -> np.ndarray:
     socket writes into them about 10 % faster than into 4 KiB pages. On a VM whose host has not
     backed that memory yet they cost 0.4-1.1 s per 256-512 MiB (the host's first touch, not
     compaction: the kernel counted no compaction stall); a segment that slow (``SEGMENT_SLOW``)
-    turns the rest of the arena to 4 KiB pages populated by the kernel in one call
+    turns the rest of the arena to 4 KiB pages populated by the kernel, ``POPULATE_STEP`` a call
     (``MADV_POPULATE_WRITE``: 0.08-0.19 s per 256 MiB, every time). So the arena costs about the
     faster of the two, plus at most one slow segment.
     """
