@@ -62,14 +62,17 @@ def test_a_frozen_worker_is_caught_by_the_lease_and_learns_of_the_abort_after_si
 
 def test_a_failed_chief_writes_its_result_before_it_lingers_for_a_worker_that_never_hears(cluster):
     """A launcher may stop a chief soon after the outcome: the result must not wait for the
-    linger (here the whole 5 s, since the frozen worker never hears)."""
-    chief = cluster.chief("--workers", "2", *HB)
+    linger (here a lease, 8 s, since the frozen worker never hears). The frozen worker is frozen
+    before the other joins; the chief's lease outlasts that join (a fresh process: beside three
+    CPU-bound processes it took over HB's 1.5 s, and the chief freed the frozen worker's slot
+    before the broadcast, so the round waited for a second worker instead of failing)."""
+    chief = cluster.chief("--workers", "2", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "8")
     frozen = cluster.worker("frozen", *HB)
     wait_for(frozen, "waiting for the plan")
     frozen.signal(signal.SIGSTOP)
     try:
         cluster.worker("other", *HB)
-        wait_for(chief, "round aborted:")
+        wait_for(chief, "round aborted:", timeout=60)  # within the other's join deadline and a lease
         result_file = cluster.tmp / "result.json"
         wait_until(lambda: result_file.exists() or chief.proc.poll() is not None, "the result file or the chief's exit")
         assert chief.proc.poll() is None, "the chief wrote its result only as it exited"
