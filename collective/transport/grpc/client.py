@@ -144,10 +144,12 @@ class GrpcChiefLink(ChiefLink):
                   raised: dict | None = None) -> E.CollectiveError:
         """The error a failed call stands for: what the peer raised (``raised``: its class,
         culprit and phase), or, for a status gRPC made itself, what its code means here."""
-        details, culprit, phase = peer_error(details, raised)  # a peer's text, bounded
+        # A peer's text, bounded. Its phase is the peer's own (None for a status gRPC made
+        # itself): ``phase`` stays this call's, which the messages below name.
+        details, culprit, peer_phase = peer_error(details, raised)
         if raised is not None:
             err = self._raised(E.wire_class(raised.get("class"), code.name), details)
-            err.culprit, err.phase = culprit, phase
+            err.culprit, err.phase = culprit, peer_phase
             return err
         if code == grpc.StatusCode.UNAUTHENTICATED:
             # A holder (collective.fetch) has no chief: the token is the one its holders share.
