@@ -51,3 +51,40 @@ def test_an_out_name_too_long_for_the_file_system_is_one_line_before_the_fetch(t
     assert "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and "--out" in r.stderr and "too long" in r.stderr, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, content", [
+    ("result.json", '{"ok": true, "workers": 5}'),
+    ("status.json", '{"chief": "127.0.0.1:%d", "token": null, "launch_pid": "abc"}'),
+    ("status.json", '{"chief": "127.0.0.1:%d", "token": 5}'),
+    ("status.json", '{"chief": ["127.0.0.1", %d]}'),
+])
+def test_a_run_dir_file_of_the_wrong_shape_is_one_line(tmp_path, name, content):
+    """``collective status --run-dir`` on a run dir whose status.json / result.json (this user's,
+    as launch writes them) holds the wrong types: tracebacks before (TypeError: object of type
+    'int' has no len(); 'str' object cannot be interpreted as an integer, from os.kill of the
+    launch_pid; grpc's Expected str, not int, for the token); now one line, exit 2."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / name).write_text(content.replace("%d", str(_closed_port())))
+    r = _cli("status", "--run-dir", str(run))
+    assert r.returncode == 2, r
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and name in r.stderr, r.stderr
+
+
+def test_an_ended_launchs_error_is_shown_as_one_bounded_line(tmp_path):
+    """A summary whose error holds 10 MB and a terminal escape (clear screen): printed whole
+    before (10,000,066 bytes of output, the escape raw); now one line of at most a few KB, the
+    escape shown as text."""
+    import json
+
+    from collective.limits import MAX_ERROR_CHARS
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "result.json").write_text(json.dumps({"ok": False, "error": "\x1b[2J" + "E" * 10_000_000}))
+    r = _cli("status", "--run-dir", str(run))
+    assert r.returncode == 1, r.returncode
+    assert "\x1b" not in r.stdout and r.stdout.count("\n") == 1, r.stdout[:300]
+    assert len(r.stdout) < MAX_ERROR_CHARS + 500, len(r.stdout)
