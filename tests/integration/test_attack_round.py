@@ -88,3 +88,41 @@ def test_an_ended_launchs_error_is_shown_as_one_bounded_line(tmp_path):
     assert r.returncode == 1, r.returncode
     assert "\x1b" not in r.stdout and r.stdout.count("\n") == 1, r.stdout[:300]
     assert len(r.stdout) < MAX_ERROR_CHARS + 500, len(r.stdout)
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """start(*args) -> the address of a new tests/outputs_holder.py process (killed by pid)."""
+    from tests.clusters import TOKEN
+    from tests.procs import Proc, wait_for_file
+
+    started: list = []
+
+    def start(*args: str) -> str:
+        folder = tmp_path / f"holder{len(started)}"
+        folder.mkdir()
+        proc = Proc(["-m", "tests.outputs_holder", "--address-file", str(folder / "address"), *args], folder / "log",
+                    env={"COLLECTIVE_TOKEN": TOKEN})
+        started.append(proc)
+        return wait_for_file(folder / "address", proc, timeout=60)
+
+    yield start
+    for proc in started:
+        proc.kill()
+
+
+@pytest.mark.parametrize("attack", ["--tree-step-chars", "--tree-kind-chars"])
+def test_a_holders_ten_mb_structure_field_is_quoted_short(holder, tmp_path, attack):
+    """A hostile holder whose structure (covered by its own plan's digests) names as its step,
+    or as a node's kind, a 10,000,000-character string: the fetch's error was 10,000,178 bytes
+    (10,000,203 for the kind); now a line of a few hundred characters naming the holder."""
+    from tests.clusters import TOKEN
+
+    address = holder(attack, "10000000")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}, "COLLECTIVE_TOKEN": TOKEN}
+    r = subprocess.run([sys.executable, "-m", "collective.cli", "fetch", "--from", address, "--step", "8",
+                        "--out", str(tmp_path / "o.npz")], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.returncode
+    assert "structure" in r.stderr and "Traceback" not in r.stderr, r.stderr[:500]
+    assert len(r.stderr) < 1000 and r.stderr.count("\n") == 1, len(r.stderr)
+    assert not (tmp_path / "o.npz").exists()
