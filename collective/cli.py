@@ -215,7 +215,19 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    """``collective fetch``: the state into a file; one line saying what came from where."""
+    """``collective fetch``: the state into a file; one line saying what came from where.
+    SIGTERM (``timeout``, a scheduler) ends it in one line, exit 143, through ``_fetch_to_file``'s
+    cleanup: the output's new file is removed, as for any failure (it was left behind)."""
+    from collective._waits import stopped_from_the_start
+
+    def fetch() -> int:
+        return _fetch_to_file(args)
+
+    fetch.__module__ = "collective"  # its line names "collective.fetch", run as a module or not
+    return stopped_from_the_start(fetch)()
+
+
+def _fetch_to_file(args: argparse.Namespace) -> int:
     import time
 
     from collective.config import tls_from_args

@@ -126,3 +126,37 @@ def test_a_holders_ten_mb_structure_field_is_quoted_short(holder, tmp_path, atta
     assert "structure" in r.stderr and "Traceback" not in r.stderr, r.stderr[:500]
     assert len(r.stderr) < 1000 and r.stderr.count("\n") == 1, len(r.stderr)
     assert not (tmp_path / "o.npz").exists()
+
+
+def test_sigterm_during_a_fetch_leaves_no_file_and_says_so(tmp_path):
+    """``collective fetch --out`` makes its output's new (hidden) file before the fetch; SIGTERM
+    (``timeout``, a scheduler) during the fetch ended it silently, exit 143, and left
+    ``.s.safetensors.<hex>.tmp`` behind (one more each attempt; after a large write began, a
+    large one). Now one line naming SIGTERM, exit 143, nothing left. The holder trickles one byte
+    a second (tests/fetch_hostile_holder.py), so the fetch is still running when signalled."""
+    import signal
+
+    from tests.clusters import TOKEN
+    from tests.procs import Proc, wait_for_file, wait_until
+
+    addr = tmp_path / "address"
+    holder = Proc(["-m", "tests.fetch_hostile_holder", "--attack", "trickle", "--address-file", str(addr)],
+                  tmp_path / "holder.log", env={"COLLECTIVE_TOKEN": TOKEN})
+    out = tmp_path / "out"
+    out.mkdir()
+    fetcher = None
+    try:
+        address = wait_for_file(addr, holder, timeout=60)
+        fetcher = Proc(["-m", "collective.cli", "fetch", "--from", address, "--step", "8",
+                        "--out", str(out / "s.safetensors")], tmp_path / "fetch.log", env={"COLLECTIVE_TOKEN": TOKEN})
+        wait_until(lambda: any(out.iterdir()), "the fetch's output file to be made", timeout=60)
+        fetcher.signal(signal.SIGTERM)
+        rc = fetcher.wait(60)
+        said = fetcher.output()
+    finally:
+        for proc in (fetcher, holder):
+            if proc is not None:
+                proc.kill()
+    assert rc == 143, (rc, said)
+    assert "stopped by SIGTERM" in said and "Traceback" not in said, said
+    assert list(out.iterdir()) == []
