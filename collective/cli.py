@@ -22,7 +22,7 @@ from collective.config import (
     positive_int,
     timeouts_from_args,
 )
-from collective.entry import run_main
+from collective.entry import early_sigint, run_main
 from collective.errors import CollectiveError, UsageError
 from collective.options import parse_shards
 from collective.topology import TOPOLOGIES
@@ -123,6 +123,8 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         args = build_parser().parse_args(argv)
+        if args.command != "launch" and early_sigint():  # launch acts on it, its JSON line printed
+            raise KeyboardInterrupt
         command = {"launch": _launch, "status": _status, "logs": _logs, "doctor": _doctor, "bench": _bench,
                    "fetch": _fetch}[args.command]
         if args.command in ("launch", "bench"):  # these show log lines of their own and of processes they run
@@ -136,38 +138,52 @@ def main(argv: list[str] | None = None) -> int:
             print(f"collective {args.command}: error: {exc}", file=sys.stderr)
             return exc.exit_code
 
+    go.acts_on_early_sigint = True  # type: ignore[attr-defined]
     return run_main(go)
 
 
 def _launch(args: argparse.Namespace) -> int:
     from collective.launch import Launcher, exit_code, summary_table
 
-    launcher = Launcher(
-        workers=args.workers,
-        devices_per_worker=args.devices_per_worker,
-        model=args.model,
-        seed=args.seed,
-        token=args.token,
-        run_dir=args.run_dir,
-        timeouts=timeouts_from_args(args),
-        chunk_bytes=args.chunk_bytes,
-        quiet=args.quiet,
-        transport=args.transport,
-        shm=args.shm,
-        topology=args.topology,
-        from_file=args.from_file,
-        shards=args.shards,
-        keep_run_dir=args.keep_run_dir,
-    )
+    launcher = None
     try:
+        if early_sigint():  # a Ctrl-C while the command loaded
+            raise KeyboardInterrupt
+        launcher = Launcher(
+            workers=args.workers,
+            devices_per_worker=args.devices_per_worker,
+            model=args.model,
+            seed=args.seed,
+            token=args.token,
+            run_dir=args.run_dir,
+            timeouts=timeouts_from_args(args),
+            chunk_bytes=args.chunk_bytes,
+            quiet=args.quiet,
+            transport=args.transport,
+            shm=args.shm,
+            topology=args.topology,
+            from_file=args.from_file,
+            shards=args.shards,
+            keep_run_dir=args.keep_run_dir,
+        )
         result = launcher.run()
     except KeyboardInterrupt:
+        if launcher is None:
+            print("interrupted before the launch started: nothing was started", file=sys.stderr)
+            if args.json:
+                print(json.dumps(_not_started(args, "interrupted (SIGINT) before the launch started: nothing was "
+                                                    "started", 130)))
+            return 130
         where = launcher.run_dir
         print(f"interrupted: every process of the run was stopped; its logs are in {where} "
               f"(collective logs {where})", file=sys.stderr)
         if args.json:
             print(json.dumps(launcher.interrupted_summary()))
         return 130
+    except CollectiveError as exc:  # refused before any process started (the run dir, the host's memory)
+        if args.json:
+            print(json.dumps(_not_started(args, exc, exc.exit_code)))
+        raise
     print(summary_table(result, expected=args.workers), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
@@ -283,6 +299,15 @@ def _tokenless(addresses: list[str], tls) -> list[str]:
         finally:
             link.close()
     return out
+
+
+def _not_started(args: argparse.Namespace, error: object, code: int) -> dict:
+    """``--json``'s summary line (every key of any other) of a launch that started nothing."""
+    from collective.chief.reports import failed_summary
+
+    summary = failed_summary(error, transport=args.transport, model=args.model)
+    summary["exit_code"] = code
+    return summary
 
 
 def _status(args: argparse.Namespace) -> int:
