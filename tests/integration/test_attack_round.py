@@ -207,3 +207,14 @@ def test_a_launch_refused_before_it_starts_prints_its_json_line(tmp_path):
     assert len(lines) == 1, r.stdout
     assert lines[0]["exit_code"] == 2 and "run directory" in lines[0]["error"], lines[0]
     assert "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("source", ["127.0.0.1:99999", "127.0.0.1", "127.0.0.1:http"])
+def test_a_holder_address_that_is_not_host_port_is_refused_before_any_call(source, tmp_path):
+    """``collective fetch --from 127.0.0.1:99999``: gRPC dialled 127.0.0.1:34463 (99999 mod
+    65536), a port the user never named, with the token; ``--from 127.0.0.1`` dialled port 443.
+    Now one line naming the address, exit 2, before any connection."""
+    r = _cli("fetch", "--step", "1", "--timeout", "5", "--from", source, "--out", "x.npz", cwd=tmp_path)
+    assert r.returncode == 2, r
+    assert "is not HOST:PORT" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "34463" not in r.stderr and ":443" not in r.stderr
