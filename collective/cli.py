@@ -21,6 +21,7 @@ from collective.config import (
     positive_float,
     positive_int,
     timeouts_from_args,
+    token_text,
 )
 from collective.entry import early_sigint, run_main
 from collective.errors import CollectiveError, UsageError
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(launch, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors file, "
                "a *.safetensors.index.json or a checkpoint directory", default="mlp")
     add_option(launch, "seed", help="seed for initializer specs", type=int, default=None)
-    add_option(launch, "token", help="cluster token (default: a random one per run)", default=None)
+    add_option(launch, "token", help="cluster token (default: a random one per run)", type=token_text, default=None)
     add_option(launch, "run-dir", help="where each process's log, the summary and, while the run lasts, the status "
                "file go (default: a new temp dir, removed after a successful run); it must be this user's and not "
                "writable by others", default=None)
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="ask a running chief who has joined and who is being waited for")
     add_option(status, "chief", help="the chief's HOST:PORT", default=None)
-    add_option(status, "token", help="the cluster token", default=None)
+    add_option(status, "token", help="the cluster token", type=token_text, default=None)
     status.add_argument("--run-dir", default=None, help="the run dir of a running `collective launch`: its chief's "
                         "address and token are read from its status.json")
     status.add_argument("--json", action="store_true", help="print one JSON object")
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     fe.add_argument("--step", type=int, required=True, help="the step to fetch")
     fe.add_argument("--out", required=True, help="FILE.safetensors (the non-tensor values in its __metadata__) "
                     "or FILE.npz (tensors only)")
-    add_option(fe, "token", help="the cluster token", default=None)
+    add_option(fe, "token", help="the cluster token", type=token_text, default=None)
     fe.add_argument("--timeout", type=positive_float, default=300.0, help="seconds for the whole fetch")
     fe.add_argument("--stall-timeout", type=positive_float, default=30.0,
                     help="seconds a holder may send nothing before its share goes to the others")
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dr = sub.add_parser("doctor", help="pre-flight checks: versions, cluster env, and the path to a chief")
     add_option(dr, "chief", help="the chief's HOST:PORT", default=None)
-    add_option(dr, "token", help="the cluster token", default=None)
+    add_option(dr, "token", help="the cluster token", type=token_text, default=None)
     add_tls_options(dr, worker=True)
     dr.add_argument("--timeout", type=positive_float, default=3.0, help="seconds per network check")
     dr.add_argument("--json", action="store_true", help="print one JSON object")

@@ -218,3 +218,35 @@ def test_a_holder_address_that_is_not_host_port_is_refused_before_any_call(sourc
     assert r.returncode == 2, r
     assert "is not HOST:PORT" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert "34463" not in r.stderr and ":443" not in r.stderr
+
+
+@pytest.mark.parametrize("how", ["--token", "COLLECTIVE_TOKEN"])
+@pytest.mark.parametrize("token", ["a\nb", "t\u00e9"])
+def test_a_token_grpc_cannot_carry_is_refused_naming_it(tmp_path, how, token):
+    """``collective launch --token $'a\\nb'`` (or an accented letter): the chief started, the
+    worker failed "chief at ...: Invalid metadata" and the summary blamed worker-0, exit 1;
+    status and fetch said "Invalid metadata", exit 1. Now each is refused in one line naming
+    --token or COLLECTIVE_TOKEN (not echoing the secret), exit 2, before anything starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    extra = ["--token", token] if how == "--token" else []
+    if how == "COLLECTIVE_TOKEN":
+        env["COLLECTIVE_TOKEN"] = token
+    for command in (["launch", "--workers", "1", "--quiet", "--run-dir", str(tmp_path / "run")],
+                    ["status", "--chief", f"127.0.0.1:{_closed_port()}"],
+                    ["fetch", "--from", f"127.0.0.1:{_closed_port()}", "--step", "1", "--out", str(tmp_path / "o.npz")]):
+        r = subprocess.run([sys.executable, "-m", "collective.cli", *command, *extra], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 2, (command, r.returncode, r.stderr[-1500:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert how in last and "not printable ASCII" in last, last
+        assert token not in last and repr(token)[1:-1] not in last, last  # the secret is not echoed
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_python_api_refuses_such_a_token_in_one_line():
+    import collective
+    from collective.errors import UsageError
+
+    with pytest.raises(UsageError, match="not printable ASCII"):
+        collective.fetch(f"127.0.0.1:{_closed_port()}", step=1, token="a\nb", timeout=5)

@@ -14,7 +14,7 @@ import numpy as np
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
-from collective.config import TlsFiles
+from collective.config import TlsFiles, token_problem
 from collective.limits import peer_error
 from collective.logs import printable
 from collective.plan import MAX_PIECED_BYTES, from_pieces, to_pieces
@@ -92,6 +92,9 @@ class GrpcChiefLink(ChiefLink):
         """``name`` is who serves at ``address`` in messages: the chief, or a relay worker."""
         self.address = address
         self.name = name
+        bad = token_problem(token) if token else None
+        if bad:  # gRPC would fail every call with "Invalid metadata"
+            raise E.UsageError(f"cluster token for {name} at {address}: {bad}")
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
         self._token = token
         self.tls = tls if tls is not None and tls.enabled else None
