@@ -21,8 +21,9 @@ from collective.config import (
     positive_float,
     positive_int,
     timeouts_from_args,
+    token_text,
 )
-from collective.entry import run_main
+from collective.entry import early_sigint, run_main
 from collective.errors import CollectiveError, UsageError
 from collective.options import parse_shards
 from collective.topology import TOPOLOGIES
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_option(launch, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors file, "
                "a *.safetensors.index.json or a checkpoint directory", default="mlp")
     add_option(launch, "seed", help="seed for initializer specs", type=int, default=None)
-    add_option(launch, "token", help="cluster token (default: a random one per run)", default=None)
+    add_option(launch, "token", help="cluster token (default: a random one per run)", type=token_text, default=None)
     add_option(launch, "run-dir", help="where each process's log, the summary and, while the run lasts, the status "
                "file go (default: a new temp dir, removed after a successful run); it must be this user's and not "
                "writable by others", default=None)
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="ask a running chief who has joined and who is being waited for")
     add_option(status, "chief", help="the chief's HOST:PORT", default=None)
-    add_option(status, "token", help="the cluster token", default=None)
+    add_option(status, "token", help="the cluster token", type=token_text, default=None)
     status.add_argument("--run-dir", default=None, help="the run dir of a running `collective launch`: its chief's "
                         "address and token are read from its status.json")
     status.add_argument("--json", action="store_true", help="print one JSON object")
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     fe.add_argument("--step", type=int, required=True, help="the step to fetch")
     fe.add_argument("--out", required=True, help="FILE.safetensors (the non-tensor values in its __metadata__) "
                     "or FILE.npz (tensors only)")
-    add_option(fe, "token", help="the cluster token", default=None)
+    add_option(fe, "token", help="the cluster token", type=token_text, default=None)
     fe.add_argument("--timeout", type=positive_float, default=300.0, help="seconds for the whole fetch")
     fe.add_argument("--stall-timeout", type=positive_float, default=30.0,
                     help="seconds a holder may send nothing before its share goes to the others")
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dr = sub.add_parser("doctor", help="pre-flight checks: versions, cluster env, and the path to a chief")
     add_option(dr, "chief", help="the chief's HOST:PORT", default=None)
-    add_option(dr, "token", help="the cluster token", default=None)
+    add_option(dr, "token", help="the cluster token", type=token_text, default=None)
     add_tls_options(dr, worker=True)
     dr.add_argument("--timeout", type=positive_float, default=3.0, help="seconds per network check")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
@@ -123,6 +124,8 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         args = build_parser().parse_args(argv)
+        if args.command != "launch" and early_sigint():  # launch acts on it, its JSON line printed
+            raise KeyboardInterrupt
         command = {"launch": _launch, "status": _status, "logs": _logs, "doctor": _doctor, "bench": _bench,
                    "fetch": _fetch}[args.command]
         if args.command in ("launch", "bench"):  # these show log lines of their own and of processes they run
@@ -136,38 +139,52 @@ def main(argv: list[str] | None = None) -> int:
             print(f"collective {args.command}: error: {exc}", file=sys.stderr)
             return exc.exit_code
 
+    go.acts_on_early_sigint = True  # type: ignore[attr-defined]
     return run_main(go)
 
 
 def _launch(args: argparse.Namespace) -> int:
     from collective.launch import Launcher, exit_code, summary_table
 
-    launcher = Launcher(
-        workers=args.workers,
-        devices_per_worker=args.devices_per_worker,
-        model=args.model,
-        seed=args.seed,
-        token=args.token,
-        run_dir=args.run_dir,
-        timeouts=timeouts_from_args(args),
-        chunk_bytes=args.chunk_bytes,
-        quiet=args.quiet,
-        transport=args.transport,
-        shm=args.shm,
-        topology=args.topology,
-        from_file=args.from_file,
-        shards=args.shards,
-        keep_run_dir=args.keep_run_dir,
-    )
+    launcher = None
     try:
+        if early_sigint():  # a Ctrl-C while the command loaded
+            raise KeyboardInterrupt
+        launcher = Launcher(
+            workers=args.workers,
+            devices_per_worker=args.devices_per_worker,
+            model=args.model,
+            seed=args.seed,
+            token=args.token,
+            run_dir=args.run_dir,
+            timeouts=timeouts_from_args(args),
+            chunk_bytes=args.chunk_bytes,
+            quiet=args.quiet,
+            transport=args.transport,
+            shm=args.shm,
+            topology=args.topology,
+            from_file=args.from_file,
+            shards=args.shards,
+            keep_run_dir=args.keep_run_dir,
+        )
         result = launcher.run()
     except KeyboardInterrupt:
+        if launcher is None:
+            print("interrupted before the launch started: nothing was started", file=sys.stderr)
+            if args.json:
+                print(json.dumps(_not_started(args, "interrupted (SIGINT) before the launch started: nothing was "
+                                                    "started", 130)))
+            return 130
         where = launcher.run_dir
         print(f"interrupted: every process of the run was stopped; its logs are in {where} "
               f"(collective logs {where})", file=sys.stderr)
         if args.json:
             print(json.dumps(launcher.interrupted_summary()))
         return 130
+    except CollectiveError as exc:  # refused before any process started (the run dir, the host's memory)
+        if args.json:
+            print(json.dumps(_not_started(args, exc, exc.exit_code)))
+        raise
     print(summary_table(result, expected=args.workers), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result))
@@ -215,7 +232,19 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    """``collective fetch``: the state into a file; one line saying what came from where."""
+    """``collective fetch``: the state into a file; one line saying what came from where.
+    SIGTERM (``timeout``, a scheduler) ends it in one line, exit 143, through ``_fetch_to_file``'s
+    cleanup: the output's new file is removed, as for any failure (it was left behind)."""
+    from collective._waits import stopped_from_the_start
+
+    def fetch() -> int:
+        return _fetch_to_file(args)
+
+    fetch.__module__ = "collective"  # its line names "collective.fetch", run as a module or not
+    return stopped_from_the_start(fetch)()
+
+
+def _fetch_to_file(args: argparse.Namespace) -> int:
     import time
 
     from collective.config import tls_from_args
@@ -271,6 +300,15 @@ def _tokenless(addresses: list[str], tls) -> list[str]:
         finally:
             link.close()
     return out
+
+
+def _not_started(args: argparse.Namespace, error: object, code: int) -> dict:
+    """``--json``'s summary line (every key of any other) of a launch that started nothing."""
+    from collective.chief.reports import failed_summary
+
+    summary = failed_summary(error, transport=args.transport, model=args.model)
+    summary["exit_code"] = code
+    return summary
 
 
 def _status(args: argparse.Namespace) -> int:

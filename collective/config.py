@@ -160,6 +160,27 @@ def positive_int(text: str) -> int:
     return v
 
 
+def token_text(text: str) -> str:
+    """A cluster token as the command line or the environment gives it: printable ASCII, the
+    only characters a gRPC metadata value carries (a newline or an accented letter failed every
+    call with "Invalid metadata", blamed on whoever made the first one)."""
+    bad = token_problem(text)
+    if bad:
+        raise argparse.ArgumentTypeError(bad)
+    return text
+
+
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be a cluster token, or None."""
+    for i, c in enumerate(token):
+        if not " " <= c <= "~":
+            # Not the character itself: the token is a secret.
+            return (f"the token's character {i + 1} is not printable ASCII (a newline, a control character or a "
+                    f"non-ASCII letter), the only characters gRPC metadata carries; use letters, digits and "
+                    f"punctuation")
+    return None
+
+
 def add_option(
     parser: argparse.ArgumentParser,
     name: str,

@@ -79,7 +79,9 @@ def run_main(main: Callable[[], int]) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     raise_fd_limit()
     try:
-        if _early_sigint:
+        # A Ctrl-C while the entry point loaded ends it here, unless ``main`` acts on it itself
+        # once it knows its arguments (``collective launch --json``: a summary line even then).
+        if _early_sigint and not getattr(main, "acts_on_early_sigint", False):
             raise KeyboardInterrupt
         code = main()
         sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below

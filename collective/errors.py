@@ -179,6 +179,8 @@ def env_error(name: str, raw: str, why: str) -> UsageError:
     """The one form of a bad value in an environment variable: it names the variable and the
     value (its repr, control characters escaped, cut to 80 characters)."""
     shown = repr(raw[:80]) + (f"...({len(raw) - 80} more)" if len(raw) > 80 else "")
+    if name.endswith("_TOKEN"):  # a secret: named, never shown
+        return UsageError(f"environment variable {name} (not shown): {why}")
     return UsageError(f"environment variable {name}={shown}: {why}")
 
 

@@ -28,6 +28,7 @@ from collective.config import (
     settings_from_env,
     timeout_flags,
     tls_flags,
+    token_text,
 )
 from collective.entry import run_main
 from collective.topology import TOPOLOGIES
@@ -59,7 +60,7 @@ CHIEF_FLAGS: tuple[Flag, ...] = (
          "a *.safetensors.index.json or a checkpoint directory", default="mlp"),
     Flag("seed", "seed for initializer specs (overrides the spec's)", int),
     Flag("bind", "HOST:PORT to listen on; port 0 picks a free port", default="0.0.0.0:50051"),
-    Flag("token", "cluster token every worker must present"),
+    Flag("token", "cluster token every worker must present", parse=token_text),
     *tls_flags(worker=False),
     Flag("shm", "offer the arena to workers on this host through shared memory (--no-shm: network only)",
          parse_bool, True, boolean=True),
@@ -83,7 +84,7 @@ WORKER_FLAGS: tuple[Flag, ...] = (
     Flag("devices", "local devices, one replica each", default="cpu:0"),
     Flag("worker-id", "this worker's id; default HOSTNAME-PID"),
     Flag("rank", "preferred rank (the chief gives another if it is taken)", int, -1),
-    Flag("token", "the cluster token"),
+    Flag("token", "the cluster token", parse=token_text),
     *tls_flags(worker=True),
     Flag("shm", "map the arena of the chief or of this host's receiving worker through shared memory when on "
          "their host (--no-shm: network only)", parse_bool, True, boolean=True),

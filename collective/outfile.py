@@ -61,6 +61,8 @@ class OutputFile:
                 st = os.stat(name, dir_fd=self._dir, follow_symlinks=False)
             except FileNotFoundError:
                 st = None
+            except OSError as exc:  # a name too long for the file system (ENAMETOOLONG), say
+                raise UsageError(f"{self.what}: {exc.strerror or exc}; name another file") from None
             if st is not None and stat.S_ISDIR(st.st_mode):
                 raise UsageError(f"{self.what} is a directory; name a file in it")
             # Hidden, unguessable, and within one name's length: ".NAME.<16 hex>.tmp".

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from collective._proto import collective_pb2 as pb
 from collective.errors import UsageError
+from collective.limits import MAX_ERROR_CHARS
+from collective.logs import printable
 from collective.rundir import LOCK_NAME, RESULT_FILE, STATUS_FILE
 
 # The most of an ended launch's result.json read (its variables are listed: a large model's is long).
@@ -76,12 +78,18 @@ def _launch_holds(run_dir: Path) -> bool:
 def ended_result(run_dir: str | Path) -> dict | None:
     """The summary an ended launch left in ``run_dir`` (``result.json``), None if none yet (or
     a half-written one)."""
-    raw = _read_own(Path(run_dir) / RESULT_FILE, RESULT_LIMIT)
+    path = Path(run_dir) / RESULT_FILE
+    raw = _read_own(path, RESULT_LIMIT)
     try:
         result = json.loads(raw) if raw is not None else None
     except ValueError:
         return None
-    return result if isinstance(result, dict) else None
+    if not isinstance(result, dict):
+        return None
+    if not isinstance(result.get("workers") or [], list) or not isinstance(result.get("error") or "", str):
+        raise UsageError(f"{path} is not a launch's summary (its workers a list, its error a string); "
+                         f"its logs: collective logs {run_dir}")
+    return result
 
 
 def run_of(run_dir: str) -> Run:
@@ -93,7 +101,11 @@ def run_of(run_dir: str) -> Run:
     if raw is not None:
         try:
             info = json.loads(raw)
-            return Run(run_dir, address=str(info["chief"]), token=info.get("token"), launch_pid=info.get("launch_pid"))
+            run = Run(run_dir, address=info["chief"], token=info.get("token"), launch_pid=info.get("launch_pid"))
+            if not (isinstance(run.address, str) and isinstance(run.token, (str, type(None)))
+                    and (run.launch_pid is None or type(run.launch_pid) is int and run.launch_pid > 0)):
+                raise TypeError("not the types launch writes")
+            return run
         except (ValueError, KeyError, TypeError):
             raise UsageError(f"{path / STATUS_FILE} is not a launch's status file (JSON with chief and token)") from None
     if not path.is_dir():
@@ -148,7 +160,7 @@ def _outcome(result: dict) -> str:
     if result.get("ok"):
         workers = result.get("workers") or []
         return f"started: {len(workers)}/{len(workers)} workers verified, model {result.get('model') or '-'}"
-    return f"failed: {result.get('error') or 'see its logs'}"
+    return f"failed: {printable(result.get('error') or 'see its logs', limit=MAX_ERROR_CHARS)}"
 
 
 def outcome_text(run_dir: str, result: dict | None) -> str:

@@ -11,6 +11,9 @@ Hostile (what a holder built from the project's own code can send):
                       (its culprit and phase ``--error-field-chars`` each), sent whole: the cut an
                       honest sender makes (``logs.printable`` in the raw data path and in the gRPC
                       servicer, of the culprit in gRPC's trailers) is removed
+``--tree-step-chars N``  its structure (the TREE variable, covered by its own plan's digests)
+                      names as its step a string of N characters, with a terminal escape
+``--tree-kind-chars N``  its structure holds a node whose kind is N characters
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def main() -> None:
     p.add_argument("--mib", type=float, default=1.0)
     p.add_argument("--error-chars", type=int, default=0)
     p.add_argument("--error-field-chars", type=int, default=0)
+    p.add_argument("--tree-step-chars", type=int, default=0)
+    p.add_argument("--tree-kind-chars", type=int, default=0)
     a = p.parse_args()
     name = "n" * a.long_name if a.long_name else a.tensor
     state = {name: np.arange(int(a.mib * (1 << 20)) // 4, dtype=np.float32)}
@@ -52,6 +57,20 @@ def main() -> None:
             yield  # a generator, as Chunker.frames is
 
         Chunker.frames = failing
+    if a.tree_step_chars or a.tree_kind_chars:
+        import json
+
+        from collective.snapshot import tree
+
+        def hostile(skeleton, step):
+            if a.tree_kind_chars:
+                skeleton = {"d": [["w", skeleton["d"][0][1]], ["x", {"K" * a.tree_kind_chars: 1}]]}
+            if a.tree_step_chars:
+                step = "\x1b[2J" + "S" * a.tree_step_chars
+            return np.frombuffer(json.dumps({"format": tree.FORMAT, "step": step, "tree": skeleton}).encode(),
+                                 dtype=np.uint8)
+
+        tree.encode = hostile
     pub = collective.publish(state, step=a.step, bind="127.0.0.1:0", name="h0")
     serve(pub, a.address_file, a.step)
 

@@ -39,6 +39,7 @@ import numpy as np
 from collective import dtypes
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.config import parse_address
 from collective.digest import bytes_digest, chunk_digests
 from collective.limits import (
     MAX_HOLDER_NAME_CHARS,
@@ -128,6 +129,8 @@ def _sources(sources: str | Sequence[str]) -> list[str]:
     out = [a.strip() for item in items for a in str(item).split(",") if a.strip()]
     if not out:
         raise E.UsageError("fetch needs at least one holder address (host:port)")
+    for address in out:  # gRPC would take port 99999 as 34463 (mod 65536), no port as 443
+        parse_address(address, what="holder address")
     return list(dict.fromkeys(out))
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from collective import dtypes, tensors
 from collective.errors import ProtocolError, UsageError
 from collective.limits import MAX_SNAPSHOT_TREE_BYTES, MAX_SNAPSHOT_TREE_DEPTH
+from collective.model import quoted
 
 TREE = "#tree"
 """The plan variable that holds the skeleton (a key path of that name is refused)."""
@@ -123,7 +124,7 @@ def decode(data: np.ndarray, step: int, sender: str) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tree"), dict):
         raise ProtocolError(f"{sender} sent a structure that is not a snapshot skeleton of format {FORMAT}")
     if doc.get("step") != step or isinstance(doc.get("step"), bool):
-        raise ProtocolError(f"{sender} sent a structure of step {doc.get('step')!r} in its plan of step {step}")
+        raise ProtocolError(f"{sender} sent a structure of step {quoted(doc.get('step'))} in its plan of step {step}")
     return doc["tree"]
 
 
@@ -165,7 +166,7 @@ def unflatten(skeleton: dict, arrays: Mapping[str, np.ndarray], sender: str) -> 
             return value
         if kind == "f" and value in ("nan", "inf", "-inf"):
             return float(value)
-        raise bad(f"a node of kind {kind!r} holding a {type(value).__name__}")
+        raise bad(f"a node of kind {quoted(kind)} holding a {type(value).__name__}")  # the peer's key: cut
 
     state = build(skeleton, 0)
     if not isinstance(state, dict):

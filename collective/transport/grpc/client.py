@@ -14,7 +14,7 @@ import numpy as np
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective._proto import collective_pb2_grpc as pb_grpc
-from collective.config import TlsFiles
+from collective.config import TlsFiles, token_problem
 from collective.limits import peer_error
 from collective.logs import printable
 from collective.plan import MAX_PIECED_BYTES, from_pieces, to_pieces
@@ -92,6 +92,9 @@ class GrpcChiefLink(ChiefLink):
         """``name`` is who serves at ``address`` in messages: the chief, or a relay worker."""
         self.address = address
         self.name = name
+        bad = token_problem(token) if token else None
+        if bad:  # gRPC would fail every call with "Invalid metadata"
+            raise E.UsageError(f"cluster token for {name} at {address}: {bad}")
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
         self._token = token
         self.tls = tls if tls is not None and tls.enabled else None
@@ -144,10 +147,12 @@ class GrpcChiefLink(ChiefLink):
                   raised: dict | None = None) -> E.CollectiveError:
         """The error a failed call stands for: what the peer raised (``raised``: its class,
         culprit and phase), or, for a status gRPC made itself, what its code means here."""
-        details, culprit, phase = peer_error(details, raised)  # a peer's text, bounded
+        # A peer's text, bounded. Its phase is the peer's own (None for a status gRPC made
+        # itself): ``phase`` stays this call's, which the messages below name.
+        details, culprit, peer_phase = peer_error(details, raised)
         if raised is not None:
             err = self._raised(E.wire_class(raised.get("class"), code.name), details)
-            err.culprit, err.phase = culprit, phase
+            err.culprit, err.phase = culprit, peer_phase
             return err
         if code == grpc.StatusCode.UNAUTHENTICATED:
             # A holder (collective.fetch) has no chief: the token is the one its holders share.
