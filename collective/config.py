@@ -84,6 +84,9 @@ class Parser(argparse.ArgumentParser):
             while (sub := parser._chosen(parsed)) is not None:
                 parser = sub
             parser.error(parser._unrecognized(extra))
+        for value in vars(parsed).values():  # only the options of the (sub)command that runs
+            if isinstance(value, BadEnvironment):
+                raise value.error
         return parsed
 
     def _chosen(self, parsed: argparse.Namespace) -> argparse.ArgumentParser | None:
@@ -107,6 +110,19 @@ class Parser(argparse.ArgumentParser):
             if near:
                 hints.append(f"{name}: did you mean {' or '.join(near[:3])}?")
         return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+class BadEnvironment:
+    """The default of an option whose ``COLLECTIVE_*`` value is bad: refused by ``Parser`` when
+    arguments are parsed, and only if the command that runs has that option and the command line
+    does not set it (``COLLECTIVE_TRANSPORT=foo`` must not break ``collective --version`` or
+    ``collective status``)."""
+
+    def __init__(self, error: UsageError) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:
+        return "(a bad environment value)"
 
 
 def env_name(option: str) -> str:
@@ -192,8 +208,8 @@ def add_option(
 ) -> None:
     """Add ``--name`` whose default comes from ``COLLECTIVE_<NAME>``, then ``default``.
 
-    The environment value is parsed by ``type`` when arguments are parsed, so a bad value in the
-    environment is reported like a bad option, naming the variable.
+    The environment value is parsed by ``type`` here; a bad one is reported when arguments are
+    parsed (``BadEnvironment``), naming the variable, if the command that runs has the option.
     """
     env = env_name(name)
     raw = environ().get(env)
@@ -201,11 +217,11 @@ def add_option(
         try:
             default = type(raw)
         except (argparse.ArgumentTypeError, ValueError) as exc:
-            raise env_error(env, raw, str(exc)) from None
+            default = BadEnvironment(env_error(env, raw, str(exc)))
         # argparse checks choices only of what the command line gives, never of a default
         choices = kwargs.get("choices")
-        if choices is not None and default not in choices:
-            raise env_error(env, raw, f"not one of {', '.join(map(str, choices))}")
+        if choices is not None and not isinstance(default, BadEnvironment) and default not in choices:
+            default = BadEnvironment(env_error(env, raw, f"not one of {', '.join(map(str, choices))}"))
     parser.add_argument(
         f"--{name}", type=type, default=default, help=f"{help} (env {env})", **kwargs
     )

@@ -123,12 +123,30 @@ def test_a_bad_environment_value_is_one_line_of_one_form_naming_the_variable(env
     from tests.procs import ROOT
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
-    proc = subprocess.run([sys.executable, "-m", "collective.cli", "launch", "--workers", "1"], env={**clean, **env},
+    proc = subprocess.run([sys.executable, "-m", "collective.cli", "launch"], env={**clean, **env},
                           capture_output=True, text=True, timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
     [(name, value)] = env.items()
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"error: environment variable {name}={value!r}: "), proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["logs", "--help"], ["launch", "--workers", "1", "--transport", "grpc",
+                                                                    "--quiet", "--json"]])
+def test_a_bad_environment_value_is_refused_only_by_a_command_that_takes_it(argv):
+    """A bad `COLLECTIVE_TRANSPORT` broke every command, `--version` and `logs` included, since
+    the environment was parsed when the parsers were built; an option given on the command line
+    overrides it as any default."""
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    proc = subprocess.run([sys.executable, "-m", "collective.cli", *argv], env={**clean, "COLLECTIVE_TRANSPORT": "foo"},
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert "COLLECTIVE_TRANSPORT" not in proc.stderr, proc.stderr
 
 
 def test_the_options_reference_hides_what_help_hides():
