@@ -39,6 +39,7 @@ import numpy as np
 from collective import dtypes
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.arena import lazy_arena, warm
 from collective.digest import bytes_digest, chunk_digests
 from collective.limits import (
     MAX_HOLDER_NAME_CHARS,
@@ -52,7 +53,7 @@ from collective.replicas import variable_view
 from collective.sizes import format_bytes
 from collective.snapshot import tree
 from collective.snapshot.holder import HOLDER_SEP, MODEL_PREFIX, cluster_token
-from collective.stream import Receiver, differing_chunk, frame_table, lazy_arena, overlapping, warm
+from collective.stream import Receiver, differing_chunk, frame_table, overlapping
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from collective import logs
 from collective._proto import collective_pb2 as pb
+from collective.arena import new_arena
 from collective.config import Timeouts
 from collective.digest import chunk_digests, worker_digest
 from collective.errors import (
@@ -41,7 +42,6 @@ from collective.plan import (
     check_completes,
     declared,
     differing_chunk,
-    new_arena,
     parent_in,
     validate_plan,
 )

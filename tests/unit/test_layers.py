@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Models: variables and where their initial values come from.
     ("collective.model", "collective.variables", "collective.sources"),
     # The plan (the arena's layout, chunks, receivers), who feeds whom, and replicas of it.
-    ("collective.plan", "collective.stream", "collective.shards", "collective.topology", "collective.replicas"),
+    ("collective.plan", "collective.arena", "collective.stream", "collective.shards", "collective.topology", "collective.replicas"),
     # Transports: the interface and its backends.
     ("collective.transport",),
     # The command-line flags of the two roles, and their start.
