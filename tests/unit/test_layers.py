@@ -36,8 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("collective.options",),
     # The two roles, written once against the transport interface.
     ("collective.chief", "collective.worker"),
-    # Round runners: the local launcher and the MPI round.
-    ("collective.launch", "collective.mpi"),
+    # Round runners: the local launcher and the MPI round, and the summary table they print.
+    ("collective.launch", "collective.mpi", "collective.summary"),
     # The public Python API.
     ("collective._api", "collective.checks", "collective.snapshot", "collective"),
     # Framework hand-offs, on top of the API.
