@@ -242,7 +242,9 @@ class DataServer:
             conn.settimeout(None)  # a slow reader only slows us; keepalive notices a dead one
             self._stream(conn, ref, where)
         except (OSError, ssl.SSLError) as exc:
-            if self._said_hello(raw):  # still pending: it ended by itself (one cut as idle was counted)
+            # Still pending: it ended by itself (one cut as idle was counted; one cut by close()
+            # is not news, and its line would come after the server's owner is done with it).
+            if self._said_hello(raw) and not self._closed.is_set():
                 log.info("data connection from %s ended before it began: %s", where, exc)
         finally:
             with self._lock:
@@ -288,7 +290,8 @@ class DataServer:
         except E.CollectiveError as exc:
             self._send_error(conn, exc.code, str(exc), E.describe(exc))
         except (OSError, ssl.SSLError) as exc:
-            log.info("data stream to %s (%s) cut off: %s", ref.worker_id, where, exc)
+            if not self._closed.is_set():  # else close() cut it: said by whoever closed the server
+                log.info("data stream to %s (%s) cut off: %s", ref.worker_id, where, exc)
             self._handler.lost(ref, "its data stream call was cut off (process gone or connection lost)")
 
     @staticmethod

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,18 @@ def streamed_digests(directory: Path) -> dict[str, str]:
     return out
 
 
+# The 4 GiB round's deadlines and the test's, from one place. The test waits for the round to end,
+# an event: the chief ends it by itself within its join and ready deadlines and lingers until its
+# workers heard the outcome, so every wait below shares that one deadline, never a budget of its
+# own that a loaded machine overruns. pytest's timeout is that deadline plus _BIG_FILES for writing
+# the 4 GiB and hashing them again (the write alone overran pytest's default 120 s beside three
+# CPU-bound processes).
+_BIG_JOIN, _BIG_READY, _BIG_LINGER = 300, 600, 30
+_BIG_ROUND = _BIG_JOIN + _BIG_READY + _BIG_LINGER + 60  # + starting three processes on a loaded machine
+_BIG_FILES = 600
+
+
+@pytest.mark.timeout(_BIG_ROUND + _BIG_FILES)
 def test_a_4_gib_checkpoint_is_served_from_its_files_without_a_copy_in_the_chiefs_memory(tmp_path, cluster):
     """Issue 20's test model: a generated 4 GiB checkpoint in 4 files, to one worker over the
     network and one mapping the files on this host. The chief never holds the model: its peak
@@ -163,12 +176,14 @@ def test_a_4_gib_checkpoint_is_served_from_its_files_without_a_copy_in_the_chief
 
 
 def _serve_4_gib(tmp_path: Path, cluster, ckpt: Path) -> None:
-    chief = cluster.chief("--workers", "2", "--model", str(ckpt), "--from-file", "--topology", "star",
-                          "--ready-timeout", "600", "--join-timeout", "300")
-    net = cluster.worker("net", "--no-shm", "--start-timeout", "600")
-    shm = cluster.worker("shm", "--start-timeout", "600")
-    for p in (net, shm, chief):
-        assert p.wait(900) == 0, p.output()[-3000:]
+    deadlines = ("--join-timeout", str(_BIG_JOIN), "--ready-timeout", str(_BIG_READY), "--linger", str(_BIG_LINGER))
+    round_over = time.monotonic() + _BIG_ROUND
+    chief = cluster.chief("--workers", "2", "--model", str(ckpt), "--from-file", "--topology", "star", *deadlines)
+    worker = ("--join-timeout", str(_BIG_JOIN), "--start-timeout", str(_BIG_READY))
+    net = cluster.worker("net", "--no-shm", *worker)
+    shm = cluster.worker("shm", *worker)
+    for p in (chief, net, shm):
+        assert p.wait(max(1.0, round_over - time.monotonic())) == 0, p.output()[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["ok"] and result["chief"]["from_file"], result["error"]
     assert result["bytes"] >= 4 << 30

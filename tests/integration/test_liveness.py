@@ -62,14 +62,17 @@ def test_a_frozen_worker_is_caught_by_the_lease_and_learns_of_the_abort_after_si
 
 def test_a_failed_chief_writes_its_result_before_it_lingers_for_a_worker_that_never_hears(cluster):
     """A launcher may stop a chief soon after the outcome: the result must not wait for the
-    linger (here the whole 5 s, since the frozen worker never hears)."""
-    chief = cluster.chief("--workers", "2", *HB)
+    linger (here a lease, 8 s, since the frozen worker never hears). The frozen worker is frozen
+    before the other joins; the chief's lease outlasts that join (a fresh process: beside three
+    CPU-bound processes it took over HB's 1.5 s, and the chief freed the frozen worker's slot
+    before the broadcast, so the round waited for a second worker instead of failing)."""
+    chief = cluster.chief("--workers", "2", "--heartbeat-interval", "0.3", "--heartbeat-timeout", "8")
     frozen = cluster.worker("frozen", *HB)
     wait_for(frozen, "waiting for the plan")
     frozen.signal(signal.SIGSTOP)
     try:
         cluster.worker("other", *HB)
-        wait_for(chief, "round aborted:")
+        wait_for(chief, "round aborted:", timeout=60)  # within the other's join deadline and a lease
         result_file = cluster.tmp / "result.json"
         wait_until(lambda: result_file.exists() or chief.proc.poll() is not None, "the result file or the chief's exit")
         assert chief.proc.poll() is None, "the chief wrote its result only as it exited"
@@ -150,18 +153,23 @@ def test_a_chief_killed_mid_broadcast_fails_every_worker_fast(cluster):
 
 
 # The new chief binds, then loads its model: a worker of the old one may reach it either while
-# it loads (a model of 100M parameters takes seconds: several heartbeats) or after.
+# it loads (a model of 100M parameters takes seconds: several heartbeats) or after. The worker's
+# lease (RESTART_LEASE) outlasts the restart, which is a new Python process binding the port:
+# beside three CPU-bound processes that took over HB's 1.5 s, and the worker gave up on the chief
+# as unreachable before the new one could answer. The worker ends by its lease at the latest.
+RESTART_LEASE = 60
+
 @pytest.mark.parametrize("model", [[], ["--model", "transformer-100m"]], ids=["small", "loading"])
 def test_a_restarted_chief_makes_connected_workers_abort_naming_the_restart(cluster, tmp_path, model):
     first = cluster.chief("--workers", "2", *HB)
     port = cluster.address.rsplit(":", 1)[1]
-    worker = cluster.worker("loyal", *HB)
+    worker = cluster.worker("loyal", "--heartbeat-interval", "0.5", "--heartbeat-timeout", str(RESTART_LEASE))
     wait_for(worker, "waiting for the plan")
     first.signal(signal.SIGKILL)
-    first.wait(10)
+    first.wait(30)
     (tmp_path / "chief.port").unlink()
     cluster.chief("--workers", "2", "--bind", f"127.0.0.1:{port}", *model, *HB)
-    assert worker.wait(30) != 0
+    assert worker.wait(RESTART_LEASE + 30) != 0
     out = worker.output()
     assert "restarted" in out, out
     assert "training started" not in out
@@ -213,26 +221,44 @@ def test_a_restart_while_the_frozen_holder_looks_alive_is_refused_and_the_round_
         old.signal(signal.SIGCONT)
 
 
+# A round that must complete on a loaded machine: the chief ends it by itself within its join and
+# ready deadlines and lingers until its workers heard the outcome, so the test waits for that end
+# (an event) within one deadline built from them, never on a budget of its own. Heartbeats keep
+# their defaults (a 15 s lease): HB's 1.5 s lease, with heartbeat calls cut at 0.3 s, declared a
+# restarted worker lost while it received 394 MB beside three CPU-bound processes, and a kill is
+# seen through the presence call anyway, at once.
+ROUND_JOIN, ROUND_READY, ROUND_LINGER = 60, 240, 30
+ROUND_DEADLINES = ("--join-timeout", str(ROUND_JOIN), "--ready-timeout", str(ROUND_READY),
+                   "--linger", str(ROUND_LINGER))
+ROUND = ROUND_JOIN + ROUND_READY + ROUND_LINGER + 60  # + starting the processes on a loaded machine
+
+
+def wait_for_round(procs, started: float) -> None:
+    """Each of ``procs`` ends with exit 0 within the round's deadline, counted from ``started``."""
+    for p in procs:
+        assert p.wait(max(1.0, started + ROUND - time.monotonic())) == 0, p.output()[-3000:]
+
+
+@pytest.mark.timeout(ROUND + 60)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_with_a_rejoin_window_a_killed_worker_restarted_mid_broadcast_takes_its_rank_and_the_round_completes(
         cluster, sig):
     """``--rejoin-timeout``: a worker SIGKILLed mid-stream and started again with its id is
     admitted in its rank; the other worker is not restarted and the round completes. So is one
     preempted (SIGTERM): it tells the chief it was stopped, which keeps its rank for a restart."""
+    started = time.monotonic()
     chief = cluster.chief("--workers", "2", "--model", "transformer-100m", "--chunk-bytes", "65536", "--no-shm",
-                          "--topology", "star", "--rejoin-timeout", "60", *HB)
-    victim = cluster.worker("phoenix", "--rank", "0", *HB, code=SLOW_RECEIVER)
-    other = cluster.worker("other", "--rank", "1", *HB)
-    wait_for(victim, "phase=receive")
+                          "--topology", "star", "--rejoin-timeout", "60", *ROUND_DEADLINES)
+    victim = cluster.worker("phoenix", "--rank", "0", code=SLOW_RECEIVER)
+    other = cluster.worker("other", "--rank", "1")
+    wait_for(victim, "phase=receive", timeout=ROUND_JOIN)  # the worker's own join deadline
     victim.signal(sig)
-    assert victim.wait(10) == (-sig if sig == signal.SIGKILL else 128 + sig), victim.output()
-    wait_for(chief, "waiting up to 60 s for it to rejoin")
+    assert victim.wait(30) == (-sig if sig == signal.SIGKILL else 128 + sig), victim.output()
+    wait_for(chief, "waiting up to 60 s for it to rejoin", timeout=60)
     if sig == signal.SIGTERM:  # named in the worker's own words
         assert "it was stopped (worker phoenix stopped by SIGTERM while receiving)" in chief.output()
-    reborn = cluster.worker("phoenix", "--rank", "0", *HB)
-    assert reborn.wait(60) == 0, reborn.output()
-    assert other.wait(60) == 0, other.output()
-    assert chief.wait(30) == 0, chief.output()
+    reborn = cluster.worker("phoenix", "--rank", "0")
+    wait_for_round([chief, reborn, other], started)
     assert "worker phoenix (rank 0" in chief.output() and "rejoined as incarnation" in chief.output()
     result = json.loads((cluster.tmp / "result.json").read_text())
     assert result["ok"] is True and result["rejoined"] == ["phoenix"], result

@@ -3,6 +3,7 @@ the same checks, auth, errors and liveness as the FetchRaw stream it stands besi
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import threading
@@ -17,7 +18,7 @@ from collective.arena import new_arena
 from collective.plan import Chunker, Receiver
 from collective.transport import rawtcp
 from collective.transport.grpc import GrpcChiefLink, GrpcEndpoint, TlsFiles
-from tests.procs import ROOT
+from tests.procs import ROOT, wait_until
 from tests.unit.test_plan import make_plan
 
 pytestmark = pytest.mark.integration
@@ -262,3 +263,35 @@ def test_a_receiver_that_vanishes_mid_stream_is_reported_lost():
     finally:
         endpoint.stop(0.5)
     assert "cut off" in handler.lost_reasons[0]
+
+
+def _new_stream_threads(before: set) -> list:
+    return [t for t in threading.enumerate() if t not in before and t.name == "data-stream"]
+
+
+@pytest.mark.parametrize("when", ["hello", "stream"])
+def test_a_closed_data_server_logs_nothing_of_the_connections_it_cut(model, caplog, when):
+    # CI's "--- Logging error ---": a data server's thread logged the connection its own close()
+    # had cut ("data stream to ... cut off", "data connection from ... ended before it began")
+    # after its endpoint had stopped, so after the test that owned it, into a stream pytest had
+    # closed. A connection the server cut on purpose is not news: once closed, it logs nothing.
+    plan, arena = model
+    handler = Handler(plan, arena, hang_at=1)
+    before = set(threading.enumerate())
+    server = rawtcp.DataServer("127.0.0.1", handler, token=TOKEN)
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    try:
+        if when == "stream":  # mid-stream: the first chunk sent, the sender waits to send the next
+            body = REF.SerializeToString()
+            sock.sendall(rawtcp._HELLO.pack(rawtcp.MAGIC, len(body), len(TOKEN)) + body + TOKEN.encode())
+            sock.recv(100)
+        wait_until(lambda: _new_stream_threads(before), "the connection's thread")
+        caplog.set_level(logging.DEBUG, logger=rawtcp.log.name)
+        server.close()
+        handler.release.set()  # the sender's next send meets the connection its close cut
+        wait_until(lambda: not _new_stream_threads(before), "the end of the connection's thread", timeout=60)
+    finally:
+        handler.release.set()
+        sock.close()
+        server.close()
+    assert not [r.getMessage() for r in caplog.records if r.name == rawtcp.log.name]

@@ -184,6 +184,13 @@ def test_a_join_after_start_is_refused_and_the_started_round_is_unaffected():
     assert service.phase is Phase.STARTED and service.result()["ok"] is True
 
 
+# The round's deadlines and the test's from one place: pytest's timeout is the round's wait plus
+# _BIG_SETUP for building the 4 GiB of arrays, the chief's arena and its digests first (over 120 s
+# beside three CPU-bound processes, where pytest's default timeout ended the test in the digests).
+_BIG_ROUND, _BIG_SETUP = 600, 300
+
+
+@pytest.mark.timeout(_BIG_ROUND + 60 + _BIG_SETUP)
 def test_a_model_over_4_gib_with_a_variable_over_2_gib_arrives_bit_exact_in_bounded_memory():
     """Case 18, in one process: the chief's arena and the worker's arena, and no third copy.
 
@@ -204,10 +211,11 @@ def test_a_model_over_4_gib_with_a_variable_over_2_gib_arrives_bit_exact_in_boun
     if free is not None and free < 2.2 * payload:  # the chief would refuse the model, rightly
         pytest.skip(f"needs {2.2 * payload / 2**30:.1f} GiB of memory; {free / 2**30:.1f} GiB available now")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    patient = dataclasses.replace(FAST, ready=900, start=900, stall=300)  # slow CI machines: no timing here
+    # slow CI machines: no timing here; the round ends by its own deadlines, within the wait
+    patient = dataclasses.replace(FAST, ready=_BIG_ROUND, start=_BIG_ROUND, stall=300)
     service, _, agents = cluster({"big": big, "big2": big2, "small": small}, [["cpu:0"]], timeouts=patient,
                                  chunk_bytes=16 << 20)
-    r, sup = run_threads([agents[0].run, service.supervise], timeout=600)
+    r, sup = run_threads([agents[0].run, service.supervise], timeout=_BIG_ROUND + 60)
     assert sup is None, sup
     assert service.arena.nbytes > 2**32
     got = r.variables.get("big").replicas[0]
