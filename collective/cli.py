@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from collective.launch import Launcher, exit_code, summary_table
+    from collective.launch import Launcher, exit_code
+    from collective.summary import summary_table
 
     launcher = None
     try:

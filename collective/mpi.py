@@ -210,7 +210,7 @@ def _keep_failure(args, exc: CollectiveError) -> None:
 
 def _chief(comm, args, watchdog) -> int:
     from collective.chief.round import load_source_reporting
-    from collective.launch import summary_table
+    from collective.summary import summary_table
 
     timeouts = timeouts_from_args(args)
     watchdog.phase("load model", timeouts.join)

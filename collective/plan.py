@@ -26,7 +26,6 @@ from collective.digest import bytes_digest, chunk_digests, combined_digest
 from collective.errors import InvalidVariableError, ProtocolError
 from collective.model import Aggregation, Synchronization, VariableSpec, check_specs
 from collective.stream import (  # noqa: F401  (re-exported: the package imports them from here)
-    PAGE,
     Chunker,
     Lockstep,
     Receiver,
@@ -34,7 +33,6 @@ from collective.stream import (  # noqa: F401  (re-exported: the package imports
     culprit,
     differing_chunk,
     frame_messages,
-    new_arena,
     overlapping,
     with_bytes,
 )

@@ -151,7 +151,7 @@ class Transport(CheckpointTransport[dict]):
         while True:
             try:
                 # The fetch's arena has its pages in place before the first byte, at about
-                # the cost of the faster of huge and small pages (stream.new_arena).
+                # the cost of the faster of huge and small pages (arena.new_arena).
                 state = collective.fetch(sources, step=step, token=self._token,
                                          timeout=max(deadline - time.monotonic(), 0.1),
                                          stall_timeout=self._stall, tls=self._tls)

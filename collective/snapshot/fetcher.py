@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import itertools
 import logging
 import os
 import threading
@@ -39,31 +38,27 @@ import numpy as np
 from collective import dtypes
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.arena import lazy_arena
 from collective.config import parse_address
 from collective.digest import bytes_digest, chunk_digests
-from collective.limits import (
-    MAX_HOLDER_NAME_CHARS,
-    MAX_SNAPSHOT_PLAN_BYTES,
-    snapshot_chunking_refused,
-)
-from collective.logs import printable
-from collective.model import quoted
+from collective.limits import MAX_SNAPSHOT_PLAN_BYTES, snapshot_chunking_refused
 from collective.plan import align, validate_plan
 from collective.replicas import variable_view
 from collective.sizes import format_bytes
 from collective.snapshot import tree
 from collective.snapshot.holder import HOLDER_SEP, MODEL_PREFIX, cluster_token
-from collective.stream import Receiver, differing_chunk, frame_table, lazy_arena, overlapping, warm
+from collective.snapshot.stripes import (
+    MAX_ACTIVE_HOLDERS,
+    Holder,
+    Striper,
+    differing,
+    layout_digest,
+    one_line,
+)
+from collective.stream import differing_chunk, overlapping
 
 log = logging.getLogger(__name__)
 
-STRIPE_BYTES = 64 << 20
-"""At most this much in one stripe: a lost holder's share is retaken in pieces this size. The
-arena's pages are put in place a stripe at a time, as each is asked for: a fetch commits at most
-``MAX_ACTIVE_HOLDERS`` stripes of memory ahead of the bytes that arrived."""
-MAX_ACTIVE_HOLDERS = 8
-"""At most this many holders serve one fetch at once, one thread each; the other sources are
-spares, asked for their plan only when a holder is dropped, to retake its share."""
 _REF = "fetch"  # who a fetch says it is (its worker id); under mutual TLS, its certificate's name
 
 
@@ -93,37 +88,6 @@ class Fetched(dict):
     stats: dict
 
 
-class _Holder:
-    def __init__(self, address: str, connect) -> None:
-        self.address, self._connect, self._link = address, connect, None
-        self.plan: pb.Plan | None = None
-        self.bytes = 0
-        self.stripes = 0
-        self.shared = False  # its sealed copy was mapped (same host), not streamed
-        self.dropped: str | None = None
-        self.label = ""  # its name (publish(name=)), from its plan: printable, bounded
-
-    @property
-    def link(self):
-        """Its channel, opened when first used (a spare never asked opens none)."""
-        if self._link is None:
-            self._link = self._connect(self.address)
-        return self._link
-
-    def close(self) -> None:
-        if self._link is not None:
-            self._link.close()
-            self._link = None
-
-    def name(self) -> str:
-        return f"holder {self.label} at {self.address}" if self.label else f"holder at {self.address}"
-
-    def named(self, label: str) -> None:
-        """Go by ``label`` (the holder's own choice: escaped, cut) here and in its link's errors."""
-        self.label = printable(label, MAX_HOLDER_NAME_CHARS)
-        self.link.name = f"holder {self.label}" if self.label else "holder"
-
-
 def _sources(sources: str | Sequence[str]) -> list[str]:
     items = [sources] if isinstance(sources, str) else list(sources)
     out = [a.strip() for item in items for a in str(item).split(",") if a.strip()]
@@ -141,7 +105,7 @@ def _memory_bytes() -> int:
         return 1 << 40
 
 
-def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
+def _check_plan(h: Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
     """The plan of holder ``h`` is one a fetch can take: consistent, of ``step``, not larger
     than ``max_bytes``, with a skeleton variable. Raises naming the holder."""
     if not plan.model.startswith(MODEL_PREFIX):
@@ -171,7 +135,7 @@ def _check_plan(h: _Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
                               f"{tree.MAX_TREE_BYTES}; refused before allocating")
 
 
-def _ask(h: _Holder, step: int, deadline: float, stall_timeout: float, max_bytes: int,
+def _ask(h: Holder, step: int, deadline: float, stall_timeout: float, max_bytes: int,
          ident: str) -> E.CollectiveError | None:
     """Ask ``h`` for its plan and check it (``h.plan`` set); the error that left it out, or None."""
     try:
@@ -186,16 +150,16 @@ def _ask(h: _Holder, step: int, deadline: float, stall_timeout: float, max_bytes
     return None
 
 
-def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout: float,
-               max_bytes: int, ident: str) -> tuple[list[_Holder], list[_Holder]]:
+def _ask_plans(holders: list[Holder], step: int, deadline: float, stall_timeout: float,
+               max_bytes: int, ident: str) -> tuple[list[Holder], list[Holder]]:
     """The holders of ``step`` that agree on its manifest, asked in order in waves of at most
     ``MAX_ACTIVE_HOLDERS`` (one thread each) until a wave has one that answered; and the
     spares, those not asked (asked when a holder is dropped)."""
     errors: dict[str, E.CollectiveError] = {}
-    asked: list[_Holder] = []
-    answered: list[_Holder] = []  # in the order they answered; a thread still asking is not in it
+    asked: list[Holder] = []
+    answered: list[Holder] = []  # in the order they answered; a thread still asking is not in it
 
-    def ask(h: _Holder) -> None:
+    def ask(h: Holder) -> None:
         exc = _ask(h, step, deadline, stall_timeout, max_bytes, ident)
         if exc is not None:
             errors[h.address] = exc
@@ -223,11 +187,11 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout
     if not ready:
         if len(errors) == 1:
             raise next(iter(errors.values()))
-        said = [_one_line(e) for e in errors.values()]
+        said = [one_line(e) for e in errors.values()]
         more = f"; and {len(said) - 5} more" if len(said) > 5 else ""
         raise E.FetchError(f"no holder serves step {step}: " + "; ".join(said[:5]) + more)
     for exc in errors.values():
-        log.warning("fetch of step %d: %s; fetching from the other holders", step, _one_line(exc))
+        log.warning("fetch of step %d: %s; fetching from the other holders", step, one_line(exc))
     groups = collections.defaultdict(list)
     for h in ready:
         groups[h.plan.manifest_digest].append(h.name())
@@ -239,23 +203,13 @@ def _ask_plans(holders: list[_Holder], step: int, deadline: float, stall_timeout
     return best[:MAX_ACTIVE_HOLDERS], best[MAX_ACTIVE_HOLDERS:] + spares
 
 
-def _layout(plan: pb.Plan) -> str:
-    """What stripes from several holders need in common beyond the manifest: the same bytes at
-    the same offsets in the same chunks (``chunk_bytes`` is the publisher's choice)."""
-    bare = pb.Plan()
-    bare.CopyFrom(plan)
-    bare.chief_incarnation = bare.shm_socket = bare.shm_secret = ""  # each holder's own
-    bare.model = ""  # its name too (the step was checked apart)
-    return bytes_digest(bare.SerializeToString(deterministic=True))
-
-
-def _same_layout(ready: list[_Holder]) -> list[_Holder]:
+def _same_layout(ready: list[Holder]) -> list[Holder]:
     """The most holders whose plans lay the state out alike (the first such group on a tie);
     the others, of the same manifest but other chunks, are left out with a warning (their
     stripes would be checked against another plan's chunk digests, and blamed wrongly)."""
     groups = collections.defaultdict(list)
     for h in ready:
-        groups[_layout(h.plan)].append(h)
+        groups[layout_digest(h.plan)].append(h)
     best = max(groups.values(), key=len)
     for h in ready:
         if h not in best:
@@ -263,261 +217,6 @@ def _same_layout(ready: list[_Holder]) -> list[_Holder]:
                         "left out, striping over %d holder(s) of one layout", h.name(), h.plan.chunk_bytes,
                         h.plan.total_bytes, len(best))
     return best
-
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())
-
-
-def _differing(plan: pb.Plan, buf: np.ndarray, base: int, start: int, end: int) -> str:
-    """The variable whose bytes in ``start..end`` differ from its digest: the first one held
-    whole in ``buf`` (bytes from ``base`` on) that does, else the first only partly held."""
-    partial = None
-    for v in overlapping(plan, start, end):
-        lo, hi = v.offset - base, v.offset + v.nbytes - base
-        if lo < 0 or hi > buf.size:
-            partial = partial or v.name
-        elif bytes_digest(memoryview(buf[lo:hi])) != v.digest:
-            return v.name
-    return partial or "the padding between variables"
-
-
-class _Watch:
-    """A stripe in progress: its receiver, and since when it has verified nothing more."""
-
-    def __init__(self, receiver: Receiver) -> None:
-        self.receiver, self.pos, self.since = receiver, receiver.verified_to, time.monotonic()
-
-
-class _Striper:
-    """The stripes of one fetch, the threads that take them (one per active holder, at most
-    ``MAX_ACTIVE_HOLDERS``) and the outcome. A thread whose holder is dropped goes on with a
-    spare, if one is left and its plan lays the state out alike."""
-
-    def __init__(self, plan: pb.Plan, holders: list[_Holder], spares: list[_Holder], arena: np.ndarray | None,
-                 scatter, stall_timeout: float, ident: str, ask) -> None:
-        self.ident = ident
-        self.plan, self.holders, self.arena, self.scatter = plan, list(holders), arena, scatter
-        self.spares, self.ask, self.layout = collections.deque(spares), ask, _layout(plan)
-        self.stall_timeout = stall_timeout
-        self.table = frame_table(plan)  # once: every stripe's Receiver checks against it
-        size, total = plan.chunk_bytes, plan.total_bytes
-        chunks = -(-total // size)
-        per = max(1, min(-(-chunks // (4 * len(holders))), max(1, STRIPE_BYTES // size)))
-        self.queue = collections.deque(_stripes(plan, per, scatter is not None))
-        # With ``into``: the largest stripe that is not received in place, the size of each
-        # holder's buffer (a stripe given back is part of one, never larger).
-        self.mixed_bytes = max((b - a for a, b in self.queue if scatter is not None and scatter.target(a, b) is None),
-                               default=0)
-        self.left = len(self.queue)
-        self.cond = threading.Condition()
-        self.failure: BaseException | None = None
-        self.bad: list[str] = []
-        self.watches: dict[_Holder, _Watch] = {}
-
-    def run(self, deadline: float, timeout: float) -> None:
-        threads = [threading.Thread(target=self._take, args=(h,), name="fetch-stripes", daemon=True)
-                   for h in self.holders]
-        for t in threads:
-            t.start()
-        while True:
-            with self.cond:
-                if not (self.left and self.failure is None and time.monotonic() < deadline):
-                    break
-                if not any(t.is_alive() for t in threads):
-                    break
-                self.cond.wait(min(1.0, self.stall_timeout / 4, max(0.0, deadline - time.monotonic())))
-                stalled = self._stalled()
-            for h in stalled:  # outside the lock: its stripe comes back through _receive
-                log.warning("fetch: %s delivered no verified chunk for %g s; dropping it", h.name(), self.stall_timeout)
-                h.link.interrupt(E.DeadlineError(f"{h.name()} delivered no verified chunk for "
-                                                 f"{self.stall_timeout:g} s (its stripe stalled)"))
-        with self.cond:
-            done, failure = not self.left, self.failure
-        if not done:
-            why = failure or E.DeadlineError("the fetch did not complete in time")
-            with self.cond:
-                self.failure = self.failure or why  # the threads waiting for a stripe stop
-                holders = list(self.holders)
-            for h in holders:
-                h.link.interrupt(why if isinstance(why, E.CollectiveError) else E.AbortedError(str(why)))
-            for t in threads:
-                t.join(5.0)
-            if failure is not None:
-                raise failure
-            raise self._missing(deadline, timeout)
-        for t in threads:
-            t.join(5.0)
-
-    def _stalled(self) -> list[_Holder]:
-        """The holders whose stripe verified no chunk for ``stall_timeout`` while another holder
-        (or a spare) is left to retake it: a trickle is as lost as a silence. The only holder
-        left keeps its stripe until the fetch's deadline. Called with the lock held."""
-        now, out = time.monotonic(), []
-        for h, w in self.watches.items():
-            pos = w.receiver.verified_to
-            if pos != w.pos:
-                w.pos, w.since = pos, now
-            elif now - w.since >= self.stall_timeout and h.dropped is None and (
-                    self.spares or any(g is not h and g.dropped is None for g in self.holders)):
-                out.append(h)
-                w.since = float("inf")  # interrupted once
-        return out
-
-    def _missing(self, deadline: float, timeout: float) -> E.CollectiveError:
-        """Why stripes are left: every holder dropped, or the deadline."""
-        with self.cond:
-            left = sorted(self.queue)
-        if left:
-            a = left[0][0]
-            names = overlapping(self.plan, a, left[-1][1])
-            what = (f"bytes {a}..{left[-1][1]} ({quoted(names[0].name)}" + (f" .. {quoted(names[-1].name)})" if len(names) > 1 else ")")
-                    if names else f"bytes {a}..{left[-1][1]}")
-        else:
-            what = "stripes in progress"
-        dropped = [f"{h.name()} {h.dropped}" for h in self.holders if h.dropped]
-        if time.monotonic() >= deadline:
-            return E.DeadlineError(f"fetch did not complete within {timeout:g} s; still missing {what}"
-                                   + (f" ({'; '.join(dropped)})" if dropped else ""))
-        if self.bad and len(self.bad) == len(dropped):
-            return E.IntegrityError("; ".join(self.bad) + f"; no other holder is left for {what}")
-        return E.FetchError("; ".join(dropped) + f"; no holder is left for {what}")
-
-    def _next(self) -> tuple[int, int] | None:
-        """The next stripe to take; None once none is left (or the fetch has failed). While the
-        queue is empty, another holder's stripe may come back (it is dropped): wait for that."""
-        with self.cond:
-            while self.failure is None and self.left:
-                if self.queue:
-                    return self.queue.popleft()
-                self.cond.wait(0.5)
-            return None
-
-    def _spare(self) -> _Holder | None:
-        """The next spare whose plan is this fetch's (same manifest, same layout), or None once
-        none is left, no stripe is left or the fetch has failed."""
-        while True:
-            with self.cond:
-                if self.failure is not None or not self.left or not self.spares:
-                    return None
-                h = self.spares.popleft()
-            exc = self.ask(h) if h.plan is None else None
-            if exc is None and (h.plan.manifest_digest != self.plan.manifest_digest or _layout(h.plan) != self.layout):
-                exc = E.FetchError(f"{h.name()} publishes manifest {h.plan.manifest_digest} in "
-                                   f"{h.plan.chunk_bytes}-byte chunks, not this fetch's")
-            if exc is not None:
-                log.warning("fetch: spare %s left out: %s", h.address, _one_line(exc))
-                h.close()
-                continue
-            log.info("fetch: %s takes over from a dropped holder", h.name())
-            with self.cond:
-                self.holders.append(h)
-            return h
-
-    def _take(self, h: _Holder | None) -> None:
-        # With ``into``, a stripe that lies inside one tensor is received into it; each holder's
-        # thread receives the others into one buffer of its own (its pages put in place as each
-        # stripe is asked for), and copies each out once verified.
-        own = lazy_arena(self.mixed_bytes) if self.arena is None else None
-        try:
-            while h is not None:
-                while (span := self._next()) is not None:
-                    if not self._receive(h, span, own):
-                        break  # dropped: a spare takes its place
-                else:
-                    return
-                h = self._spare()
-        except BaseException as exc:  # a bug here must end the fetch, not hang it
-            with self.cond:
-                self.failure = self.failure or exc
-                self.cond.notify_all()
-        finally:
-            with self.cond:
-                self.cond.notify_all()
-
-    def _receive(self, h: _Holder, span: tuple[int, int], own: np.ndarray | None) -> bool:
-        a, b = span
-        total = self.plan.total_bytes
-        if self.arena is not None:
-            buf, base = self.arena, 0
-            warm(buf, a, b)  # this stripe's pages, committed now that its bytes are asked for
-        else:
-            inside = self.scatter.target(a, b)
-            if inside is None:  # into this holder's buffer, copied out once verified
-                warm(own, 0, b - a)
-            buf, base = inside or (own[: b - a], a)
-        receiver = Receiver(self.plan, buf, span=span, base=base, table=self.table)
-        ref = pb.WorkerRef(worker_id=self.ident, resume_from=a, stop_at=b if b < total else 0)
-        with self.cond:
-            self.watches[h] = _Watch(receiver)
-        try:
-            h.link.receive_into(ref, receiver, self.stall_timeout)
-            receiver.finish()
-        except E.CollectiveError as exc:
-            pos = receiver.verified_to  # every chunk below it was verified
-            if pos >= b and not isinstance(exc, E.IntegrityError):  # only the stripe's end message was lost
-                return self._done(h, buf, base, a, b)
-            if self.failure is not None:  # interrupted by the fetch itself (its deadline): no one's fault
-                self._landed(h, buf, base, a, pos)
-                with self.cond:
-                    self.queue.appendleft((pos, b))
-                return False
-            if isinstance(exc, E.IntegrityError):
-                name = _differing(self.plan, buf, base, pos, min(pos + self.plan.chunk_bytes, b))
-                reason = f"sent bytes of {quoted(name)} that differ from its own plan"
-                with self.cond:
-                    self.bad.append(f"{h.name()} {reason}")
-            else:
-                reason = f"was lost ({_one_line(exc)})"
-            log.warning("fetch: %s %s; its stripe %d..%d goes to the other holders", h.name(), reason, pos, b)
-            self._landed(h, buf, base, a, pos)
-            with self.cond:
-                h.dropped = reason
-                self.queue.appendleft((pos, b))
-                self.cond.notify_all()
-            return False
-        finally:
-            with self.cond:
-                self.watches.pop(h, None)
-        return self._done(h, buf, base, a, b)
-
-    def _done(self, h: _Holder, buf: np.ndarray, base: int, a: int, b: int) -> bool:
-        self._landed(h, buf, base, a, b)
-        with self.cond:
-            h.stripes += 1
-            self.left -= 1
-            self.cond.notify_all()
-        return True
-
-    def _landed(self, h: _Holder, buf: np.ndarray, base: int, a: int, b: int) -> None:
-        """Bytes ``a..b`` are verified: count them for ``h`` and move them to ``into``'s arrays."""
-        if b <= a:
-            return
-        if self.scatter is not None:
-            self.scatter(buf, base, a, b)
-        with self.cond:
-            h.bytes += b - a
-
-
-def _stripes(plan: pb.Plan, per: int, inside: bool) -> list[tuple[int, int]]:
-    """The arena's chunks in stripes of at most ``per`` chunks.
-
-    ``inside`` (a fetch ``into`` arrays): a variable whose own chunks (those holding none of
-    another's bytes nor padding) make at least an eighth of a stripe is also cut at them, so
-    those stripes lie inside it and are received into its array in place. Smaller ones stay in
-    the stripes around them (copied out): many small variables do not make many small streams."""
-    size, total = plan.chunk_bytes, plan.total_bytes
-    chunks = -(-total // size)
-    cuts = set(range(0, chunks, per))
-    if inside:
-        least = max(1, per // 8)
-        for v in plan.variables:
-            end = v.offset + v.nbytes
-            first, last = -(-v.offset // size), (chunks if end == total else end // size)
-            if last - first >= least:
-                cuts.update((first, last))
-    edges = sorted(cuts - {chunks}) + [chunks]
-    return [(i * size, min(j * size, total)) for i, j in itertools.pairwise(edges)]
 
 
 class _Into:
@@ -588,7 +287,7 @@ def _check_variables(plan: pb.Plan, arrays: dict[str, np.ndarray], sender: str) 
                                    f"together; nothing returned")
 
 
-def _attach(ready: list[_Holder], plan: pb.Plan, ident: str) -> np.ndarray | None:
+def _attach(ready: list[Holder], plan: pb.Plan, ident: str) -> np.ndarray | None:
     """A same-host holder's sealed copy (``publish(copy=True)``), mapped copy-on-write and
     every chunk checked against the plan, or None (another host, no copy offered, or refused:
     then the stream). A mapping whose bytes differ names the holder and is not used."""
@@ -602,7 +301,7 @@ def _attach(ready: list[_Holder], plan: pb.Plan, ident: str) -> np.ndarray | Non
             continue
         differs = differing_chunk(plan, chunk_digests(arena, plan.chunk_bytes), plan.chunk_digests)
         if differs is not None:
-            name = _differing(plan, arena, 0, *differs)
+            name = differing(plan, arena, 0, *differs)
             log.warning("fetch: %s shares a copy whose bytes of %r differ from its own plan; not used", h.name(), name)
             continue
         h.bytes, h.shared = plan.total_bytes, True
@@ -663,7 +362,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     token = cluster_token(token)
     ident = _identity(tls)
     limit = max_bytes if max_bytes is not None else _memory_bytes()
-    holders = [_Holder(a, lambda a: GrpcChiefLink(a, token=token, name="holder", tls=tls)) for a in addresses]
+    holders = [Holder(a, lambda a: GrpcChiefLink(a, token=token, name="holder", tls=tls)) for a in addresses]
     try:
         ready, spares = _ask_plans(holders, step, deadline, stall_timeout, limit, ident)
         plan = ready[0].plan
@@ -679,7 +378,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
         else:
             # Its pages committed a stripe at a time, as each is asked for (``warm``).
             arena = lazy_arena(plan.total_bytes) if scatter is None else None
-            striper = _Striper(plan, ready, spares, arena, scatter, stall_timeout, ident,
+            striper = Striper(plan, ready, spares, arena, scatter, stall_timeout, ident,
                                lambda h: _ask(h, step, deadline, stall_timeout, limit, ident))
             striper.run(deadline, timeout)
             ready = striper.holders

@@ -30,6 +30,7 @@ import numpy as np
 
 from collective import config, dtypes
 from collective._proto import collective_pb2 as pb
+from collective.arena import new_arena
 from collective.config import TlsFiles
 from collective.digest import array_digest, bytes_digest, chunk_digests
 from collective.errors import AbortedError, ProtocolError, UnimplementedError, UsageError
@@ -40,7 +41,7 @@ from collective.limits import (
     snapshot_chunking_refused,
 )
 from collective.model import VariableSpec
-from collective.plan import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, build_plan, layout, new_arena
+from collective.plan import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, build_plan, layout
 from collective.snapshot import tree
 from collective.stream import Chunker, with_bytes
 

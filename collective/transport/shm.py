@@ -46,7 +46,7 @@ class SharedArena:
     network and serves its same-host peers). ``array`` is writable until ``seal()``."""
 
     def __init__(self, size: int, *, prefault: bool = False) -> None:
-        """``prefault``: fault every page in now (as ``plan.new_arena`` does for a receive arena),
+        """``prefault``: fault every page in now (as ``arena.new_arena`` does for a receive arena),
         not between two chunks of the stream."""
         self.size = size
         self.fd = os.memfd_create("collective-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)

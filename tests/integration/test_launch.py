@@ -280,7 +280,7 @@ def test_a_run_dir_whose_parent_is_missing_is_refused_and_nothing_is_made(tmp_pa
 def test_a_failed_launchs_summary_counts_the_workers_asked_for():
     """A launch that failed before any worker joined said `workers 0` for `--workers 2`."""
     from collective.chief.reports import failed_summary
-    from collective.launch import summary_table
+    from collective.summary import summary_table
 
     failed = failed_summary(None, transport="grpc", model="nothere")
     assert "  workers     0 of 2 joined\n" in summary_table(failed, expected=2)

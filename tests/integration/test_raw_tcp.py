@@ -14,7 +14,8 @@ import pytest
 
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
-from collective.plan import Chunker, Receiver, new_arena
+from collective.arena import new_arena
+from collective.plan import Chunker, Receiver
 from collective.transport import rawtcp
 from collective.transport.grpc import GrpcChiefLink, GrpcEndpoint, TlsFiles
 from tests.procs import ROOT, wait_until

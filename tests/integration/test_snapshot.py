@@ -428,7 +428,7 @@ def _catch(fn):
 
 
 def test_the_fetch_receives_into_the_shared_receive_arena(monkeypatch):
-    # One allocator (stream.lazy_arena, then warm: a stripe's pages in place before it is asked
+    # One allocator (arena.lazy_arena, then warm: a stripe's pages in place before it is asked
     # for) for the broadcast's and the fetch's arenas (tests/unit/test_plan.py checks how).
     from collective.snapshot import fetcher
 

@@ -29,15 +29,15 @@ LAYERS: list[tuple[str, ...]] = [
     # Models: variables and where their initial values come from.
     ("collective.model", "collective.variables", "collective.sources"),
     # The plan (the arena's layout, chunks, receivers), who feeds whom, and replicas of it.
-    ("collective.plan", "collective.stream", "collective.shards", "collective.topology", "collective.replicas"),
+    ("collective.plan", "collective.arena", "collective.stream", "collective.shards", "collective.topology", "collective.replicas"),
     # Transports: the interface and its backends.
     ("collective.transport",),
     # The command-line flags of the two roles, and their start.
     ("collective.options",),
     # The two roles, written once against the transport interface.
     ("collective.chief", "collective.worker"),
-    # Round runners: the local launcher and the MPI round.
-    ("collective.launch", "collective.mpi"),
+    # Round runners: the local launcher and the MPI round, and the summary table they print.
+    ("collective.launch", "collective.mpi", "collective.summary"),
     # The public Python API.
     ("collective._api", "collective.checks", "collective.snapshot", "collective"),
     # Framework hand-offs, on top of the API.

@@ -1033,11 +1033,11 @@ def test_a_receive_arena_has_every_page_in_place_before_the_stream(monkeypatch, 
     # in between two chunks of a stream. "cold": huge pages slower than small ones populated
     # in one call (a VM's host touching fresh memory): after the first segment the rest of the
     # arena takes small pages (no huge-page hint), every one still in place.
-    from collective import stream
-    from collective.plan import new_arena
+    from collective import arena as arenas
+    from collective.arena import new_arena
 
-    monkeypatch.setattr(stream, "SEGMENT", 4 << 20)
-    monkeypatch.setattr(stream, "SEGMENT_SLOW", -1.0 if slow else 1e9)  # never by chance on a loaded machine
+    monkeypatch.setattr(arenas, "SEGMENT", 4 << 20)
+    monkeypatch.setattr(arenas, "SEGMENT_SLOW", -1.0 if slow else 1e9)  # never by chance on a loaded machine
     arena = new_arena(12 << 20)
     assert (arena.size, arena.dtype, arena.flags.writeable) == (12 << 20, np.uint8, True)
     maps = _mappings()
@@ -1064,12 +1064,12 @@ def test_other_threads_run_while_an_arena_s_pages_are_populated(monkeypatch):
     import sys
     import threading
 
-    from collective import stream
-    from collective.plan import new_arena
+    from collective import arena as arenas
+    from collective.arena import new_arena
 
-    monkeypatch.setattr(stream, "SEGMENT", 4 << 20)
-    monkeypatch.setattr(stream, "SEGMENT_SLOW", -1.0)  # after the first segment: populated by the kernel
-    monkeypatch.setattr(stream, "POPULATE_STEP", 1 << 20, raising=False)
+    monkeypatch.setattr(arenas, "SEGMENT", 4 << 20)
+    monkeypatch.setattr(arenas, "SEGMENT_SLOW", -1.0)  # after the first segment: populated by the kernel
+    monkeypatch.setattr(arenas, "POPULATE_STEP", 1 << 20)
     turns, done = [0], threading.Event()
 
     def other() -> None:

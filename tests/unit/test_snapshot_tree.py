@@ -182,17 +182,18 @@ def test_stripes_cover_the_arena_and_a_large_tensors_own_chunks_land_in_place(se
     # stripe, and a tensor with an eighth of a stripe of its own chunks is cut out, so those
     # stripes are received into its array (``_Into.target``), never one that holds other bytes.
     from collective.snapshot import fetcher
+    from collective.snapshot.stripes import stripes as cut
     from tests.unit.test_plan import make_plan
 
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, 40_000, rng.integers(1, 12))
     plan, _, _, _ = make_plan({f"v{i}": np.ones(int(n), np.float32) for i, n in enumerate(sizes)}, chunk_bytes=4096)
     per = int(rng.integers(1, 12))
-    stripes = fetcher._stripes(plan, per, inside=True)
+    stripes = cut(plan, per, inside=True)
     edges = [a for a, _ in stripes] + [stripes[-1][1]]
     assert edges[0] == 0 and edges[-1] == plan.total_bytes and edges == sorted(set(edges))
     assert all(a % 4096 == 0 and b - a <= per * 4096 for a, b in stripes)
-    assert fetcher._stripes(plan, per, inside=False) == [
+    assert cut(plan, per, inside=False) == [
         (a, min(a + per * 4096, plan.total_bytes)) for a in range(0, plan.total_bytes, per * 4096)]
     into = fetcher._Into(plan, {})
     for v in plan.variables:

@@ -31,9 +31,10 @@ import numpy as np
 
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
+from collective.arena import new_arena
 from collective.digest import bytes_digest, chunk_digests
 from collective.sizes import parse_size
-from collective.stream import Receiver, Select, new_arena
+from collective.stream import Receiver, Select
 from collective.topology import top_down, trees
 from collective.transport import rawtcp
 from collective.worker.relay import RelayHandler
