@@ -3,7 +3,8 @@ publish, plan and chunk code, bent) over real gRPC on 127.0.0.1: a plan streamed
 a claimed size never sent, a provisional plan over forged bytes, chunk digests that contradict
 the manifest, 1-byte chunks, a holder that trickles one byte a second beside an honest one, and
 2,000 sources for one fetch. The fetcher runs in a process of its own where its memory is
-measured (its peak RSS, ``ru_maxrss``)."""
+measured (its peak RSS: ``VmHWM``, not ``ru_maxrss``, which Linux carries over an exec from the
+forked copy of pytest's memory, so it read 425 MiB after memory-heavy tests ran first)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.integration
 
 # The fetcher's process: one RESULT line (JSON) with the outcome, its seconds and its peak RSS.
 FETCHER = """
-import json, resource, sys, time
+import json, sys, time
 import collective
+from collective.chief.reports import peak_rss_bytes
 from collective.digest import array_digest
 from collective.snapshot import tree
 sources, step, stall, timeout, manifest = sys.argv[1].split(","), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
@@ -39,7 +41,7 @@ try:
 except collective.CollectiveError as exc:
     out = {"error": type(exc).__name__, "message": str(exc)}
 out["seconds"] = round(time.monotonic() - t0, 2)
-out["maxrss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+out["maxrss_mib"] = round(peak_rss_bytes() / 2**20)
 print("RESULT " + json.dumps(out), flush=True)
 """
 
