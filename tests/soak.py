@@ -198,6 +198,13 @@ class Soak:
         helper.start()
         self.helpers.append(helper)  # only started threads: the round joins them
 
+    def round(self, n: int, fault: str) -> Round:
+        """``run_round``, then what it built released: its objects hold each other (the
+        service and its supervisor, the server and its servicer), so a collection frees them."""
+        r = self.run_round(n, fault)
+        release_freed_memory()
+        return r
+
     def run_round(self, n: int, fault: str) -> Round:
         r = Round(n, fault)
         self.fault, self.procs, self.helpers = fault, {}, []
@@ -329,9 +336,8 @@ def main() -> int:
         rounds, samples = [], []
         for n in range(1, args.rounds + 1):
             fault = faults[(n - 1) % len(faults)] if n <= len(faults) else rng.choice(faults)
-            r = soak.run_round(n, fault)
+            r = soak.round(n, fault)
             rounds.append(r)
-            release_freed_memory()  # the round's objects hold each other: freed by a collection
             samples.append(usage())
             fds, threads, rss = samples[-1]
             flag = "OK " if not r.problems else "BAD"
