@@ -24,6 +24,7 @@ def test_a_truncated_stream_fails_the_round_naming_the_truncation_not_a_cut_pres
     assert not r.problems, r.problems
 
 
+@pytest.mark.timeout(300)  # its own wait (240 s) with room to kill and report
 def test_a_short_soak_meets_every_fault_once_and_every_round_ends_as_it_must(tmp_path):
     # The first rounds take each fault in turn: one round per fault covers them all.
     soak = Proc(["tests/soak.py", "--rounds", str(len(FAULTS))], tmp_path / "soak.log")
