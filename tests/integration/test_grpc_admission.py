@@ -464,3 +464,31 @@ def test_a_refused_large_join_is_freed_once_answered_not_at_a_later_collection()
         gc.enable()
         channel.close()
         endpoint.stop(0.5)
+
+
+def test_a_join_refused_for_the_large_request_budget_is_tried_again_within_the_join_timeout():
+    """Admission's RESOURCE_EXHAUSTED (too many large requests in flight at the chief) is back
+    pressure, like a chief still loading: a worker's join tries again. Before, the worker
+    failed at once with ResourceExhaustedError. A server that refuses the first Join so."""
+    from concurrent import futures
+
+    tries = []
+
+    def join(request, context):
+        tries.append(request.worker_id)
+        if len(tries) == 1:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Join a request of 2.0 MiB refused: ...; try again later")
+        return pb.JoinReply(rank=0)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        "Join": grpc.unary_unary_rpc_method_handler(join, pb.JoinRequest.FromString, pb.JoinReply.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    link = GrpcChiefLink(f"127.0.0.1:{port}", token=TOKEN)
+    try:
+        reply = link.join(pb.JoinRequest(worker_id="w0"), timeout=60)
+    finally:
+        link.close()
+        server.stop(0)
+    assert reply.rank == 0 and tries == ["w0", "w0"], tries
