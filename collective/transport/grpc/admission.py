@@ -123,7 +123,8 @@ LARGE_REQUEST = 1 << 20  # a request past this is decoded alone, its fields coun
 # RESOURCE_EXHAUSTED naming the limit. A decoded request takes several times its bytes, and a
 # handled one more (16 concurrent 9.5 MB Joins took a chief to 794-933 MiB before): the limit
 # bounds what a token holder can make the chief hold. A real join storm fits (1,024 workers
-# declaring 10,000 variables each send 0.7 MB joins, under LARGE_REQUEST).
+# declaring 10,000 variables with 30-character names send 0.57 MiB joins, under LARGE_REQUEST;
+# larger ones wait for room, and a join refused for it tries again).
 LARGE_IN_FLIGHT = 32 << 20
 LARGE_WAITING = 96 << 20
 
