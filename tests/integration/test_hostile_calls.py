@@ -22,6 +22,7 @@ from collective.limits import MAX_DECLARED_VARIABLES
 from collective.transport.grpc import TOKEN_HEADER
 from collective.transport.grpc.admission import BODY_TIMEOUT
 from tests.clusters import SLOW_RECEIVER
+from tests.procs import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -298,3 +299,48 @@ def test_a_huge_device_index_an_undecodable_ready_report_a_10_mb_id_and_16_mib_o
     log = chief.output()
     assert "Traceback" not in log and "this is a bug" not in log, log[-3000:]
     assert log.count("an undecodable request") == 1, log[-3000:]
+
+
+# --- issue 36 item 6: large requests in flight ------------------------------------------------
+
+
+@pytest.mark.timeout(400)
+def test_16_concurrent_9_mb_joins_are_bounded_at_the_chief_refused_past_the_limit_and_freed_once_answered(cluster):
+    """A token holder's 16 concurrent 9.5 MB Joins (99,000 declared variables each). Before:
+    all were decoded and handled at once, the chief peaked 730-870 MiB above its start and still
+    held 720 MiB 15 s later (the requests lived on in the aborted calls' exception chains, and
+    their pages in the pool threads' malloc arenas). Now at most 32 MiB of such requests are
+    handled at once, 96 MiB more wait, the rest are refused with RESOURCE_EXHAUSTED naming the
+    limit; each one's memory is freed when it is answered."""
+    from collective.transport.grpc.admission import LARGE_IN_FLIGHT
+
+    chief = cluster.chief("--workers", "2", *ROUND, env=ENV)
+    channel, stub = stub_for(cluster.address)
+    try:
+        stub.Status(pb.StatusRequest(), metadata=MD, timeout=30)
+        before = vm_bytes(chief.pid, "VmRSS")
+        declared = [pb.VariableInfo(name=f"layer{i}/kernel" + "x" * 60, shape=[4], dtype="<f4", synchronization="AUTO",
+                                    aggregation="NONE") for i in range(99_000)]
+        raw = pb.JoinRequest(worker_id="y", incarnation="y", devices=["cpu:0"], declared=declared).SerializeToString()
+        del declared
+        assert len(raw) > 9 * MiB
+        join = channel.unary_unary("/collective.v1.Collective/Join")
+        calls = [join.future(raw, metadata=MD, timeout=300) for _ in range(16)]
+        codes = [code_of(c, 300) for c in calls]
+        peak = vm_bytes(chief.pid, "VmHWM")
+        print(f"chief RSS {before / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB; codes {codes}")
+        assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION}, codes
+        said = {code: c.details() for c, code in zip(calls, codes, strict=True)}
+        refused = said[grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert refused.startswith("Join a request of 9.5 MiB refused: "), refused
+        assert f"the limit is {LARGE_IN_FLIGHT / MiB:.1f} MiB of requests above 1.0 MiB at once" in refused, refused
+        assert "declares 99000 variables" in said[grpc.StatusCode.FAILED_PRECONDITION]
+        assert peak - before < 550 * MiB, (before, peak)
+        # Freed once answered, not at some later collection (before: +720 MiB 15 s on).
+        wait_until(lambda: vm_bytes(chief.pid, "VmRSS") - before < 150 * MiB,
+                   "the chief's RSS back within 150 MiB of its start", timeout=30)
+        stub.Status(pb.StatusRequest(), metadata=MD, timeout=10)
+    finally:
+        channel.close()
+    round_completes(cluster, chief, ["w0", "w1"])
+    assert "Traceback" not in chief.output(), chief.output()[-3000:]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import hmac
 import logging
 import threading
@@ -14,6 +16,7 @@ from google.protobuf.message import DecodeError
 
 from collective.errors import ProtocolError
 from collective.logs import printable
+from collective.sizes import format_bytes
 from collective.transport.grpc.wire import TOKEN_HEADER
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,68 @@ class _BodyWatch:
 
 
 LARGE_REQUEST = 1 << 20  # a request past this is decoded alone, its fields counted first
+# The bytes of large requests (past LARGE_REQUEST) a server holds at once: those being decoded
+# and handled (LARGE_IN_FLIGHT; one is always let in, whatever its size), and those waiting for
+# room (LARGE_WAITING, each up to the body deadline); past both, a call is refused at once with
+# RESOURCE_EXHAUSTED naming the limit. A decoded request takes several times its bytes, and a
+# handled one more (16 concurrent 9.5 MB Joins took a chief to 794-933 MiB before): the limit
+# bounds what a token holder can make the chief hold. A real join storm fits (1,024 workers
+# declaring 10,000 variables with 30-character names send 0.57 MiB joins, under LARGE_REQUEST;
+# larger ones wait for room, and a join refused for it tries again).
+LARGE_IN_FLIGHT = 32 << 20
+LARGE_WAITING = 96 << 20
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``; a no-op without
+    glibc). A large request freed by a pool thread leaves its pages in that thread's arena, in
+    this process's RSS, until then."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class _LargeBytes:
+    """The byte budget of large requests at one server (LARGE_IN_FLIGHT, LARGE_WAITING), kept
+    on the server's event loop (every call of it runs there: no lock)."""
+
+    def __init__(self, in_flight: int = LARGE_IN_FLIGHT, waiting: int = LARGE_WAITING) -> None:
+        self.limit, self.waiting_limit = in_flight, waiting
+        self.held = self.waiting = 0
+        self._freed: asyncio.Condition | None = None
+
+    def _fits(self, size: int) -> bool:
+        return self.held == 0 or self.held + size <= self.limit
+
+    async def take(self, size: int, timeout: float) -> str | None:
+        """Hold ``size`` bytes (waiting up to ``timeout`` s for room): None, or why not."""
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        if not self._fits(size):
+            if self.waiting + size > self.waiting_limit:
+                return (f"{format_bytes(self.held)} of large requests are being handled and "
+                        f"{format_bytes(self.waiting)} more wait")
+            self.waiting += size
+            try:
+                async with self._freed:
+                    await asyncio.wait_for(self._freed.wait_for(lambda: self._fits(size)), timeout)
+            except TimeoutError:
+                return f"no room within {timeout:g} s ({format_bytes(self.held)} of large requests are being handled)"
+            finally:
+                self.waiting -= size
+        self.held += size
+        return None
+
+    async def give(self, size: int) -> None:
+        self.held -= size
+        async with self._freed:
+            self._freed.notify_all()
+
+
+def _forget(exc: BaseException) -> None:
+    """Drop what ``exc`` holds of the call: grpc keeps an abort's exception with the call's
+    state, and its traceback holds our frames, which hold the call's context (a cycle, freed
+    only by a full collection) and the request (9.5 MB of a Join, 50 MB decoded)."""
+    exc.__traceback__ = exc.__context__ = exc.__cause__ = None
 
 
 def _varint(raw: bytes, i: int) -> tuple[int, int]:
@@ -161,8 +226,10 @@ class _Admission:
     """
 
     def __init__(self, token: str | None, refusals: RefusalLog, body: _BodyWatch,
-                 fields: dict[str, Callable[[], int]] | None = None, offload=None) -> None:
+                 fields: dict[str, Callable[[], int]] | None = None, offload=None,
+                 large: _LargeBytes | None = None) -> None:
         self._token = token.encode() if token else None
+        self._large_bytes = large or _LargeBytes()
         # method -> the most top-level fields its request may have, asked per call: a chief that
         # bound its port first learns its model's size later
         self._fields = fields or {}
@@ -198,19 +265,57 @@ class _Admission:
             return decode(raw)
 
     async def _request(self, requests, context, method: str, decode):
-        raw = await self._body.read(requests.__aiter__(), context, method)
+        """The call's request, decoded, and the bytes of the budget it holds (``_LargeBytes``;
+        0 for a small one) until ``_release``: a large one is refused when there is no room."""
+        messages = requests.__aiter__()
+        raw = await self._body.read(messages, context, method)
+        # gRPC's receiver is a generator suspended where it yielded the request: it would hold
+        # the bytes for as long as the call's state lives (past the answer, until a collection).
+        await messages.aclose()
         if raw is None:
             await context.abort(grpc.StatusCode.CANCELLED, f"{method}: the call ended before its request arrived")
+        size = len(raw) if len(raw) > LARGE_REQUEST else 0
+        if size:
+            why = await self._large_bytes.take(size, self._body.timeout)
+            if why is not None:
+                raw = None  # not held while the refusal is sent
+                reason = (f"a request of {format_bytes(size)} refused: {why}; the limit is "
+                          f"{format_bytes(self._large_bytes.limit)} of requests above {format_bytes(LARGE_REQUEST)} "
+                          f"at once; try again later")
+                self._refusals.refused(context.peer(), method, reason)
+                await self._trim()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} {reason}")
+        try:
+            return await self._decoded(raw, context, method, decode), size
+        except BaseException:
+            raw = None
+            await self._release(size)
+            raise
+
+    async def _release(self, size: int) -> None:
+        """A call's request is gone: its bytes back to the budget, the heap trimmed."""
+        if size:
+            await self._large_bytes.give(size)
+            await self._trim()
+
+    async def _trim(self) -> None:
+        """``trim_heap`` off the loop, once a large request's memory is freed."""
+        await self._offload(trim_heap) if self._offload is not None else trim_heap()
+
+    async def _decoded(self, raw: bytes, context, method: str, decode):
+        why = None
         try:
             if len(raw) > LARGE_REQUEST and self._offload is not None:
                 return await self._offload(self._decode, decode, raw, method)
             return self._decode(decode, raw, method)
         except DecodeError:
-            self._refusals.refused(context.peer(), method, "an undecodable request")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message")
+            why = (grpc.StatusCode.INVALID_ARGUMENT, "an undecodable request", f"{method}: the request is not a valid message")
         except ProtocolError as exc:
-            self._refusals.refused(context.peer(), method, str(exc))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            why = (grpc.StatusCode.INVALID_ARGUMENT, str(exc), str(exc))
+        raw = None  # the refusal, outside the except block: it holds neither the bytes nor their error
+        code, reason, details = why
+        self._refusals.refused(context.peer(), method, reason)
+        await context.abort(code, details)
 
     def wrap(self, method: str, behavior, decode, serialize, *, request_streaming: bool = False,
              response_streaming: bool = False):
@@ -219,21 +324,46 @@ class _Admission:
         messages instead of one request), behind the token and the body deadline."""
         if request_streaming:
             async def admitted_stream(requests, context):
-                if not await self._refused(context, method):
-                    return await behavior(self._body.messages(requests, context, method, decode), context)
+                try:
+                    if not await self._refused(context, method):
+                        return await behavior(self._body.messages(requests, context, method, decode), context)
+                except grpc.aio.AbortError as exc:
+                    _forget(exc)
+                    requests = context = None  # noqa: F841 - nor does this frame, which the raise adds
+                    raise
 
             return grpc.stream_unary_rpc_method_handler(admitted_stream, None, serialize)
-        if response_streaming:
-            async def admitted_responses(requests, context):
-                if not await self._refused(context, method):
-                    request = await self._request(requests, context, method, decode)
-                    async for response in behavior(request, context):
-                        yield response
 
+        async def admitted_responses(requests, context, behavior=behavior):
+            size = 0
+            try:
+                if not await self._refused(context, method):
+                    request, size = await self._request(requests, context, method, decode)
+                    responses, request = behavior(request, context), None  # held by the generator alone
+                    async for response in responses:
+                        yield response
+            except grpc.aio.AbortError as exc:
+                _forget(exc)
+                requests = context = request = responses = None  # noqa: F841
+                raise
+            finally:
+                await self._release(size)
+
+        if response_streaming:
             return grpc.stream_stream_rpc_method_handler(admitted_responses, None, serialize)
 
+        async def once(request, context):
+            answer, request = behavior(request, context), None  # held by the coroutine alone
+            yield await answer
+
         async def admitted(requests, context):
-            if not await self._refused(context, method):
-                return await behavior(await self._request(requests, context, method, decode), context)
+            answers = admitted_responses(requests, context, once)
+            try:
+                return await anext(answers, None)
+            except grpc.aio.AbortError:
+                requests = context = None  # noqa: F841 - see _forget
+                raise
+            finally:
+                await answers.aclose()
 
         return grpc.stream_unary_rpc_method_handler(admitted, None, serialize)

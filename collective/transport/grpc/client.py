@@ -245,11 +245,13 @@ class GrpcChiefLink(ChiefLink):
                 return self._stub.Join(req, timeout=min(left, 5.0), metadata=self._metadata)
             except grpc.RpcError as exc:
                 raised = _raised_class(exc)
-                # Not reached yet, or a chief still loading its model (it held the join a while,
-                # or answers at once when too many wait); any other answer is final.
+                # Not reached yet, a chief still loading its model (it held the join a while,
+                # or answers at once when too many wait), or one with too many large requests in
+                # flight (admission's LARGE_IN_FLIGHT); any other answer is final.
                 loading = raised is not None and (raised.get("class"), raised.get("phase")) == (
                     "ChiefUnreachableError", "loading")  # chief/pending.py's LOADING
-                if (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   grpc.StatusCode.RESOURCE_EXHAUSTED)
                         and (raised is None or loading)):
                     last = exc.details() or exc.code().name
                     hint = self._tls_hint(last)
