@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -31,7 +30,7 @@ import collective
 from collective.digest import bytes_digest
 from collective.plan import align, manifest_digest
 from collective.snapshot import holder
-from tests.snapshot_holder import big_state, digests
+from tests.snapshot_holder import big_state, digests, serve
 
 PIECE = 4 << 20
 
@@ -135,16 +134,7 @@ def main() -> None:
     folder = os.path.dirname(a.address_file)
     with open(os.path.join(folder, "state_digests.json"), "w") as fh:
         json.dump({"digests": honest, "manifest": seen.get("manifest", pub.manifest_digest)}, fh)
-    tmp = a.address_file + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(pub.address)
-    os.replace(tmp, a.address_file)
-    print(f"serving step {a.step} at {pub.address}", flush=True)
-    deadline = time.monotonic() + 600  # never outlives a test that forgot it
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-    pub.close()
-    sys.exit(0)
+    serve(pub, a.address_file, a.step)
 
 
 if __name__ == "__main__":
