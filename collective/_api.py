@@ -599,15 +599,11 @@ def release_freed_memory() -> None:
     import gc
 
     from collective import parking
+    from collective.transport.grpc.admission import trim_heap
 
     parking.settle(2.0)
     gc.collect()  # all generations: automatic collections during the call may have aged them
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
 
 
 def _worker_id(rank: int, env: Mapping[str, str]) -> str:
