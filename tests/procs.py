@@ -163,3 +163,19 @@ def kill_tree(proc: Proc) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.kill()
+
+
+def start_holder(tmp_path, started: list, module: str, args, token: str):
+    """A holder process (``python -m module``, e.g. tests.snapshot_holder) named h0, h1, ... in
+    the order of ``started``, to which it is added (the caller kills them by pid): (its address,
+    the digests it wrote of its state, its Proc)."""
+    import json
+
+    folder = tmp_path / f"holder{len(started)}"
+    folder.mkdir()
+    addr_file = folder / "address"
+    proc = Proc(["-m", module, "--address-file", str(addr_file), "--name", f"h{len(started)}", *args],
+                folder / "log", env={"COLLECTIVE_TOKEN": token})
+    started.append(proc)
+    address = wait_for_file(addr_file, proc, timeout=60)
+    return address, json.loads((folder / "state_digests.json").read_text()), proc

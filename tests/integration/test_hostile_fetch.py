@@ -21,7 +21,7 @@ import collective
 from collective.digest import array_digest
 from collective.snapshot import tree
 from tests.clusters import TOKEN
-from tests.procs import Proc, wait_for_file
+from tests.procs import Proc, start_holder
 
 pytestmark = pytest.mark.integration
 
@@ -53,14 +53,7 @@ def holders(tmp_path):
     started: list[Proc] = []
 
     def start(attack: str, *args: str) -> tuple[str, dict, Proc]:
-        folder = tmp_path / f"holder{len(started)}"
-        folder.mkdir()
-        addr_file = folder / "address"
-        proc = Proc(["-m", "tests.fetch_hostile_holder", "--attack", attack, "--address-file", str(addr_file),
-                     "--name", f"h{len(started)}", *args], folder / "log", env={"COLLECTIVE_TOKEN": TOKEN})
-        started.append(proc)
-        address = wait_for_file(addr_file, proc, timeout=60)
-        return address, json.loads((folder / "state_digests.json").read_text()), proc
+        return start_holder(tmp_path, started, "tests.fetch_hostile_holder", ("--attack", attack, *args), TOKEN)
 
     yield start
     for proc in started:

@@ -6,7 +6,6 @@ JSON belongs."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -21,7 +20,7 @@ import collective
 from collective.digest import array_digest
 from collective.snapshot import tree
 from tests.clusters import TOKEN
-from tests.procs import Proc, wait_for, wait_for_file
+from tests.procs import Proc, start_holder, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +32,7 @@ def holders(tmp_path):
     started: list[Proc] = []
 
     def start(*args: str, token: str = TOKEN) -> tuple[str, dict, Proc]:
-        folder = tmp_path / f"holder{len(started)}"
-        folder.mkdir()
-        addr_file = folder / "address"
-        proc = Proc(["-m", "tests.snapshot_holder", "--address-file", str(addr_file), "--name", f"h{len(started)}", *args],
-                    folder / "log", env={"COLLECTIVE_TOKEN": token})
-        started.append(proc)
-        address = wait_for_file(addr_file, proc, timeout=60)
-        return address, json.loads((folder / "state_digests.json").read_text()), proc
+        return start_holder(tmp_path, started, "tests.snapshot_holder", args, token)
 
     yield start
     for proc in started:
