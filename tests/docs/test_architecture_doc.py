@@ -1,0 +1,118 @@
+"""ARCHITECTURE.md is drawn from the code: its layer table is the layer test's own (written by
+tools/docgen.py), its module map names every module of the package and only files that exist,
+and every file and option it names in backquotes is one the checkout has."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.procs import ROOT
+from tests.unit.test_layers import LAYERS
+from tools import docgen
+
+PAGE = ROOT / "ARCHITECTURE.md"
+
+
+def test_the_layer_table_is_the_layer_tests_own():
+    assert [modules for _, modules in docgen.layers()] == [tuple(layer) for layer in LAYERS]
+    text = PAGE.read_text()
+    assert text == docgen.architecture(text), (
+        "ARCHITECTURE.md's layer table differs from LAYERS in tests/unit/test_layers.py: run "
+        "`python -m tools.docgen` and commit it")
+    section = text[text.index(docgen.LAYERS_BEGIN):text.index(docgen.LAYERS_END)]
+    rows = [line.split(" | ")[1] for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [re.findall(r"`([\w.]+)`", row) for row in rows] == [
+        [m.removeprefix("collective.") if m != "collective" else m for m in layer] for layer in LAYERS]
+
+
+def test_the_table_follows_a_change_of_the_layer_test(tmp_path, monkeypatch):
+    changed = tmp_path / "test_layers.py"
+    changed.write_text('import grimp\n\n# Lowest first.\nLAYERS: list[tuple[str, ...]] = [\n'
+                       '    # Low: the first.\n    ("collective.a", "collective.b"),\n'
+                       '    # High: the second,\n    # in two lines.\n    ("collective",\n     "collective.c.d"),\n]\n')
+    assert docgen.layers(changed) == [("Low: the first.", ("collective.a", "collective.b")),
+                                      ("High: the second, in two lines.", ("collective", "collective.c.d"))]
+    table = docgen.layer_table(changed)
+    assert "| 0 | `a`, `b` | Low: the first. |\n| 1 | `collective`, `c.d` | High: the second, in two lines. |" in table
+    monkeypatch.setattr(docgen, "LAYER_TEST", changed)
+    assert docgen.main(["--check"]) == 1  # the committed page is stale against that test
+
+
+def _module_map() -> dict[Path, str]:
+    """The code block under "## Layers": each path it names (resolved against the folder it is
+    indented under, else the checkout) -> its entry's text (the description lines with it)."""
+    text = PAGE.read_text()
+    block = text[text.index("## Layers"):]
+    block = block[block.index("```text\n") + 8:]
+    block = block[:block.index("\n```")]
+    entries: dict[Path, str] = {}
+    folders: list[tuple[int, Path]] = []  # (indent, folder) of the enclosing entries
+    current: list[Path] = []
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        if indent >= 20:  # a description's next line
+            for path in current:
+                entries[path] += " " + line.strip()
+            continue
+        name_column, _, description = line.strip().partition("  ")
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        base = folders[-1][1] if folders else ROOT
+        current = [base / name.strip() for name in name_column.split(",")]
+        for path, name in zip(current, name_column.split(","), strict=True):
+            entries[path] = description.strip()
+            if name.strip().endswith("/"):
+                folders.append((indent, path))
+    return entries
+
+
+def test_the_module_map_names_every_module_and_only_files_that_exist():
+    entries = _module_map()
+    assert ROOT / "collective" / "chief" / "service.py" in entries  # the reader finds what it must
+    absent = sorted(str(p.relative_to(ROOT)) for p in entries if not p.exists())
+    assert not absent, f"the map of ARCHITECTURE.md names what the checkout does not have: {absent}"
+    package = ROOT / "collective"
+    missing = []
+    for module in sorted(package.rglob("*.py")):
+        if module in entries or "_proto" in module.relative_to(package).parts[:1]:
+            continue
+        folder = module.parent
+        if module.name == "__init__.py" and folder != package:  # a subpackage's: its modules stand for it
+            continue
+        if folder in entries and module.name in entries[folder]:  # a folder's entry names its files
+            continue
+        missing.append(str(module.relative_to(ROOT)))
+    assert not missing, f"modules the map of ARCHITECTURE.md leaves out: {missing}"
+
+
+def _options() -> set[str]:
+    from collective.config import reading
+
+    flags = set()
+    with reading({}):
+        for _, _, get in docgen.COMMANDS:
+            for action in get()._actions:
+                flags.update(action.option_strings)
+    return flags
+
+
+# Options of other programs the page names on purpose (torchrun's restarts), files a run writes.
+FOREIGN_OPTIONS = {"--max-restarts"}
+RUN_FILES = {"result.json"}
+
+
+def test_every_option_and_file_the_page_names_is_the_codes():
+    text = PAGE.read_text()
+    named = set(re.findall(r"`(--[a-z][a-z0-9-]*)", text))
+    assert "--rejoin-timeout" in named
+    unknown = sorted(named - _options() - FOREIGN_OPTIONS)
+    assert not unknown, f"options ARCHITECTURE.md names that no command has: {unknown}"
+    files = set(re.findall(r"`([\w/.-]+\.(?:py|proto|md|json|yml|sh))`", text))
+    assert "chief/rejoin.py" in files
+    names = {p.name for p in ROOT.glob("collective/**/*.py")}  # a bare name, in a section on its folder
+    gone = sorted(f for f in files - RUN_FILES
+                  if not any((base / f).exists() for base in (ROOT, ROOT / "collective")) and f not in names)
+    assert not gone, f"files ARCHITECTURE.md names that the checkout does not have: {gone}"
