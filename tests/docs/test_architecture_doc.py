@@ -4,6 +4,7 @@ and every file and option it names in backquotes is one the checkout has."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -71,18 +72,19 @@ def _module_map() -> dict[Path, str]:
 
 
 def test_the_module_map_names_every_module_and_only_files_that_exist():
+    """Every module of the package and of the checkout's tools/ is in the map (an entry of its
+    own, or named in its folder's entry)."""
     entries = _module_map()
     assert ROOT / "collective" / "chief" / "service.py" in entries  # the reader finds what it must
     absent = sorted(str(p.relative_to(ROOT)) for p in entries if not p.exists())
     assert not absent, f"the map of ARCHITECTURE.md names what the checkout does not have: {absent}"
-    package = ROOT / "collective"
     missing = []
-    for module in sorted(package.rglob("*.py")):
-        if module in entries or "_proto" in module.relative_to(package).parts[:1]:
+    for module in sorted([*ROOT.glob("collective/**/*.py"), *ROOT.glob("tools/**/*.py")]):
+        if module in entries or module.parent.name == "_proto":
             continue
         folder = module.parent
-        if module.name == "__init__.py" and folder != package:  # a subpackage's: its modules stand for it
-            continue
+        if module.name in ("__init__.py", "__main__.py") and module != ROOT / "collective" / "__init__.py":
+            continue  # a package's: its folder or its modules stand for it
         if folder in entries and module.name in entries[folder]:  # a folder's entry names its files
             continue
         missing.append(str(module.relative_to(ROOT)))
@@ -135,3 +137,83 @@ def test_every_public_module_is_in_the_api_reference():
     for module in documented:
         path = ROOT / module.replace(".", "/")
         assert path.with_suffix(".py").exists() or (path / "__init__.py").exists(), module
+
+
+def _module(parts: list[str]) -> Path | None:
+    """The file of module ``parts`` (``["chief/arena"]``, ``["transport", "grpc"]``) in the
+    package, or of the checkout's tools, if there is one."""
+    for base in (ROOT / "collective", ROOT):
+        path = base.joinpath(*parts)
+        for file in (path.with_suffix(".py"), path / "__init__.py"):
+            if file.is_file():
+                return file
+    return None
+
+
+def _names(file: Path) -> tuple[set[str], dict[str, set[str]]]:
+    """What ``file`` defines or imports (by any name), and each of its classes' members (methods,
+    class attributes, ``self.x`` set in its methods)."""
+    tree = ast.parse(file.read_text())
+    names: set[str] = set()
+    classes: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.split(".")[-1])
+        if isinstance(node, ast.ClassDef):
+            members = classes.setdefault(node.name, set())
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef):
+                    members.add(sub.name)
+                elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                    members.add(sub.id)
+                elif isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                    members.add(sub.attr)
+    return names, classes
+
+
+# Dotted names of other libraries that a module of ours shadows in the page's words.
+FOREIGN_NAMES = {"jax.Array"}
+
+
+def _misplaced(text: str) -> list[str]:
+    """The dotted names in backquotes in ``text`` that are not where they say: a module's own
+    name or one it imports (``plan.frame_messages``, ``chief/arena.map_files``), a class's member
+    (``ChiefService.sent``). Names whose first part is neither a module nor a class of ours are
+    not judged."""
+    refs = {r for quoted in re.findall(r"`([^`\n]+)`", text)
+            for r in re.findall(r"\b[A-Za-z_][\w/]*(?:\.[A-Za-z_]\w*)+", quoted)}
+    refs = {r.removeprefix("collective.") for r in refs - FOREIGN_NAMES
+            if r.rsplit(".", 1)[1] not in ("py", "md", "json", "yml", "proto", "sh")}
+    all_classes: dict[str, set[str]] = {}
+    for file in [*ROOT.glob("collective/**/*.py"), *ROOT.glob("tools/**/*.py")]:
+        for name, members in _names(file)[1].items():
+            all_classes.setdefault(name, set()).update(members)
+    wrong = []
+    for ref in sorted(refs):
+        parts = ref.split(".")
+        k = next((k for k in range(len(parts), 0, -1) if _module(parts[:k])), 0)
+        if k:
+            if k == len(parts):
+                continue
+            names, classes = _names(_module(parts[:k]))
+            if parts[k] not in names or (len(parts) > k + 1 and parts[k] in classes
+                                         and parts[k + 1] not in classes[parts[k]]):
+                wrong.append(ref)
+        elif parts[0] in all_classes and parts[1] not in all_classes[parts[0]]:
+            wrong.append(ref)
+    return wrong
+
+
+def test_the_name_checker_finds_a_misplaced_name():
+    sample = ("`plan.frame_messages`, `chief/arena.map_files`, `ChiefService.sent`, `jax.Array`, `numpy.ndarray`; "
+              "`arena.map_files`, `_api.hold_chief_replicas`, `ChiefService.no_such`, `collective.stream.Nope`")
+    assert _misplaced(sample) == ["ChiefService.no_such", "_api.hold_chief_replicas", "arena.map_files", "stream.Nope"]
+
+
+def test_every_module_member_the_page_names_is_in_that_module():
+    wrong = _misplaced(PAGE.read_text())
+    assert not wrong, f"names ARCHITECTURE.md gives that are not where it says: {wrong}"
