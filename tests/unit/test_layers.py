@@ -2,8 +2,9 @@
 
 The graph is grimp's (the engine of import-linter): every ``import`` statement of the project's
 modules, also those inside functions, which hide a dependency but do not remove it. LAYERS is
-the house plan, lowest first; ARCHITECTURE.md draws it. A module may import its own layer and
-the ones below, never one above.
+the house plan, lowest first. A module may import its own layer and the ones below, never one
+above. ARCHITECTURE.md's layer table is LAYERS itself, each layer with the comment above it,
+written by ``python -m tools.docgen`` (tests/docs/test_architecture_doc.py fails when stale).
 """
 
 from __future__ import annotations
