@@ -46,8 +46,8 @@ test: $(FRAMEWORKS) $(CHECKPOINT)
 	COLLECTIVE_REQUIRE_FRAMEWORKS=1 $(PY) -m pytest -q
 
 # The documentation site into site/ (git-ignored); --strict: a broken link or anchor, a page left
-# out of nav, a docstring mkdocstrings cannot read fails the build. The options page must match
-# the code first (python -m tools.docgen writes it).
+# out of nav, a docstring mkdocstrings cannot read fails the build. The options page and
+# ARCHITECTURE.md's layer table must match the code first (python -m tools.docgen writes them).
 docs: $(DOCS)
 	$(PY) -m tools.docgen --check
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
