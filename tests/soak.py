@@ -255,8 +255,8 @@ class Soak:
             r.outcome = "ok" if err is None else "fail"
             r.error = str(err or "")
             r.seconds = time.monotonic() - t0
-            if handler.injected_at is not None and r.outcome == "fail" and service._phase_at:
-                r.detect_s = max(0.0, service._phase_at - handler.injected_at)
+            if handler.injected_at is not None and r.outcome == "fail" and service.state.phase_at:
+                r.detect_s = max(0.0, service.state.phase_at - handler.injected_at)
             want, words = FAULTS[fault]
             if r.outcome != want:
                 r.problems.append(f"expected {want}, got {r.outcome}: {r.error}")

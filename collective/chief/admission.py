@@ -52,20 +52,20 @@ class Admission:
     def _holds(self, ref: pb.WorkerRef | pb.HeartbeatRequest) -> Member | None:
         """The member ``ref`` names when ``ref`` carries its incarnation and its secret (compared
         in constant time), else None: only the process that joined may act as that member."""
-        m = self._members.get(ref.worker_id)
+        m = self.state.members.get(ref.worker_id)
         if m is None or m.incarnation != ref.incarnation or not hmac.compare_digest(m.secret, ref.secret):
             return None
         return m
 
     def _member(self, ref: pb.WorkerRef) -> Member:
         check_ref(ref)
-        if self._phase is Phase.FAILED and self._error is not None:
+        if self.state.phase is Phase.FAILED and self.state.error is not None:
             m = self._holds(ref)
             if m is not None:
                 m.told = True
-                self._cond.notify_all()  # supervise() lingers until every worker has heard
-            raise self._error.same_round()
-        m = self._members.get(ref.worker_id)
+                self.state.cond.notify_all()  # supervise() lingers until every worker has heard
+            raise self.state.error.same_round()
+        m = self.state.members.get(ref.worker_id)
         if m is None:
             raise PreconditionError(
                 f"chief {self.incarnation} does not know worker {ref.worker_id!r}: it never joined this "
@@ -91,9 +91,9 @@ class Admission:
         # one that cannot join costs nothing more.
         try:
             check_join(req, len(self.specs))
-            with self._cond:
-                if self._phase is Phase.FAILED:
-                    raise self._error.same_round()
+            with self.state.cond:
+                if self.state.phase is Phase.FAILED:
+                    raise self.state.error.same_round()
                 closed = self._closed(req, peer)
                 if closed is not None:
                     raise closed
@@ -101,34 +101,34 @@ class Admission:
                 checked: tuple | CollectiveError = self._check_join(req, peer)
         except CollectiveError as exc:
             checked = exc
-        with self._cond:
+        with self.state.cond:
             try:
                 if isinstance(checked, CollectiveError):
-                    if self._phase is Phase.FAILED:
-                        raise self._error.same_round()
+                    if self.state.phase is Phase.FAILED:
+                        raise self.state.error.same_round()
                     raise checked
                 return self._admit(req, peer, *checked)
             except CollectiveError:
                 # A refusal once the round has failed (joined late, or this join failed it) tells
                 # a process that never became a member: supervise() lingers until every rank heard.
-                if self._phase is Phase.FAILED and req.worker_id and req.worker_id not in self._members:
-                    self._told_outside.add(req.worker_id)
-                    self._cond.notify_all()
+                if self.state.phase is Phase.FAILED and req.worker_id and req.worker_id not in self.state.members:
+                    self.state.told_outside.add(req.worker_id)
+                    self.state.cond.notify_all()
                 raise
 
     def _closed(self, req: pb.JoinRequest, peer: str) -> CollectiveError | None:
         """Why a join under an id no member holds cannot be admitted, whatever it carries (joins
         closed, every slot taken), or None. O(1): called under the lock before the join's checks."""
-        if req.worker_id in self._members:
+        if req.worker_id in self.state.members:
             return None  # a retry or a restart: ``_admit`` decides
-        if self._phase is not Phase.JOINING:
+        if self.state.phase is not Phase.JOINING:
             err = PreconditionError(
                 f"worker {req.worker_id!r} from {req.host or peer} cannot join: the cluster is "
-                f"{self._phase.value} with all {self.num_workers} worker(s); joins are closed"
+                f"{self.state.phase.value} with all {self.num_workers} worker(s); joins are closed"
             )
             log.warning("refused a join: %s", err)  # the operator sees extra workers too
             return err
-        if len(self._members) >= self.num_workers:
+        if len(self.state.members) >= self.num_workers:
             return ResourceExhaustedError(
                 f"worker {req.worker_id!r} cannot join: all {self.num_workers} worker slots are taken"
             )
@@ -175,9 +175,9 @@ class Admission:
     def _admit(self, req: pb.JoinRequest, peer: str, devices: list[str],
                declared: CollectiveError | None) -> pb.JoinReply:
         """The body of ``join`` (the lock held): admit the worker or raise why not."""
-        if self._phase is Phase.FAILED:
-            raise self._error.same_round()
-        existing = self._members.get(req.worker_id)
+        if self.state.phase is Phase.FAILED:
+            raise self.state.error.same_round()
+        existing = self.state.members.get(req.worker_id)
         if existing is not None:
             if existing.incarnation == req.incarnation:
                 if not existing.join_key or not hmac.compare_digest(existing.join_key, req.join_key):
@@ -190,7 +190,7 @@ class Admission:
                     )
                 existing.last_seen = time.monotonic()
                 return self._join_reply(existing)  # a retried join: same rank, same secret
-            if self._phase is Phase.JOINING:
+            if self.state.phase is Phase.JOINING:
                 raise AlreadyExistsError(
                     f"worker id {req.worker_id!r} is held by another process (host {existing.host}, pid "
                     f"{existing.pid}); the one from {req.host or peer} (pid {req.pid}) is refused"
@@ -203,11 +203,11 @@ class Admission:
                 self.fail(declared)
             raise declared
         if existing is not None:  # a restart after the plan is out: rejoin, or the round fails
-            return self._join_reply(self._rejoins.readmit(existing, req, peer, devices))
-        taken = {m.rank for m in self._members.values()}
+            return self._join_reply(self.rejoins.readmit(existing, req, peer, devices))
+        taken = {m.rank for m in self.state.members.values()}
         free = [r for r in range(self.num_workers) if r not in taken]
         if self.spmd and req.preferred_rank not in free:
-            holder = next((m for m in self._members.values() if m.rank == req.preferred_rank), None)
+            holder = next((m for m in self.state.members.values() if m.rank == req.preferred_rank), None)
             why = (f"is held by {holder.name()}" if holder is not None
                    else f"is out of range: {self.num_workers} workers have ranks 0..{self.num_workers - 1}")
             err = PreconditionError(
@@ -219,12 +219,12 @@ class Admission:
             raise err
         rank = req.preferred_rank if req.preferred_rank in free else free[0]
         m = Member.joining(req, rank, devices, peer)
-        self._members[m.worker_id] = m
+        self.state.members[m.worker_id] = m
         log.info(
             "%s joined with devices %s (%d/%d)",
-            m.name(), ",".join(devices), len(self._members), self.num_workers,
+            m.name(), ",".join(devices), len(self.state.members), self.num_workers,
         )
-        if len(self._members) == self.num_workers and (self.digests is not None or self._follow):
+        if len(self.state.members) == self.num_workers and (self.digests is not None or self._follow):
             self._release_plan()  # else once the files are hashed
         return self._join_reply(m)
 
@@ -237,9 +237,9 @@ class Admission:
         device it joined with, and a little for the rest. A transport that receives the report in
         pieces refuses a call past it, and one not from a member (``_member``), at its first piece,
         before it holds any more of it."""
-        with self._cond:
+        with self.state.cond:
             m = self._member(ref)
-            if self._plan is None:
+            if self.state.plan is None:
                 raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
                                         f"ReportReady comes after GetPlan and the data stream")
             plan = self.plan_of(m)

@@ -114,7 +114,7 @@ class ChiefArena:
         self.shared = self.server = None
         self._shm = shm = shm and shards is None  # the shared arena is the whole model: never a shard
         self.sharded = shards is not None
-        self._shard_request, self._world = shards, ranks + (1 if trains else 0)
+        self.shard_request, self._world = shards, ranks + (1 if trains else 0)
         self._shard_chunk = chunk_bytes or chunk_bytes_for("star")
         sizes = {chunk_bytes} if chunk_bytes else {chunk_bytes_for(t) for t in TOPOLOGIES}
         self.file = map_files(source, sizes, max_bytes=max_bytes) if from_file else None
@@ -213,7 +213,7 @@ class ChiefArena:
             self.file.hash()
             if self.sharded:
                 files = self.file.files
-                self.shards = ShardedArenas(self.specs, self.array, self._shard_request, self._world, self._shard_chunk,
+                self.shards = ShardedArenas(self.specs, self.array, self.shard_request, self._world, self._shard_chunk,
                                             offsets=self.file.offsets, drop=files.drop)
                 files.check()
         except OSError as exc:  # an fstat that fails: the files are gone from under the chief

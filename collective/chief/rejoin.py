@@ -36,6 +36,7 @@ import time
 
 from collective._proto import collective_pb2 as pb
 from collective.chief.members import Member, Phase
+from collective.chief.state import RoundState
 from collective.errors import AbortedError, AlreadyExistsError, PreconditionError
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ def _sender(rank: int) -> str:
 class Rejoins:
     """The rejoin state of one ``ChiefService``; every method runs with its lock held."""
 
-    def __init__(self, service) -> None:
-        self._svc = service
+    def __init__(self, service, state: RoundState) -> None:
+        self._svc, self._round = service, state
         self._parents: dict[int, int] | None = None  # the plan's first parents
         self._parents_b: dict[int, int] = {}  # a double tree's tree B (WorkerInfo.parent_b): the first ones
         self.lost: set[int] = set()  # ranks lost at some point of this broadcast
@@ -69,7 +70,7 @@ class Rejoins:
         return self._svc.timeouts.rejoin
 
     def waits(self) -> bool:
-        return bool(self._svc.heartbeats) and self.window > 0 and self._svc.phase is Phase.BROADCASTING
+        return bool(self._svc.heartbeats) and self.window > 0 and self._round.phase is Phase.BROADCASTING
 
     def lost_member(self, m: Member, reason: str) -> bool:
         """``m`` (phase "lost") was lost during the broadcast. True: the round waits for it."""
@@ -79,11 +80,11 @@ class Rejoins:
         self.lost.add(m.rank)
         self._revise()
         moved = [f"{w.worker_id} from {_sender(nearest_live(ps, self.lost, m.rank))}"
-                 for ps in (self._parents, self._tree_b()) for w in self._svc._plan.workers
+                 for ps in (self._parents, self._tree_b()) for w in self._round.plan.workers
                  if ps.get(w.rank) == m.rank]
         log.warning("%s was lost during the broadcast: %s; waiting up to %g s for it to rejoin%s", m.name(), reason,
                     self.window, f" (its children now receive: {', '.join(moved)})" if moved else "")
-        self._svc._cond.notify_all()
+        self._round.cond.notify_all()
         return True
 
     def readmit(self, old: Member, req: pb.JoinRequest, peer: str, devices: list[str]) -> Member:
@@ -107,19 +108,19 @@ class Rejoins:
             raise PreconditionError(f"{old.name()} restarted with devices {','.join(devices)}, not "
                                     f"{','.join(old.devices)}; a worker rejoining the round keeps its devices")
         m = Member.joining(req, old.rank, devices, peer)
-        self._svc._members[m.worker_id] = m
+        self._round.members[m.worker_id] = m
         self.rejoined.append(m.worker_id)
         self._revise()
         log.warning("%s rejoined as incarnation %s (was %s, lost %.1f s ago: %s); it receives from %s",
                     m.name(), m.incarnation, old.incarnation, time.monotonic() - old.lost_at, old.lost_reason,
                     _sender(nearest_live(self._parents, self.lost, m.rank)))
-        self._svc._cond.notify_all()
+        self._round.cond.notify_all()
         return m
 
     def check(self) -> None:
         """Fail the round naming the first lost worker whose window has passed."""
         now = time.monotonic()
-        for m in sorted(self._svc._members.values(), key=lambda m: m.rank):
+        for m in sorted(self._round.members.values(), key=lambda m: m.rank):
             if m.phase == "lost" and now - m.lost_at > self.window:
                 self._svc.fail(AbortedError(
                     f"{m.name()} was lost during the broadcast: {m.lost_reason}; it did not rejoin within "
@@ -135,14 +136,14 @@ class Rejoins:
     def _revise(self) -> None:
         """A new plan object (workers already hold the old one): parents around the lost ranks,
         and each rank's current incarnation and relay."""
-        svc = self._svc
+        rnd = self._round
         plan = pb.Plan()
-        plan.CopyFrom(svc._plan)
+        plan.CopyFrom(rnd.plan)
         if self._parents is None:
             self._parents = {w.rank: w.parent for w in plan.workers}
             self._parents_b = {w.rank: w.parent_b for w in plan.workers if w.HasField("parent_b")}
         tree_b = self._tree_b()
-        live = {m.rank: m for m in svc._members.values() if m.phase != "lost"}
+        live = {m.rank: m for m in rnd.members.values() if m.phase != "lost"}
         for w in plan.workers:
             w.parent = nearest_live(self._parents, self.lost, w.rank)
             if w.rank in self._parents_b:
@@ -151,4 +152,4 @@ class Rejoins:
             if m is not None and m.incarnation != w.incarnation:
                 w.incarnation, w.host, w.relay_address, w.relay_cert = (m.incarnation, m.host, m.relay_address(),
                                                                         m.relay_cert)
-        svc._plan = plan
+        rnd.plan = plan

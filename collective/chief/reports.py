@@ -1,6 +1,6 @@
 """What the chief tells about a round: the Status RPC's answer (``collective status``) and the
 summary of a finished round (``collective launch --json``, ``--result-file``). Read-only views
-of a ``ChiefService``, taken under its lock."""
+of a ``ChiefService`` and its round's state (``chief/state.py``), taken under its lock."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from collective._proto import collective_pb2 as pb
 from collective.chief.members import Phase
+from collective.chief.state import RoundState
 from collective.digest import worker_digest
 
 log = logging.getLogger("collective.chief")
@@ -43,11 +44,11 @@ def write_result(path: Path, result: dict) -> None:
                 os.unlink(tmp)
 
 
-def write_outcome(svc) -> None:
+def write_outcome(svc, state: RoundState) -> None:
     """The summary, the moment the round's outcome is decided and before the chief lingers for
     its workers and watchers: a launcher that stops the chief soon after still has it."""
     if svc.result_file is not None:
-        write_result(svc.result_file, summary(svc))
+        write_result(svc.result_file, summary(svc, state))
 
 
 def peak_rss_bytes() -> int:
@@ -65,31 +66,31 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def status_reply(svc, brief: bool = False) -> pb.StatusReply:
+def status_reply(svc, state: RoundState, brief: bool = False) -> pb.StatusReply:
     """Who has joined, each worker's phase and progress (not with ``brief``), and whom the chief
     waits for."""
-    with svc._cond:
+    with state.cond:
         now = time.monotonic()
         ends: dict = {}  # per plan (one, or each shard's): where each variable ends
         return pb.StatusReply(
-            phase=svc._phase.value,
+            phase=state.phase.value,
             expected=svc.num_workers,
-            joined=len(svc._members),
+            joined=len(state.members),
             chief_incarnation=svc.incarnation,
-            seconds_in_phase=now - svc._phase_at,
+            seconds_in_phase=now - state.phase_at,
             model=svc.source.description,
-            waiting_for="" if svc._phase in (Phase.STARTED, Phase.FAILED) else svc._supervisor.waiting_for(),
-            workers=[] if brief else [_worker_status(svc, m, now, ends)
-                                      for m in sorted(svc._members.values(), key=lambda m: m.rank)],
-            error=str(svc._error or ""),
+            waiting_for="" if state.phase in (Phase.STARTED, Phase.FAILED) else svc.supervisor.waiting_for(),
+            workers=[] if brief else [_worker_status(svc, state, m, now, ends)
+                                      for m in sorted(state.members.values(), key=lambda m: m.rank)],
+            error=str(state.error or ""),
         )
 
 
-def _worker_status(svc, m, now: float, ends_of: dict) -> pb.WorkerStatus:
+def _worker_status(svc, state: RoundState, m, now: float, ends_of: dict) -> pb.WorkerStatus:
     """One worker's line: its progress through the bytes it receives (with shards, its own).
     ``ends_of``: the variables' ends per plan, sorted once for all workers that share it (sorted
     for each worker: 3 ms for 20,000 variables, 3.3 s a Status at 1,024 workers, under the lock)."""
-    plan = svc.plan_of(m) if svc._plan is not None else None
+    plan = svc.plan_of(m) if state.plan is not None else None
     ends: list[int] = []
     if plan is not None:
         if id(plan) not in ends_of:  # the plan is held there too, so its id is not reused meanwhile
@@ -104,14 +105,14 @@ def _worker_status(svc, m, now: float, ends_of: dict) -> pb.WorkerStatus:
     )
 
 
-def summary(svc) -> dict:
+def summary(svc, state: RoundState) -> dict:
     """The summary of a round, as ``collective launch --json`` prints it: the keys of
     ``SUMMARY_KEYS``, on success and on failure alike (``failed_summary``)."""
-    with svc._cond:
-        plan = svc._plan
-        members = sorted(svc._members.values(), key=lambda m: m.rank)
-        error = svc._error
-        ok = svc._phase is Phase.STARTED
+    with state.cond:
+        plan = state.plan
+        members = sorted(state.members.values(), key=lambda m: m.rank)
+        error = state.error
+        ok = state.phase is Phase.STARTED
         return {
             **failed_summary(error, transport=svc.transport, model=svc.source.description),
             "ok": ok,
@@ -119,8 +120,8 @@ def summary(svc) -> dict:
             "seconds": round(svc.broadcast_seconds(), 6),
             "bytes": int(svc.arena.nbytes),
             "topology": plan.topology if plan is not None else None,
-            "shards": shards_text(svc._arena._shard_request) if svc.sharded else None,
-            "phases": phases(svc),
+            "shards": shards_text(svc.shard_request) if svc.sharded else None,
+            "phases": phases(state),
             "workers": [
                 {
                     "rank": m.rank,
@@ -146,12 +147,12 @@ def summary(svc) -> dict:
             # then until every worker was ready, and its peak resident set (file pages it had
             # mapped count while mapped; ``--from-file`` drops them once hashed and once sent).
             "chief": {
-                "from_file": svc._arena.file is not None,
+                "from_file": svc.from_file,
                 "load_seconds": round(svc.materialize_seconds, 6),
-                "ready_seconds": round(svc._ready_at - svc._created_at, 6) if svc._ready_at is not None else None,
+                "ready_seconds": round(state.ready_at - state.created_at, 6) if state.ready_at is not None else None,
                 "peak_rss_bytes": peak_rss_bytes(),
             },
-            "rejoined": list(svc._rejoins.rejoined),  # worker ids that came back mid-broadcast
+            "rejoined": list(svc.rejoins.rejoined),  # worker ids that came back mid-broadcast
             "variables": [
                 {
                     "name": v.name,
@@ -163,28 +164,28 @@ def summary(svc) -> dict:
                 }
                 for v in (plan.variables if plan is not None else [])
             ],
-            "chief_replicas": ({"devices": list(svc._local.devices), "digest": svc._local.worker_digest}
-                               if svc._local is not None else None),
+            "chief_replicas": ({"devices": list(state.local.devices), "digest": state.local.worker_digest}
+                               if state.local is not None else None),
         }
 
 
 PHASES = ("load", "join", "prepare", "broadcast", "verify")
 
 
-def phases(svc) -> dict:
+def phases(state: RoundState) -> dict:
     """The round's phases on the chief's clock, back to back, so they add up to ``total``:
     load (the model read or mapped, before serving), join (until every worker is in and the
     plan is out), prepare (workers check the plan and prepare their arenas, until the first
     byte), broadcast (until the last byte reached the last worker), verify (until every worker
     reported its replicas verified). A phase the round never reached is None; ``total`` runs
     to the outcome (start released, or the failure)."""
-    marks = svc._marks
-    end = svc._ready_at if svc._ready_at is not None else (svc._phase_at if svc._phase is Phase.FAILED else None)
-    bounds = [svc._created_at, svc._started_at, marks.get("plan"), svc._first_byte_at, marks.get("sent"),
-              svc._ready_at]
+    marks = state.marks
+    end = state.ready_at if state.ready_at is not None else (state.phase_at if state.phase is Phase.FAILED else None)
+    bounds = [state.created_at, state.started_at, marks.get("plan"), state.first_byte_at, marks.get("sent"),
+              state.ready_at]
     out = {name: (round(b - a, 6) if a is not None and b is not None else None)
            for name, a, b in zip(PHASES, bounds, bounds[1:], strict=False)}
-    out["total"] = round((end if end is not None else time.monotonic()) - svc._created_at, 6)
+    out["total"] = round((end if end is not None else time.monotonic()) - state.created_at, 6)
     return out
 
 

@@ -20,13 +20,14 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from collective import logs, parking
+from collective import logs
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
 from collective.chief.admission import Admission, not_its_secret
 from collective.chief.arena import ChiefArena
 from collective.chief.members import Member, Phase, _ChiefReplicas, report_problem
 from collective.chief.rejoin import Rejoins
+from collective.chief.state import RoundState
 from collective.chief.supervise import Supervisor
 from collective.config import Timeouts
 from collective.errors import (
@@ -106,36 +107,26 @@ class ChiefService(Admission):
         self.heartbeats = heartbeats
         self.source = source
         self.spmd = spmd
-        self._local = (
+        local = (
             _ChiefReplicas(-1, "chief", self.incarnation, socket.gethostname(), parse_devices(local_devices), "local",
                            os.getpid())
             if local_devices else None
         )
-        t0 = self._created_at = time.monotonic()
-        self._arena = ChiefArena(source, ranks=num_workers, trains=self._local is not None, chunk_bytes=chunk_bytes,
+        t0 = time.monotonic()
+        self._arena = ChiefArena(source, ranks=num_workers, trains=local is not None, chunk_bytes=chunk_bytes,
                                  shm=shm, from_file=from_file, shards=shards, max_bytes=max_model_bytes)
         self.materialize_seconds = time.monotonic() - t0
-        # reentrant: fail() may run under it; a parking.Condition, so a server may park the calls that wait on it
-        self._cond = parking.Condition(threading.RLock())
+        # Who joined, the phase, the plan, the error, the clock: one object (chief/state.py) that
+        # the supervisor, the rejoin window and the reports take too.
+        self.state = RoundState(local, created_at=t0)
         self._lockstep = Lockstep()
         self._arena.serve(self._shm_admit)
-        self._members: dict[str, Member] = {}
         # Comparing a declaration takes time and memory in proportion to it (100,000 variables:
         # about 2 s and 100 MB): two at once at most, so concurrent big joins queue, not pile up.
         self._declaring = threading.BoundedSemaphore(2)
-        self._rejoins = Rejoins(self)  # a worker lost mid-broadcast may come back (chief/rejoin.py)
-        # Processes told the failure that never became members (refused, or joining after the end):
-        # an SPMD chief lingers until every rank has heard, so a slow rank hears the cause, not a dead port.
-        self._told_outside: set[str] = set()
-        self._phase = Phase.JOINING
-        self._error: CollectiveError | None = None
-        self._plan: pb.Plan | None = None
+        self.rejoins = Rejoins(self, self.state)  # a worker lost mid-broadcast may come back (chief/rejoin.py)
         self._chunker: Chunker | None = None
-        self._started_at = self._phase_at = time.monotonic()
-        self._first_byte_at: float | None = None
-        self._ready_at: float | None = None
-        self._marks: dict[str, float] = {}  # plan released, last byte sent: the summary's phases
-        self._supervisor = Supervisor(self)  # deadlines, leases, whom the round waits for (chief/supervise.py)
+        self.supervisor = Supervisor(self, self.state)  # deadlines, leases, whom the round waits for (chief/supervise.py)
         log.info(
             "model %s: %d variables, %d bytes, %s in %.2f s",
             source.description, len(self.specs), self.arena.nbytes,
@@ -168,16 +159,26 @@ class ChiefService(Admission):
     def sharded(self) -> bool:
         return self._arena.sharded
 
+    @property
+    def shard_request(self):
+        """The shards asked for (``collective.shards``), or None."""
+        return self._arena.shard_request
+
+    @property
+    def from_file(self) -> bool:
+        """Served straight from the model's files (``--from-file``)."""
+        return self._arena.file is not None
+
     def _shard_of(self, m: Member) -> int:
-        return 0 if m is self._local else m.rank + self._arena.shard_base
+        return 0 if m is self.state.local else m.rank + self._arena.shard_base
 
     def plan_of(self, m: Member) -> pb.Plan:
         """The plan ``m`` receives and is checked against: the round's, or with shards its own
         (rebuilt when a rejoin revised the round's plan). Call with the lock held, after release."""
-        return self._arena.plan_of(self._shard_of(m), self._plan)
+        return self._arena.plan_of(self._shard_of(m), self.state.plan)
 
     def _chunker_of(self, m: Member) -> Chunker:
-        return self._arena.chunker_of(self._shard_of(m), self._plan) if self.sharded else self._chunker
+        return self._arena.chunker_of(self._shard_of(m), self.state.plan) if self.sharded else self._chunker
 
     def bytes_total(self, m: Member) -> int:
         """The bytes ``m`` receives: the arena, or its shard's."""
@@ -191,32 +192,27 @@ class ChiefService(Admission):
 
     @property
     def phase(self) -> Phase:
-        return self._phase
+        return self.state.phase
 
     @property
     def error(self) -> CollectiveError | None:
-        return self._error
+        return self.state.error
 
     def fail(self, error: CollectiveError) -> None:
         """End the round with ``error`` unless it already ended. Wakes every waiter."""
-        with self._cond:
-            if self._phase in (Phase.STARTED, Phase.FAILED):
+        with self.state.cond:
+            if self.state.phase in (Phase.STARTED, Phase.FAILED):
                 return
-            self._phase, self._phase_at = Phase.FAILED, time.monotonic()
-            self._error = error
+            self.state.phase, self.state.phase_at = Phase.FAILED, time.monotonic()
+            self.state.error = error
             logs.phase("failed")
             log.error("round aborted: %s", error)
-            self._cond.notify_all()
-
-    def _wait(self, predicate, timeout: float, key: str | None = None) -> bool:
-        # Blocks, or in a server's poll mode raises parking.NotYet: the caller parks, holding no
-        # thread. ``key``: what it waits for, the same predicate for every caller (parking.wait_for).
-        return parking.wait_for(self._cond, predicate, timeout, key)
+            self.state.cond.notify_all()
 
     # --- ChiefHandler --------------------------------------------------------------------
 
     def _release_plan(self) -> None:
-        members = sorted(self._members.values(), key=lambda m: m.rank)
+        members = sorted(self.state.members.values(), key=lambda m: m.rank)
         lay = self._layout(members)
         topology, parent_of = lay.topology, lay.parents
         workers = [
@@ -230,22 +226,22 @@ class ChiefService(Admission):
                 w.parent_b = b
         chunk_bytes = self.chunk_bytes or chunk_bytes_for(topology)  # a chain fills its pipeline one chunk per hop
         self._check_files()
-        self._plan = self._arena.plan(workers, chunk_bytes=chunk_bytes, chief_incarnation=self.incarnation)
-        self._plan.topology = topology
-        self._chunker = Chunker(self._plan, self.arena)
-        self._phase, self._phase_at = Phase.BROADCASTING, time.monotonic()
-        self._marks["plan"] = self._phase_at
+        self.state.plan = self._arena.plan(workers, chunk_bytes=chunk_bytes, chief_incarnation=self.incarnation)
+        self.state.plan.topology = topology
+        self._chunker = Chunker(self.state.plan, self.arena)
+        self.state.phase, self.state.phase_at = Phase.BROADCASTING, time.monotonic()
+        self.state.marks["plan"] = self.state.phase_at
         logs.phase("broadcast")
         hosts = len({m.host for m in members})
         log.info(
             "all %d workers joined; plan released (%d chunk(s) per worker, topology %s over %d network "
             "receiver(s); workers on %d host(s); plan of %d bytes)",
-            self.num_workers, len(self._chunker) - 1, topology, lay.receivers, hosts, self._plan.ByteSize(),
+            self.num_workers, len(self._chunker) - 1, topology, lay.receivers, hosts, self.state.plan.ByteSize(),
         )
         if self.sharded:
             log.info("sharded over %d training rank(s): %s bytes each (of %d)", self._arena.shards.world,
                      ",".join(str(v.nbytes) for v in self._arena.shards.views), self.arena.nbytes)
-        self._cond.notify_all()
+        self.state.cond.notify_all()
 
     def _layout(self, members: list[Member]) -> Layout:
         """Who receives from whom, by host (``topology.arrange``); a star when a worker that
@@ -265,20 +261,20 @@ class ChiefService(Admission):
     def get_plan(self, ref: pb.WorkerRef, timeout: float) -> pb.Plan:
         """The round's plan once released; with ``ref.want_digests``, once complete (the files
         read: ``Plan.digests_follow``)."""
-        with self._cond:
+        with self.state.cond:
             self._member(ref)
             if ref.want_digests:
-                self._wait(lambda: self._phase is Phase.FAILED or (self._plan is not None and not self._plan.digests_follow),
-                           timeout, "plan-complete")
+                self.state.wait(lambda: self.state.phase is Phase.FAILED or self.state.plan_complete(),
+                                timeout, "plan-complete")
             else:
-                self._wait(lambda: self._phase is not Phase.JOINING, timeout, "plan")
+                self.state.wait(lambda: self.state.phase is not Phase.JOINING, timeout, "plan")
             m = self._member(ref)  # raises the failure if the round failed meanwhile
-            if self._plan is None:
+            if self.state.plan is None:
                 raise DeadlineError(
                     f"plan not released within {timeout:g} s: "
-                    f"{len(self._members)}/{self.num_workers} workers joined"
+                    f"{len(self.state.members)}/{self.num_workers} workers joined"
                 )
-            if ref.want_digests and self._plan.digests_follow:
+            if ref.want_digests and self.state.plan.digests_follow:
                 raise DeadlineError(f"the chief had not read the model's files within {timeout:g} s: "
                                     f"{self.source.description}")
             return self.plan_of(m)
@@ -298,7 +294,7 @@ class ChiefService(Admission):
         (MPI) calls it once for all workers and broadcasts each message. Raises AbortedError
         between two messages once the round has failed.
         """
-        with self._cond:
+        with self.state.cond:
             members = [self._member(ref) for ref in refs]
             if self._chunker is None:
                 raise PreconditionError(f"{members[0].name()} asked for data before the plan was released")
@@ -308,30 +304,30 @@ class ChiefService(Admission):
             shard = self._shard_of(members[0]) if self.sharded else None
             for m, ref in zip(members, refs, strict=True):
                 m.phase, m.bytes_sent = "receiving", ref.resume_from  # resumed: it holds the bytes before
-            if self._first_byte_at is None:
-                self._first_byte_at = time.monotonic()
+            if self.state.first_byte_at is None:
+                self.state.first_byte_at = time.monotonic()
             select = Select.of(refs[0])  # one stream to many (MPI) is always the whole stream
             if any(Select.of(ref) != select for ref in refs):
                 raise PreconditionError("one stream to many workers must carry the same chunks to each")
         # A double tree's two root streams kept in step (``Lockstep``: they race for this link).
         start = min(ref.resume_from for ref in refs)
-        for chunk, data in self._lockstep.frames(chunker, start, select, expected=sibling_streams(self._plan, refs[0])):
-            if self._phase is Phase.FAILED:
-                with self._cond:
+        for chunk, data in self._lockstep.frames(chunker, start, select, expected=sibling_streams(self.state.plan, refs[0])):
+            if self.state.phase is Phase.FAILED:
+                with self.state.cond:
                     for m in members:
                         m.told = True
-                raise self._error.same_round()
+                raise self.state.error.same_round()
             self._check_files(chunk.offset, chunk.offset + len(data), shard)
             yield chunk, data
             self._arena.drop(chunk.offset, chunk.offset + len(data), shard)
             for m in members:
                 m.bytes_sent += len(data)
-        with self._cond:
+        with self.state.cond:
             for m in members:
                 # The worker may already have verified and reported ready: a sender resumes
                 # this generator only after its transport took the last message.
                 if m.phase == "receiving":
-                    m.phase, self._marks["sent"] = "verifying", time.monotonic()
+                    m.phase, self.state.marks["sent"] = "verifying", time.monotonic()
 
     def sent(self, start: int, end: int) -> None:
         """Bytes ``start..end`` of the arena went out in one collective call (MPI's Bcast of a
@@ -347,19 +343,20 @@ class ChiefService(Admission):
         except ModelError as exc:
             self.fail(ModelError(str(exc), culprit="chief", phase="join"))
             return
-        with self._cond:
+        with self.state.cond:
             self._arena.digests = digests
-            self.materialize_seconds = time.monotonic() - self._created_at
+            self.materialize_seconds = time.monotonic() - self.state.created_at
             log.info("model %s: read and hashed in %.2f s", self.source.description, self.materialize_seconds)
             try:
-                if self._phase is Phase.JOINING and len(self._members) == self.num_workers:
+                if self.state.phase is Phase.JOINING and len(self.state.members) == self.num_workers:
                     self._release_plan()
-                elif self._phase is Phase.BROADCASTING and self._plan.digests_follow:
+                elif self.state.phase is Phase.BROADCASTING and self.state.plan.digests_follow:
                     self._check_files()
-                    self._plan = complete_plan(self._plan, digests, self._arena.file.chunk_digests[self._plan.chunk_bytes])
-                    self._chunker = Chunker(self._plan, self.arena)  # streams from now on: the complete plan's
+                    plan = self.state.plan
+                    self.state.plan = complete_plan(plan, digests, self._arena.file.chunk_digests[plan.chunk_bytes])
+                    self._chunker = Chunker(self.state.plan, self.arena)  # streams from now on: the complete plan's
                     log.info("the plan's digests are complete; workers check what they received against them")
-                    self._cond.notify_all()
+                    self.state.cond.notify_all()
             except CollectiveError:
                 pass  # a file changed: _check_files failed the round, every waiter hears it
 
@@ -370,21 +367,21 @@ class ChiefService(Admission):
         try:
             self._arena.check(start, end, shard)
         except ModelError as exc:
-            self.fail(ModelError(str(exc), culprit="chief", phase=self._phase.value))
-            raise self._error.same_round() from None
+            self.fail(ModelError(str(exc), culprit="chief", phase=self.state.phase.value))
+            raise self.state.error.same_round() from None
 
     def _shm_admit(self, worker_id: str, incarnation: str) -> str | None:
         """A member on this host asks for the shared arena: admit it (None) or say why not."""
-        with self._cond:
-            m = self._members.get(worker_id)
+        with self.state.cond:
+            m = self.state.members.get(worker_id)
             if m is None or m.incarnation != incarnation:
                 return f"worker {worker_id!r} (incarnation {incarnation}) is not a member"
-            if self._phase is not Phase.BROADCASTING:
-                return f"the round is {self._phase.value}"
-            if self._first_byte_at is None:
-                self._first_byte_at = time.monotonic()
+            if self.state.phase is not Phase.BROADCASTING:
+                return f"the round is {self.state.phase.value}"
+            if self.state.first_byte_at is None:
+                self.state.first_byte_at = time.monotonic()
             m.phase, m.bytes_sent, m.last_seen, m.mapped = "verifying", int(self.arena.nbytes), time.monotonic(), True
-            self._marks["sent"] = m.last_seen
+            self.state.marks["sent"] = m.last_seen
             log.info("%s takes the arena through shared memory", m.name())
             return None
 
@@ -393,12 +390,12 @@ class ChiefService(Admission):
         self._arena.close()
 
     def report_ready(self, req: pb.ReadyRequest) -> pb.ReadyReply:
-        with self._cond:
+        with self.state.cond:
             m = self._member(req.worker)
-            if self._plan is None:
+            if self.state.plan is None:
                 raise PreconditionError(f"{m.name()} reported ready before the plan was released; "
                                         f"ReportReady comes after GetPlan and the data stream")
-            if self._plan.digests_follow:
+            if self.state.plan.digests_follow:
                 raise PreconditionError(f"{m.name()} reported ready before the plan was complete; with digests_follow "
                                         f"ReportReady comes after GetPlan with want_digests")
             problem = report_problem(self.plan_of(m), m, req)
@@ -409,7 +406,7 @@ class ChiefService(Admission):
                 raise err.same_round()
             m.phase, m.worker_digest = "ready", req.worker_digest
             m.bytes_reported = self.bytes_total(m)  # its digests prove it holds every byte
-            ready = sum(1 for x in self._members.values() if x.phase == "ready")
+            ready = sum(1 for x in self.state.members.values() if x.phase == "ready")
             log.info("%s is ready with digest %s (%d/%d ready; report of %d bytes)",
                      m.name(), req.worker_digest[:12], ready, self.num_workers, req.ByteSize())
             self._maybe_start()
@@ -417,45 +414,44 @@ class ChiefService(Admission):
 
     def _maybe_start(self) -> None:
         """Release start once every worker, and the chief's own replicas if it trains, is ready."""
-        ready = sum(1 for x in self._members.values() if x.phase == "ready")
-        local_ready = self._local is None or self._local.phase == "ready"
-        if ready == self.num_workers and local_ready and self._phase is Phase.BROADCASTING:
-            self._ready_at = time.monotonic()
-            self._phase, self._phase_at = Phase.STARTED, time.monotonic()
+        ready = sum(1 for x in self.state.members.values() if x.phase == "ready")
+        local_ready = self.state.local is None or self.state.local.phase == "ready"
+        if ready == self.num_workers and local_ready and self.state.phase is Phase.BROADCASTING:
+            self.state.ready_at = time.monotonic()
+            self.state.phase, self.state.phase_at = Phase.STARTED, time.monotonic()
             logs.phase("start")
             log.info(
                 "every worker is ready and every digest agrees; start released "
                 "(broadcast %.3f s)", self.broadcast_seconds(),
             )
-            self._cond.notify_all()
+            self.state.cond.notify_all()
 
     @property
     def local_devices(self) -> list[str]:
         """The chief's own devices when it trains too, else []."""
-        return list(self._local.devices) if self._local is not None else []
+        return list(self.state.local.devices) if self.state.local is not None else []
 
     def await_plan(self, timeout: float) -> pb.Plan:
         """For the chief's own replicas: block until the plan is released; raise the round's
         error if it failed, DeadlineError naming who is missing after ``timeout`` seconds."""
-        with self._cond:
+        with self.state.cond:
             # The replicas are checked against the complete plan: wait for it (Plan.digests_follow).
-            self._wait(lambda: self._phase is Phase.FAILED or (self._plan is not None and not self._plan.digests_follow),
-                       timeout)
-            if self._phase is Phase.FAILED:
-                raise self._error.same_round()
-            if self._plan is None or self._plan.digests_follow:
-                raise DeadlineError(f"plan not released within {timeout:g} s: {self._supervisor.joined_summary()}")
-            return self._plan if self._local is None else self.plan_of(self._local)
+            self.state.wait(lambda: self.state.phase is Phase.FAILED or self.state.plan_complete(), timeout)
+            if self.state.phase is Phase.FAILED:
+                raise self.state.error.same_round()
+            if self.state.plan is None or self.state.plan.digests_follow:
+                raise DeadlineError(f"plan not released within {timeout:g} s: {self.supervisor.joined_summary()}")
+            return self.state.plan if self.state.local is None else self.plan_of(self.state.local)
 
     def report_local_ready(self, req: pb.ReadyRequest) -> None:
         """The chief's own replicas, hashed like a worker's: checked against the plan by the same
         rule; a difference fails the round naming the replica."""
-        with self._cond:
-            m = self._local
+        with self.state.cond:
+            m = self.state.local
             if m is None:
                 raise PreconditionError("this chief does not train: it holds no replicas of its own")
-            if self._phase is Phase.FAILED:
-                raise self._error.same_round()
+            if self.state.phase is Phase.FAILED:
+                raise self.state.error.same_round()
             problem = report_problem(self.plan_of(m), m, req)
             if problem is not None:
                 err = IntegrityError(f"{m.name()}: {problem}", culprit=m.worker_id, phase="ready")
@@ -470,49 +466,49 @@ class ChiefService(Admission):
         arena (its receiver, its relay) before any of them takes bytes. So the data stream is not
         shared with other workers' setup (checking a plan of 20,000 variables takes each worker
         tens of milliseconds), and all streams start together, as a collective's do."""
-        with self._cond:
+        with self.state.cond:
             m = self._member(ref)
-            if self._phase is not Phase.BROADCASTING:
-                raise PreconditionError(f"{m.name()} is prepared while the round is {self._phase.value}")
+            if self.state.phase is not Phase.BROADCASTING:
+                raise PreconditionError(f"{m.name()} is prepared while the round is {self.state.phase.value}")
             m.prepared = True
             if m.phase == "joined":
                 m.phase = "prepared"
-            self._cond.notify_all()
-            prepared = lambda: all(x.prepared for x in self._members.values())  # noqa: E731 - a rejoin replaces members
-            self._wait(lambda: self._phase is not Phase.BROADCASTING or prepared(), timeout, "prepared")
-            if self._phase is Phase.FAILED:
+            self.state.cond.notify_all()
+            prepared = lambda: all(x.prepared for x in self.state.members.values())  # noqa: E731 - a rejoin replaces members
+            self.state.wait(lambda: self.state.phase is not Phase.BROADCASTING or prepared(), timeout, "prepared")
+            if self.state.phase is Phase.FAILED:
                 m.told = True
-                raise self._error.same_round()
+                raise self.state.error.same_round()
             if not prepared():
-                late = ", ".join(x.name() for x in self._members.values() if not x.prepared)
+                late = ", ".join(x.name() for x in self.state.members.values() if not x.prepared)
                 raise DeadlineError(f"not every worker prepared within {timeout:g} s; waiting for: {late}")
-            return pb.PreparedReply(prepared=len(self._members))
+            return pb.PreparedReply(prepared=len(self.state.members))
 
     def await_start(self, ref: pb.WorkerRef, timeout: float) -> pb.StartReply:
-        with self._cond:
+        with self.state.cond:
             m = self._member(ref)
-            self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout, "outcome")
+            self.state.wait(lambda: self.state.phase in (Phase.STARTED, Phase.FAILED), timeout, "outcome")
             m = self._member(ref)
-            if self._phase is not Phase.STARTED:
-                raise DeadlineError(f"start not released within {timeout:g} s; waiting for: {self._supervisor.waiting_for()}")
+            if self.state.phase is not Phase.STARTED:
+                raise DeadlineError(f"start not released within {timeout:g} s; waiting for: {self.supervisor.waiting_for()}")
             m.told, m.phase = True, "started"
-            self._cond.notify_all()
+            self.state.cond.notify_all()
             return pb.StartReply(start=True, broadcast_seconds=self.broadcast_seconds())
 
     def await_outcome(self, ref: pb.WorkerRef, timeout: float) -> pb.HeartbeatReply:
         """A worker's presence call: answered when the round has started or failed. The
         transport reports it as ``lost`` if it ends unanswered (the process is gone)."""
-        with self._cond:
+        with self.state.cond:
             self._member(ref)
-            self._wait(lambda: self._phase in (Phase.STARTED, Phase.FAILED), timeout, "outcome")
+            self.state.wait(lambda: self.state.phase in (Phase.STARTED, Phase.FAILED), timeout, "outcome")
             return pb.HeartbeatReply(
-                chief_incarnation=self.incarnation, phase=self._phase.value, error=str(self._error or "")
+                chief_incarnation=self.incarnation, phase=self.state.phase.value, error=str(self.state.error or "")
             )
 
     def report_failure(self, req: pb.FailureReport) -> pb.FailureReply:
-        with self._cond:
+        with self.state.cond:
             m = self._member(req.worker)
-            if logs.is_stop(req.message) and self._rejoins.waits() and m.phase != "lost":
+            if logs.is_stop(req.message) and self.rejoins.waits() and m.phase != "lost":
                 # Stopped (preempted) mid-broadcast: a restart may take its rank, as for a
                 # process lost outright; the chief names it in its own words.
                 self.lost(req.worker, f"it was stopped ({logs.printable(req.message)})", after_grace=True)
@@ -526,26 +522,26 @@ class ChiefService(Admission):
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         check_ref(req)
-        with self._cond:
-            m = self._members.get(req.worker_id)
+        with self.state.cond:
+            m = self.state.members.get(req.worker_id)
             if m is not None and (m.phase == "lost" or m.incarnation != req.incarnation) and \
-                    self._phase is Phase.BROADCASTING:
+                    self.state.phase is Phase.BROADCASTING:
                 self._member(req)  # raises: that process was declared lost, or replaced
             if m is not None and m.incarnation == req.incarnation and self._holds(req) is None:
                 raise not_its_secret(req.worker_id)
             if m is None or m.incarnation != req.incarnation:
-                if self._phase is not Phase.FAILED:
+                if self.state.phase is not Phase.FAILED:
                     raise PreconditionError(
                         f"chief {self.incarnation} does not know worker {req.worker_id!r} "
                         f"(in that incarnation); was the chief restarted?"
                     )
             else:
                 m.last_seen = time.monotonic()
-                if self._phase is Phase.FAILED:
+                if self.state.phase is Phase.FAILED:
                     m.told = True
                 self._progress(m, req.bytes_received)
             return pb.HeartbeatReply(
-                chief_incarnation=self.incarnation, phase=self._phase.value, error=str(self._error or "")
+                chief_incarnation=self.incarnation, phase=self.state.phase.value, error=str(self.state.error or "")
             )
 
     def _progress(self, m: Member, nbytes: int) -> None:
@@ -553,16 +549,16 @@ class ChiefService(Admission):
         by a relay, which the chief's streams cannot see."""
         total = self.bytes_total(m)
         m.bytes_reported = max(m.bytes_reported, min(int(nbytes), total))
-        if self._phase is Phase.BROADCASTING and m.bytes_reported:
+        if self.state.phase is Phase.BROADCASTING and m.bytes_reported:
             if m.phase in ("joined", "prepared"):
                 m.phase = "receiving"
             if m.phase == "receiving" and m.bytes_reported == total:
-                m.phase, self._marks["sent"] = "verifying", time.monotonic()
+                m.phase, self.state.marks["sent"] = "verifying", time.monotonic()
 
     def restarted(self, old) -> None:
         """A restart of member ``old`` is joining: if its calls were cut and the chief still gives
         it time to say why (``Supervisor.await_cause``), that wait ends now: the old process is gone."""
-        self._supervisor.cut_now(old)
+        self.supervisor.cut_now(old)
 
     def lost(self, ref: pb.WorkerRef, reason: str, *, after_grace: bool = False) -> None:
         """A worker's call ended without an answer: the process is gone or its link is cut.
@@ -571,49 +567,49 @@ class ChiefService(Admission):
         may rejoin within the rejoin window (``chief/rejoin.py``), else the round is aborted
         naming it; after the outcome the chief no longer waits for it to hear it (``Supervisor.linger``).
         """
-        with self._cond:
-            self._supervisor.stopped()  # woken from a stop, the chief names itself, not the workers it lost
+        with self.state.cond:
+            self.supervisor.stopped()  # woken from a stop, the chief names itself, not the workers it lost
             m = self._holds(ref)  # a call cut under another's name is no news of that member
             if m is None or m.told:
                 return
-            if self._phase in (Phase.STARTED, Phase.FAILED):
+            if self.state.phase in (Phase.STARTED, Phase.FAILED):
                 # Its process is gone (or its link): the chief's linger need not wait for it to hear.
                 m.gone = True
-                self._cond.notify_all()
+                self.state.cond.notify_all()
                 return
-            if self._phase is Phase.BROADCASTING and m.phase != "lost" and "cut off" in reason and not after_grace:
-                self._supervisor.await_cause(m, ref, reason)  # its own report may yet say why
+            if self.state.phase is Phase.BROADCASTING and m.phase != "lost" and "cut off" in reason and not after_grace:
+                self.supervisor.await_cause(m, ref, reason)  # its own report may yet say why
                 return
-            if self._phase is Phase.JOINING:
-                del self._members[m.worker_id]
+            if self.state.phase is Phase.JOINING:
+                del self.state.members[m.worker_id]
                 log.warning("%s left before the broadcast (%s); its slot is free again", m.name(), reason)
-                self._cond.notify_all()
-            elif self._phase is Phase.BROADCASTING and m.phase != "lost":
+                self.state.cond.notify_all()
+            elif self.state.phase is Phase.BROADCASTING and m.phase != "lost":
                 m.phase = "lost"
                 # A process that is gone cannot be told; one that is only silent (frozen, link
                 # cut) may come back within the linger time and hear the outcome.
                 m.told = "no heartbeat" not in reason
-                if self._rejoins.lost_member(m, reason):
+                if self.rejoins.lost_member(m, reason):
                     return
                 self.fail(AbortedError(f"{m.name()} was lost during the broadcast: {reason}",
                                        culprit=m.worker_id, phase="broadcast"))
 
     def status(self, brief: bool = False) -> pb.StatusReply:
         """Who has joined, each worker's phase and progress (unless ``brief``), and whom the chief waits for."""
-        return reports.status_reply(self, brief)
+        return reports.status_reply(self, self.state, brief)
 
     # --- supervision (chief/supervise.py) -----------------------------------------------------
 
     def supervise(self) -> None:
         """Block until the round has an outcome, enforcing the join and ready deadlines
         (``Supervisor.run``). Returns when start was released; raises the round's error otherwise."""
-        self._supervisor.run()
+        self.supervisor.run()
 
     def broadcast_seconds(self) -> float:
-        if self._first_byte_at is None or self._ready_at is None:
+        if self.state.first_byte_at is None or self.state.ready_at is None:
             return 0.0
-        return self._ready_at - self._first_byte_at
+        return self.state.ready_at - self.state.first_byte_at
 
     def result(self) -> dict:
         """The summary of a round, as ``collective launch --json`` prints it."""
-        return reports.summary(self)
+        return reports.summary(self, self.state)

@@ -15,6 +15,7 @@ from collective import logs, parking
 from collective._proto import collective_pb2 as pb
 from collective.chief import reports
 from collective.chief.members import Phase
+from collective.chief.state import RoundState
 from collective.errors import AbortedError, DeadlineError, JoinTimeoutError
 
 log = logging.getLogger(__name__)
@@ -27,17 +28,17 @@ CAUSE_GRACE = 0.75
 class Supervisor:
     """The deadlines and leases of one ``ChiefService`` round, and whom it waits for."""
 
-    def __init__(self, svc) -> None:
-        self._svc = svc
-        self._last_log = svc._started_at
+    def __init__(self, svc, state: RoundState) -> None:
+        self._svc, self._round = svc, state
+        self._last_log = state.started_at
         self._tick: tuple[float, float, int] | None = None  # run()'s last turn: clock, CPU, members
         # incarnation -> (ref, reason) of a member whose cut calls wait for its cause (await_cause)
         self._awaiting: dict[str, tuple[pb.WorkerRef, str]] = {}
 
     def waiting_for(self) -> str:
         """Whom the round waits for: free ranks while joining, then each member not yet ready."""
-        svc = self._svc
-        if svc._phase is Phase.JOINING:
+        svc, rnd = self._svc, self._round
+        if rnd.phase is Phase.JOINING:
             missing, ranks = self._missing()
             if not missing:
                 return "the model's files to be read and hashed"
@@ -45,39 +46,39 @@ class Supervisor:
         total = svc.arena.nbytes / 2**20
         late = [
             m.name() + (f" [receiving {m.received() / 2**20:.1f}/{total:.1f} MiB]" if m.phase == "receiving" else f" [{m.phase}]")
-            for m in sorted(svc._members.values(), key=lambda m: m.rank)
+            for m in sorted(rnd.members.values(), key=lambda m: m.rank)
             if m.phase not in ("ready", "started")
         ]
-        if svc._local is not None and svc._local.phase != "ready":
-            late.append(svc._local.name())
-        if svc._plan is not None and svc._plan.digests_follow:  # the workers check against them
+        if rnd.local is not None and rnd.local.phase != "ready":
+            late.append(rnd.local.name())
+        if rnd.plan is not None and rnd.plan.digests_follow:  # the workers check against them
             late.insert(0, "the model's files to be read and hashed (the chief)")
         return ", ".join(late) or "nobody"
 
     def _missing(self) -> tuple[int, str]:
         """How many workers have not joined, and their free ranks as the user knows them: in
         SPMD (``collective.sync``) the training ranks, worker rank + 1 (rank 0 is the chief)."""
-        svc = self._svc
-        taken = {m.rank for m in svc._members.values()}
+        svc, rnd = self._svc, self._round
+        taken = {m.rank for m in rnd.members.values()}
         free = [r for r in range(svc.num_workers) if r not in taken]
         if svc.spmd:
-            return svc.num_workers - len(svc._members), "training rank(s) " + ",".join(str(r + 1) for r in free)
-        return svc.num_workers - len(svc._members), "rank(s) " + ",".join(map(str, free))
+            return svc.num_workers - len(rnd.members), "training rank(s) " + ",".join(str(r + 1) for r in free)
+        return svc.num_workers - len(rnd.members), "rank(s) " + ",".join(map(str, free))
 
     def joined_summary(self) -> str:
-        svc = self._svc
+        svc, rnd = self._svc, self._round
         rank = "training rank {}" if svc.spmd else "rank {}"  # SPMD: rank 0 is the chief
         names = ", ".join(f"{m.worker_id} " + rank.format(m.rank + svc.spmd)
-                          for m in sorted(svc._members.values(), key=lambda m: m.rank))
-        return f"{len(svc._members)}/{svc.num_workers} workers joined ({names or 'none'})"
+                          for m in sorted(rnd.members.values(), key=lambda m: m.rank))
+        return f"{len(rnd.members)}/{svc.num_workers} workers joined ({names or 'none'})"
 
     def check_leases(self) -> None:
-        svc = self._svc
-        if not svc.heartbeats or svc._phase not in (Phase.JOINING, Phase.BROADCASTING):
+        svc, rnd = self._svc, self._round
+        if not svc.heartbeats or rnd.phase not in (Phase.JOINING, Phase.BROADCASTING):
             return
-        svc._rejoins.check()
+        svc.rejoins.check()
         now = time.monotonic()
-        for m in list(svc._members.values()):
+        for m in list(rnd.members.values()):
             silent = now - m.last_seen
             if silent > svc.timeouts.lease and not m.told and m.phase != "lost":
                 ref = pb.WorkerRef(worker_id=m.worker_id, incarnation=m.incarnation, secret=m.secret)
@@ -88,14 +89,14 @@ class Supervisor:
         meanwhile (its ReportFailure fails the round naming the cause) or the round ends
         otherwise. A worker that failed reports, then exits, and the cut of its presence call
         may come first. In a thread: ``lost`` is a transport's callback. Call with the lock held."""
-        svc = self._svc
+        rnd = self._round
         if m.incarnation in self._awaiting:  # one wait per member, however many of its calls are cut
             return
         self._awaiting[m.incarnation] = (ref, reason)
 
         def wait() -> None:
-            with svc._cond:
-                svc._wait(lambda: m.told or svc._phase is not Phase.BROADCASTING, CAUSE_GRACE)
+            with rnd.cond:
+                rnd.wait(lambda: m.told or rnd.phase is not Phase.BROADCASTING, CAUSE_GRACE)
                 self.cut_now(m)
 
         threading.Thread(target=wait, name="await-cause", daemon=True).start()
@@ -113,12 +114,12 @@ class Supervisor:
         workers were members (SIGSTOP and SIGCONT, a paused VM, a process starved of CPU): the
         workers gave up on a silent chief by then, and the calls they left cut off must not be
         blamed on them. True if so. Also asked by ``lost``, which may run first after a wake."""
-        svc = self._svc
+        svc, rnd = self._svc, self._round
         if self._tick is None:  # not supervised (yet): nothing to measure
             return False
         now, cpu = time.monotonic(), time.process_time()
-        (then, cpu_then, members), self._tick = self._tick, (now, cpu, len(svc._members))
-        members = max(members, len(svc._members))  # one may have joined just before the stop
+        (then, cpu_then, members), self._tick = self._tick, (now, cpu, len(rnd.members))
+        members = max(members, len(rnd.members))  # one may have joined just before the stop
         gap = now - then
         # A turn takes at most lease/4. A worker whose last answer came a heartbeat before the
         # stop gives up after lease - heartbeat of it.
@@ -129,8 +130,8 @@ class Supervisor:
         how = "stopped" if cpu - cpu_then < gap / 2 else "too busy to answer"
         svc.fail(AbortedError(
             f"the chief was {how} for {gap:.1f} s ({'frozen' if how == 'stopped' else 'unresponsive'}); the "
-            f"workers gave up on it (their lease is {svc.timeouts.lease:g} s) during {svc._phase.value}",
-            culprit="chief", phase=svc._phase.value))
+            f"workers gave up on it (their lease is {svc.timeouts.lease:g} s) during {rnd.phase.value}",
+            culprit="chief", phase=rnd.phase.value))
         return True
 
     def _poll(self) -> float:
@@ -150,12 +151,12 @@ class Supervisor:
         waiting for every ``timeouts.straggler_log`` seconds.
         """
         logs.phase("join")
-        svc = self._svc
+        svc, rnd = self._svc, self._round
         t = svc.timeouts
-        with svc._cond:
-            self._tick = (time.monotonic(), time.process_time(), len(svc._members))
-            deadline = svc._started_at + t.join
-            while svc._phase is Phase.JOINING and not self.stopped():
+        with rnd.cond:
+            self._tick = (time.monotonic(), time.process_time(), len(rnd.members))
+            deadline = rnd.started_at + t.join
+            while rnd.phase is Phase.JOINING and not self.stopped():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing, ranks = self._missing()
@@ -167,29 +168,29 @@ class Supervisor:
                     svc.fail(err)  # the lock is reentrant
                     break
                 self.check_leases()
-                if not svc._wait(lambda: svc._phase is not Phase.JOINING, min(left, self._poll())):
+                if not rnd.wait(lambda: rnd.phase is not Phase.JOINING, min(left, self._poll())):
                     self._log_stragglers("waiting for %s; %s", self.waiting_for(), self.joined_summary())
             deadline = time.monotonic() + t.ready
-            while svc._phase is Phase.BROADCASTING and not self.stopped():
+            while rnd.phase is Phase.BROADCASTING and not self.stopped():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    late = [m.worker_id for m in svc._members.values() if m.phase not in ("ready", "started")]
+                    late = [m.worker_id for m in rnd.members.values() if m.phase not in ("ready", "started")]
                     err = DeadlineError(f"not every worker was ready within {t.ready:g} s; not ready: {self.waiting_for()}",
                                         culprit=late[0] if len(late) == 1 else None, phase="broadcast")
                     svc.fail(err)  # the lock is reentrant
                     break
                 self.check_leases()
-                if not svc._wait(lambda: svc._phase is not Phase.BROADCASTING, min(left, self._poll())):
+                if not rnd.wait(lambda: rnd.phase is not Phase.BROADCASTING, min(left, self._poll())):
                     self._log_stragglers("broadcasting; waiting for %s", self.waiting_for())
-            reports.write_outcome(svc)  # before lingering: the outcome may be all a stopped chief leaves
+            reports.write_outcome(svc, rnd)  # before lingering: the outcome may be all a stopped chief leaves
             self.linger()
-            svc._wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
+            rnd.wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
             parked = parking.stats()
             if parked["tries"] or parked["checks"]:  # a server that parks its calls (collective.parking)
                 log.debug("parked calls: %d tried again, %d predicates asked, %d still parked",
                          parked["tries"], parked["checks"], parked["parked"])
-            if svc._phase is Phase.FAILED:
-                raise svc._error or AbortedError("the round failed")
+            if rnd.phase is Phase.FAILED:
+                raise rnd.error or AbortedError("the round failed")
 
     def linger(self) -> None:
         """Keep serving after the outcome until every worker has heard it from us, not from a dead
@@ -198,24 +199,24 @@ class Supervisor:
         one whose call was cut off (its process gone: ``ChiefService.lost``), or one silent for a
         lease since the outcome (frozen; with heartbeats only: a worker asking for start still
         heartbeats). At most ``Timeouts.linger`` s (``--linger``); who was not told is logged then."""
-        svc, t = self._svc, self._svc.timeouts
+        rnd, t = self._round, self._svc.timeouts
         since = time.monotonic()
         end = since + t.linger
-        while not svc._wait(lambda: self._everyone_heard(since), min(max(end - time.monotonic(), 0.0), self._poll())):
+        while not rnd.wait(lambda: self._everyone_heard(since), min(max(end - time.monotonic(), 0.0), self._poll())):
             waiting = [m for m in self._by_rank() if not self._heard(m, since)]
             if time.monotonic() >= end:
                 log.warning("stopping after the %g s linger (--linger) with %d worker(s) not told the outcome: %s",
                             t.linger, len(waiting), logs.first_of([m.name() for m in waiting], 20, ", "))
                 return
             self._log_stragglers("%s; telling the outcome to %d worker(s) that have not asked for it yet",
-                                 svc._phase.value, len(waiting))
+                                 rnd.phase.value, len(waiting))
         untold = [m.name() + (" (a call of its was cut off)" if m.gone else " (silent for a lease)")
                   for m in self._by_rank() if not m.told]
         if untold:
             log.warning("%d worker(s) did not hear the outcome: %s", len(untold), logs.first_of(untold, 20, ", "))
 
     def _by_rank(self) -> list:
-        return sorted(self._svc._members.values(), key=lambda m: m.rank)
+        return sorted(self._round.members.values(), key=lambda m: m.rank)
 
     def _heard(self, m, since: float, now: float | None = None) -> bool:
         """``m`` was told the outcome, or cannot be (``linger``)."""
@@ -227,9 +228,9 @@ class Supervisor:
 
     def _everyone_heard(self, since: float) -> bool:
         """Every member heard the outcome or cannot (``_heard``); after an SPMD failure, every rank did (members or not)."""
-        svc, now = self._svc, time.monotonic()
-        if not all(self._heard(m, since, now) for m in svc._members.values()):
+        svc, rnd, now = self._svc, self._round, time.monotonic()
+        if not all(self._heard(m, since, now) for m in rnd.members.values()):
             return False
-        if svc.spmd and svc._phase is Phase.FAILED:
-            return len(svc._told_outside | set(svc._members)) >= svc.num_workers
+        if svc.spmd and rnd.phase is Phase.FAILED:
+            return len(rnd.told_outside | set(rnd.members)) >= svc.num_workers
         return True

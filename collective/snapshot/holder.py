@@ -33,7 +33,7 @@ from collective._proto import collective_pb2 as pb
 from collective.arena import new_arena
 from collective.config import TlsFiles
 from collective.digest import array_digest, bytes_digest, chunk_digests
-from collective.errors import AbortedError, ProtocolError, UnimplementedError, UsageError
+from collective.errors import AbortedError, ProtocolError, UsageError
 from collective.limits import (
     MAX_HOLDER_NAME_CHARS,
     MIN_SNAPSHOT_CHUNK_BYTES,
@@ -44,6 +44,7 @@ from collective.model import VariableSpec
 from collective.plan import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, build_plan, layout
 from collective.snapshot import tree
 from collective.stream import Chunker, with_bytes
+from collective.transport.api import plan_server
 
 log = logging.getLogger(__name__)
 
@@ -174,10 +175,13 @@ def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int,
 
 
 class SnapshotHandler:
-    """The ``ChiefHandler`` of a publication: its plan and its data stream, whole or a stripe;
-    every other call of a round is refused. Counts what it served and the streams in progress."""
+    """The ``PlanSource`` of a publication: its plan and its data stream, whole or a stripe (its
+    server refuses every call of a round: ``transport.api.plan_server``). Counts what it served
+    and the streams in progress."""
 
     num_workers = 8  # sizes the endpoint's thread pool: 4 calls for each of 8 fetchers at once
+    refusal = ("this is a publication (collective.publish): it serves its plan and its "
+               "data stream to collective.fetch, not a round")
 
     def __init__(self, plan: pb.Plan, arena) -> None:
         self.plan = plan
@@ -250,12 +254,6 @@ class SnapshotHandler:
             self._closed = True
             return not self._active
 
-    def _round_only(self, *args, **kwargs):
-        raise UnimplementedError("this is a publication (collective.publish): it serves its plan and its "
-                                 "data stream to collective.fetch, not a round")
-
-    join = await_prepared = report_ready = await_start = report_failure = heartbeat = _round_only
-    await_outcome = ready_bytes = _round_only
 
 
 class _Serving:
@@ -414,7 +412,7 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     plan, serving = handler.plan, _Serving(handler)
     endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder", tls=tls)
     try:
-        bound = endpoint.start(serving)
+        bound = endpoint.start(plan_server(serving))
     except BaseException:
         _release(keep, shm_server)
         raise

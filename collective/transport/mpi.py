@@ -40,7 +40,7 @@ from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective.limits import peer_error
 from collective.plan import frame_messages
-from collective.transport.api import ChiefHandler, ChiefLink
+from collective.transport.api import ChiefHandler, ChiefLink, StreamSink
 
 log = logging.getLogger(__name__)
 
@@ -520,7 +520,7 @@ class MpiChiefLink(ChiefLink):
         plans = unpack(bcast_bytes(self.comm, None))
         return self._decode(plans[0] if len(plans) == 1 else plans[self.comm.rank - 1], pb.Plan)
 
-    def receive_into(self, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
+    def receive_into(self, ref: pb.WorkerRef, receiver: StreamSink, stall_timeout: float) -> None:
         """The data stream straight into the receiver's memory, every chunk checked as if it had
         arrived alone (keys, trailers, digests): the chief's large Bcasts, or with shards this
         rank's own stream (``_receive_own``). A bad chunk this rank has reported keeps it in

@@ -3,7 +3,7 @@
 Over gRPC (FetchRaw) each chunk is copied about four times in user space: into the frame, into
 gRPC's send buffers, out of its receive buffers into a Python ``bytes``, and from there into the
 arena. On one host with a few cores those copies, not the network, set the broadcast's time. Here
-the same stream (``ChiefHandler.stream_views``, the same ``Receiver``) goes over a plain TCP
+the same stream (``StreamSource.stream_views``, the same ``Receiver``) goes over a plain TCP
 connection: the sender writes each chunk from its arena with one ``sendmsg`` (header, metadata
 and a view of the bytes), the receiver reads the bytes straight into its arena
 (``Receiver.view`` then ``recv_into``). Only the kernel copies. A sender in the receiver's network
@@ -25,7 +25,7 @@ this path as on FetchRaw:
 * errors: a ``CollectiveError`` raised by the handler travels as its gRPC status code and
   message, and the client maps it through the same table, so the worker raises what it would
   raise over gRPC;
-* liveness: a connection cut before the stream end calls ``ChiefHandler.lost``; the client
+* liveness: a connection cut before the stream end calls ``StreamSource.lost``; the client
   gives up after ``stall_timeout`` seconds without a byte; ``ChiefLink.interrupt`` shuts the
   socket; TCP keepalive (10 s + 2 x 5 s, as gRPC's) notices a vanished peer host.
 

@@ -78,8 +78,9 @@ def default_worker_id() -> str:
 
 
 class _Watched:
-    """One stream of a Receiver (``Receiver.part``) that records progress for the heartbeat,
-    wakes the relay's streams as each chunk lands, and reports a bad chunk at once.
+    """One stream of a Receiver (``Receiver.part``; a ``transport.api.StreamSink``, what a link
+    writes into) that records progress for the heartbeat, wakes the relay's streams as each
+    chunk lands, and reports a bad chunk at once.
 
     Reporting from inside ``accept`` matters: the stream is still open then, so the chief hears
     the real cause (say a digest mismatch) before it sees the stream cut off.

@@ -22,9 +22,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from collective._proto import collective_pb2 as pb
-from collective.errors import AbortedError, DeadlineError, PreconditionError, UnimplementedError
+from collective.errors import AbortedError, DeadlineError, PreconditionError
 from collective.logs import printable
 from collective.plan import Chunker, Lockstep, Select, sibling_streams, with_bytes
+from collective.transport.api import stream_server
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,12 @@ def host_towards(chief: str) -> str:
 
 
 class RelayHandler:
-    """The ChiefHandler of a worker's relay server. Thread-safe; every wait is bounded."""
+    """The ``StreamSource`` of a worker's relay server: the data stream, nothing else (its server
+    refuses every other call: ``transport.api.stream_server``). Thread-safe; every wait is bounded."""
 
     num_workers = 0  # the few children of a tree or chain: their streams fit the server's pool
+    refusal = ("this is a worker's relay: it serves only the data stream (Fetch, FetchRaw); "
+               "send every other call to the chief")
 
     def __init__(self, stall_timeout: float) -> None:
         self._cond = threading.Condition()
@@ -124,12 +128,6 @@ class RelayHandler:
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         log.info("relay stream to worker %s ended early: %s", printable(ref.worker_id), reason)
 
-    def _not_served(self, *args, **kwargs):
-        raise UnimplementedError("this is a worker's relay: it serves only the data stream (Fetch, FetchRaw); "
-                                 "send every other call to the chief")
-
-    join = get_plan = await_prepared = report_ready = ready_bytes = await_start = report_failure = _not_served
-    heartbeat = await_outcome = status = _not_served
 
 
 class Relay:
@@ -144,7 +142,7 @@ class Relay:
         self.cert_pem = (served.cert_pem or b"") if served is not None else b""
         self._endpoint = GrpcEndpoint(bind, token=token, tls=served, name="relay")
         try:
-            self._endpoint.start(self.handler)
+            self._endpoint.start(stream_server(self.handler))
         except BaseException:  # Ctrl-C mid-start: no half-started server left to grpc's finaliser
             self._endpoint.stop(grace=0)
             raise

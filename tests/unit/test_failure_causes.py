@@ -47,8 +47,8 @@ def test_the_round_names_the_workers_own_cause_whichever_comes_first(first):
 def test_a_cut_with_no_report_fails_the_round_naming_the_cut_after_the_grace():
     service, ref = _broadcasting()
     service.lost(ref, CUT)
-    with service._cond:
-        service._cond.wait_for(lambda: service.phase is Phase.FAILED, timeout=CAUSE_GRACE + 10)
+    with service.state.cond:
+        service.state.cond.wait_for(lambda: service.phase is Phase.FAILED, timeout=CAUSE_GRACE + 10)
     assert service.phase is Phase.FAILED
     assert isinstance(service.error, AbortedError) and service.error.culprit == "w0"
     assert "worker w0 (rank 0" in str(service.error) and "was lost during the broadcast: " + CUT in str(service.error)

@@ -48,7 +48,7 @@ def test_a_sharded_checkpoint_is_served_from_its_files(tmp_path, shards, chunk_b
     assert sup is None, sup
     assert service.phase is Phase.STARTED
     assert service._arena.file is not None and not service.arena.flags.writeable  # the mapping, not a copy
-    plan = service._plan
+    plan = service.state.plan
     assert plan.chunk_digests == chunk_digests(service.arena, plan.chunk_bytes)
     for v in plan.variables:
         assert bytes_digest(arrays[v.name].tobytes()) == v.digest
@@ -205,7 +205,7 @@ def test_the_plan_goes_out_while_the_files_are_read_and_its_digests_follow(tmp_p
     validate_plan(provisional)
     assert provisional.digests_follow and not provisional.chunk_digests and not provisional.manifest_digest
     assert not any(v.digest for v in provisional.variables if v.nbytes)
-    assert service._supervisor.waiting_for().startswith("the model's files to be read and hashed (the chief)")
+    assert service.supervisor.waiting_for().startswith("the model's files to be read and hashed (the chief)")
     # Each chunk's trailer is the digest of its bytes, so a receiver checks every one as it lands.
     chunks = list(service.fetch(ref))
     assert all(c.digest == bytes_digest(c.data) for c in chunks if c.data)

@@ -185,7 +185,7 @@ def test_a_worker_killed_mid_stream_rejoins_its_children_resume_and_the_round_co
     assert all(by_rank[r]["incarnation"] == agents[r].incarnation for r in range(workers) if r != victim)
     # The orphans moved to the victim's nearest live ancestor and resumed where they stood.
     # In a double tree, in the tree where the victim was their parent.
-    first, plan = done[0].plan, c.service._plan
+    first, plan = done[0].plan, c.service.state.plan
     for tree in range(trees_of(first)):
         ancestors = {w.rank: parent_in(w, tree) for w in first.workers}
         parent = nearest_live(ancestors, {victim}, victim)
@@ -246,8 +246,8 @@ def test_without_a_rejoin_window_a_lost_worker_fails_the_round_and_its_restart_h
     service = chief_service(ARRAYS, 2, timeouts=dataclasses.replace(T, rejoin=0.0))
     refs = _joined(service, 2)
     service.lost(refs[0], "its presence call was cut off")
-    with service._cond:  # after the grace in which its own report of a cause could still come
-        service._cond.wait_for(lambda: service.phase is Phase.FAILED, timeout=CAUSE_GRACE + 10)
+    with service.state.cond:  # after the grace in which its own report of a cause could still come
+        service.state.cond.wait_for(lambda: service.phase is Phase.FAILED, timeout=CAUSE_GRACE + 10)
     assert service.phase is Phase.FAILED
     with pytest.raises(AbortedError, match=r"worker w0 \(rank 0.*was lost during the broadcast"):
         service.join(pb.JoinRequest(worker_id="w0", incarnation="new", devices=["cpu:0"], host="h"), PEER)
@@ -287,7 +287,7 @@ def test_a_lost_incarnation_that_comes_back_is_refused_not_resurrected():
         service.heartbeat(pb.HeartbeatRequest(worker_id="w0", incarnation=refs[0].incarnation, secret=refs[0].secret))
     with pytest.raises(AbortedError, match="was declared lost"):
         service.await_prepared(refs[0], 1.0)
-    assert "w0 (rank 0" in service._supervisor.waiting_for() and "[lost]" in service._supervisor.waiting_for()
+    assert "w0 (rank 0" in service.supervisor.waiting_for() and "[lost]" in service.supervisor.waiting_for()
 
 
 @pytest.mark.parametrize(("parents", "lost", "rank", "want"), [

@@ -18,7 +18,7 @@ from collective.config import TlsFiles, token_problem
 from collective.limits import peer_error
 from collective.logs import printable
 from collective.plan import MAX_PIECED_BYTES, from_pieces, to_pieces
-from collective.transport.api import ChiefLink
+from collective.transport.api import ChiefLink, StreamSink
 from collective.transport.grpc.tls import channel_credentials
 from collective.transport.grpc.wire import (
     CLIENT_OPTIONS,
@@ -282,7 +282,7 @@ class GrpcChiefLink(ChiefLink):
     def fetch(self, ref: pb.WorkerRef, stall_timeout: float) -> Iterator[pb.Chunk]:
         return self._stream(self._stub.Fetch, ref, stall_timeout)
 
-    def receive_into(self, ref: pb.WorkerRef, receiver, stall_timeout: float) -> None:
+    def receive_into(self, ref: pb.WorkerRef, receiver: StreamSink, stall_timeout: float) -> None:
         """The data stream as raw frames: each chunk's bytes are written once, into the arena.
 
         A frame is a 4-byte little-endian length, the chunk's metadata (a Chunk without data)
