@@ -2,24 +2,23 @@
 
 ``python -m tools.docgen`` rewrites the file; ``python -m tools.docgen --check`` exits 1 when the
 committed file differs from what the code gives (``tests/docs/test_options_doc.py`` runs it).
-The tables are read off the argparse parsers the commands really use (the chief's and worker's
-are made from ``collective.options.CHIEF_FLAGS`` / ``WORKER_FLAGS``), so a flag added, renamed
-or given another default shows up here or fails the test: the docs cannot drift from the code.
+The tables are read off the argparse parsers the commands really use, found by walking the
+package (every module ``python -m`` runs, and each subcommand of its parser: ``commands``), and
+their options come from the one flag table (``collective.options.FLAGS``), so a command or flag
+added, renamed or given another default shows up here or fails the test: the docs cannot drift
+from the code.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import importlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "reference" / "options.md"
-
-# add_option (collective.config) appends the variable a flag is read from to its help text.
-_ENV = re.compile(r"\s*\(env (COLLECTIVE_[A-Z0-9_]+)\)\s*$")
 
 HEADER = """\
 # Options
@@ -35,49 +34,38 @@ command-line only.
 """
 
 
-def _subcommand(name: str) -> Callable[[], argparse.ArgumentParser]:
-    def get() -> argparse.ArgumentParser:
-        from collective.cli import build_parser
-
-        parser = build_parser()
-        for action in parser._actions:  # argparse keeps its subparsers here and nowhere public
-            if isinstance(action, argparse._SubParsersAction):
-                return action.choices[name]
-        raise LookupError(f"collective has no subcommand {name!r}")
-
-    return get
+def _runnable(path: Path) -> bool:
+    """A module ``python -m`` runs as a command: a ``__main__.py``, or one that runs itself."""
+    return path.name == "__main__.py" or '__name__ == "__main__"' in path.read_text()
 
 
-def _chief() -> argparse.ArgumentParser:
-    from collective.options import chief_parser
+def commands() -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
+    """(section title, how the command is typed, its parser) of every command the package has,
+    found, not listed: each module under ``collective/`` that ``python -m`` runs (private ones,
+    ``_protogen``, aside) gives its ``build_parser()`` (a ``__main__.py``: its package's), and a
+    parser with subcommands gives each of them instead. A command module without
+    ``build_parser`` is an error, so no command is left out of the page."""
+    for path in sorted((ROOT / "collective").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if any(p.startswith("_") and p != "__main__" for p in parts) or not _runnable(path):
+            continue
+        module = importlib.import_module(".".join(parts))
+        build = getattr(module, "build_parser", None)
+        if build is None and parts[-1] == "__main__":
+            build = getattr(importlib.import_module(".".join(parts[:-1])), "build_parser", None)
+        if build is None:
+            raise LookupError(f"{'.'.join(parts)} runs as a command but has no build_parser(): its options "
+                              f"cannot be documented")
+        yield from _walk(build())
 
-    return chief_parser()
 
-
-def _worker() -> argparse.ArgumentParser:
-    from collective.options import worker_parser
-
-    return worker_parser()
-
-
-def _mpi() -> argparse.ArgumentParser:
-    from collective.mpi import build_parser
-
-    return build_parser()
-
-
-# (section title, how the command is typed, its parser)
-COMMANDS: tuple[tuple[str, str, Callable[[], argparse.ArgumentParser]], ...] = (
-    ("chief", "python -m collective.chief", _chief),
-    ("worker", "python -m collective.worker", _worker),
-    ("launch", "collective launch", _subcommand("launch")),
-    ("mpi", "mpiexec -n N+1 python -m collective.mpi", _mpi),
-    ("status", "collective status", _subcommand("status")),
-    ("logs", "collective logs", _subcommand("logs")),
-    ("doctor", "collective doctor", _subcommand("doctor")),
-    ("fetch", "collective fetch", _subcommand("fetch")),
-    ("bench", "collective bench (from a checkout)", _subcommand("bench")),
-)
+def _walk(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # argparse keeps them here only
+    if not subs:
+        yield parser.prog.split()[-1].rsplit(".", 1)[-1], parser.prog, parser
+    for action in subs:
+        for sub in action.choices.values():
+            yield from _walk(sub)
 
 
 def _cell(text: str) -> str:
@@ -98,21 +86,25 @@ def _default(action: argparse.Action) -> str:
 
 def rows(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, str, str]]:
     """(flag, variable, default, meaning) for every argument but ``--help``."""
+    from collective.config import env_name
+
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction | argparse._VersionAction | argparse._SubParsersAction):
             continue
         if action.help == argparse.SUPPRESS:  # hidden from --help: an internal flag (mpi's --no-table)
             continue
-        helptext = action.help or ""
-        m = _ENV.search(helptext)
-        env = f"`{m.group(1)}`" if m else "-"
-        meaning = helptext[: m.start()] if m else helptext
+        meaning, env, default = action.help or "", "-", _default(action)
+        flag = getattr(action, "flag", None)  # the flag table's entry it was made from (config.add_flags)
+        if flag is not None:
+            meaning = meaning.removesuffix(flag.suffix())
+            env = f"`{env_name(flag.name)}`" if flag.env and not flag.switch else "-"
+            default = flag.shown if flag.shown is not None else default
         if action.choices and not isinstance(action, argparse._SubParsersAction):
             meaning += " (one of: " + ", ".join(str(c) for c in action.choices) + ")"
         if action.required or (not action.option_strings and action.nargs not in ("?", "*")):
             meaning += " (required)"
-        flag = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.metavar or action.dest}`"
-        yield flag, env, _default(action), meaning
+        names = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.metavar or action.dest}`"
+        yield names, env, default, meaning
 
 
 def generate() -> str:
@@ -122,9 +114,9 @@ def generate() -> str:
     # The parsers take their defaults from COLLECTIVE_* variables: read them from an empty
     # environment so the tables show the code's defaults, not this shell's settings.
     with reading({}):
-        for title, command, get in COMMANDS:
+        for title, command, parser in commands():
             out.append(f"\n## {title}\n\n`{command}`\n\n| flag | variable | default | meaning |\n|---|---|---|---|\n")
-            out += [f"| {_cell(f)} | {e} | {_cell(d)} | {_cell(m)} |\n" for f, e, d, m in rows(get())]
+            out += [f"| {_cell(f)} | {e} | {_cell(d)} | {_cell(m)} |\n" for f, e, d, m in rows(parser)]
     return "".join(out)
 
 

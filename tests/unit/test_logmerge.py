@@ -12,7 +12,7 @@ import pytest
 
 from collective import logs
 from collective.errors import UsageError
-from collective.logmerge import format_records, logs_command, merge_run
+from collective.cli.logs import format_records, logs_command, merge_run
 
 
 def text(t: str, role: str, rank: str, wid: str, phase: str, msg: str, level: str = "INFO") -> str:
