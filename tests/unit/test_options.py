@@ -258,3 +258,19 @@ def test_the_compose_files_topology_comment_names_every_topology():
     comment = lines[i - 1]
     assert comment.strip().startswith("#") and all(t in comment for t in TOPOLOGIES), comment
     assert "16 MiB" not in comment  # auto is a time model, not a size threshold
+
+
+def test_the_options_page_finds_every_command_without_a_list():
+    """docgen had a hand list of commands, so a new one would have been missing from the page:
+    it now walks every module `python -m` runs and every subcommand of `collective`."""
+    import argparse
+
+    from collective.cli import build_parser
+    from tools.docgen import commands
+
+    found = [(title, prog) for title, prog, _ in commands()]
+    titles = [t for t, _ in found]
+    [subs] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(subs.choices) <= set(titles), (sorted(subs.choices), titles)
+    assert {"chief", "worker", "mpi"} <= set(titles) and len(titles) == len(set(titles)), titles
+    assert ("mpi", "mpiexec -n N+1 python -m collective.mpi") in found
