@@ -388,7 +388,7 @@ def byte_size(option: str) -> Callable[[str], int]:
 
         try:
             return parse_size(text, option=option)
-        except UsageError as exc:  # argparse (or add_option, for the environment) names the source
+        except UsageError as exc:  # argparse (or add_flags, for the environment) names the source
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return size

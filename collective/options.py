@@ -1,8 +1,9 @@
-"""The settings of the two roles, one table of flags each (``CHIEF_FLAGS``, ``WORKER_FLAGS``):
-the table makes the command-line parser of ``python -m collective.chief`` / ``collective.worker``
-and the settings dataclass the Python API reads (``ChiefSettings.from_env()``, no parser), so the
-flags, their ``COLLECTIVE_*`` variables and the API's defaults cannot drift apart. Below both
-the entry points and the API, so neither imports the other.
+"""The one flag table (``FLAGS``): every option of every command (chief, worker, launch, mpi,
+status, logs, fetch, doctor) defined once, with one help text; each command's selection of it
+(``CHIEF_FLAGS``, ``WORKER_FLAGS``, ``LAUNCH_FLAGS``, ...) makes its parser. The roles' tables
+also make the settings dataclasses the Python API reads (``ChiefSettings.from_env()``, no
+parser), so the flags, their ``COLLECTIVE_*`` variables and the API's defaults cannot drift
+apart. Below both the entry points and the API, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _table(*flags: Flag) -> dict[str, Flag]:
     table: dict[str, Flag] = {}
     for f in flags:
         if f.name in table:
-            raise AssertionError(f"--{f.name} is defined twice in the flag table")
+            raise ValueError(f"--{f.name} is defined twice in the flag table")
         table[f.name] = f
     return table
 
