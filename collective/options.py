@@ -92,7 +92,7 @@ FLAGS: dict[str, Flag] = _table(
     Flag("worker-id", "this worker's id", shown="HOSTNAME-PID"),
     Flag("rank", "preferred rank (the chief gives another if it is taken; -1: any)", int, -1),
     Flag("expect-model", "refuse to join unless the chief's variables match this model's (a preset, spec, .npz or "
-         ".safetensors; only names, shapes, dtypes and modes are read)"),
+         ".safetensors; only names, shapes, dtypes and modes are read)", shown="none: any model"),
     # How the bytes travel.
     Flag("shm", "same-host workers take the arena through shared memory, the chief's or this host's receiving "
          "worker's (--no-shm: network only)", parse_bool, True, boolean=True),
@@ -104,11 +104,11 @@ FLAGS: dict[str, Flag] = _table(
          shown="256 MiB"),
     Flag("shards", "each worker receives a part of the model, not a replica: dim0 (torch's Shard(0) of every "
          "variable over the workers) or a JSON object name -> \"dim0\" / \"all\" / rank(s), \"*\" for the rest "
-         "(over gRPC: a star, without shared memory)", parse_shards),
+         "(over gRPC: a star, without shared memory)", parse_shards, shown="none: every worker a whole replica"),
     Flag("from-file", "serve a .safetensors model straight from its file(s), mapped read-only, not a copy in "
          "memory (same-host workers map the files)", parse_bool, False, boolean=True),
     Flag("max-model-bytes", "refuse (exit 2) a model whose arena is larger, e.g. 8GiB; the memory available is "
-         "always checked", byte_size("--max-model-bytes")),
+         "always checked", byte_size("--max-model-bytes"), shown="none: the memory available is the limit"),
     # Deadlines, in seconds.
     Flag("heartbeat-interval", "seconds between a worker's heartbeats", positive_float, _TIMEOUTS.heartbeat),
     Flag("heartbeat-timeout", "seconds of silence after which a peer is declared dead", positive_float,

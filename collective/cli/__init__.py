@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(sub.add_parser("status", help="ask a running chief who has joined and who is being waited for"),
               STATUS_FLAGS)
     lg = sub.add_parser("logs", help="merge a run directory's logs into one timeline")
-    lg.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default=None)
+    lg.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default=None, help="the run directory (or --run-dir DIR)")
     add_flags(lg, LOGS_FLAGS)
     add_flags(sub.add_parser("fetch", help="fetch a training state published at a step (collective.publish) into a "
                              "file"), FETCH_FLAGS)
