@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from collective.errors import UsageError, env_error
@@ -197,34 +197,23 @@ def token_problem(token: str) -> str | None:
     return None
 
 
-def add_option(
-    parser: argparse.ArgumentParser,
-    name: str,
-    *,
-    help: str,
-    type: Callable[[str], Any] = str,
-    default: Any = None,
-    **kwargs: Any,
-) -> None:
-    """Add ``--name`` whose default comes from ``COLLECTIVE_<NAME>``, then ``default``.
+def _env_default(name: str, parse: Callable[[str], Any], default: Any, choices: Iterable[Any] | None) -> Any:
+    """The default of ``--name``: ``COLLECTIVE_<NAME>`` parsed by ``parse`` if set, else ``default``.
 
-    The environment value is parsed by ``type`` here; a bad one is reported when arguments are
-    parsed (``BadEnvironment``), naming the variable, if the command that runs has the option.
-    """
+    A bad value becomes a ``BadEnvironment``, reported when arguments are parsed, naming the
+    variable, if the command that runs has the option."""
     env = env_name(name)
     raw = environ().get(env)
-    if raw not in (None, ""):
-        try:
-            default = type(raw)
-        except (argparse.ArgumentTypeError, ValueError) as exc:
-            default = BadEnvironment(env_error(env, raw, str(exc)))
-        # argparse checks choices only of what the command line gives, never of a default
-        choices = kwargs.get("choices")
-        if choices is not None and not isinstance(default, BadEnvironment) and default not in choices:
-            default = BadEnvironment(env_error(env, raw, f"not one of {', '.join(map(str, choices))}"))
-    parser.add_argument(
-        f"--{name}", type=type, default=default, help=f"{help} (env {env})", **kwargs
-    )
+    if raw in (None, ""):
+        return default
+    try:
+        value = parse(raw)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        return BadEnvironment(env_error(env, raw, str(exc)))
+    # argparse checks choices only of what the command line gives, never of a default
+    if choices is not None and value not in choices:
+        return BadEnvironment(env_error(env, raw, f"not one of {', '.join(map(str, choices))}"))
+    return value
 
 
 def parse_address(text: str, *, what: str) -> tuple[str, int]:
@@ -253,9 +242,11 @@ def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
 
 @dataclass(frozen=True)
 class Flag:
-    """One setting: ``--name`` on a command line, ``COLLECTIVE_<NAME>`` in the environment, a field
-    ``name_with_underscores`` of a settings object. One table of these makes both the argparse
-    parser (``add_flags``) and the settings read without one (``settings_from_env``)."""
+    """One option: ``--name`` on a command line, ``COLLECTIVE_<NAME>`` in the environment (unless
+    ``env`` is off), a field ``name_with_underscores`` of a settings object. One table of these
+    (``collective.options.FLAGS``) makes every command's argparse parser (``add_flags``) and the
+    settings read without one (``settings_from_env``). ``help`` is plain words without the
+    default: ``add_flags`` appends the default (``shown``, else the value) and the variable."""
 
     name: str
     help: str
@@ -263,21 +254,59 @@ class Flag:
     default: Any = None
     choices: tuple[str, ...] | None = None
     boolean: bool = False  # --name / --no-name
+    switch: bool = False  # --name alone turns it on (store_true): command line only
+    env: bool = True  # read COLLECTIVE_<NAME>
+    required: bool = False
+    to: str | None = None  # the attribute it parses into, if not the name's
+    metavar: str | None = None
+    shown: str | None = None  # the default in words, where the value alone does not say it
 
     @property
     def dest(self) -> str:
-        return self.name.replace("-", "_")
+        return self.to or self.name.replace("-", "_")
+
+    def but(self, **changes: Any) -> Flag:
+        """This option as one command takes it: another default (launch's two workers), no
+        variable, required, another attribute; its definition and help stay the one."""
+        return replace(self, **changes)
+
+    def suffix(self) -> str:
+        """`` (default: ...; env COLLECTIVE_...)`` as ``--help`` shows it after the help text."""
+        parts = []
+        if self.shown is not None:
+            parts.append(f"default: {self.shown}")
+        elif self.boolean:
+            parts.append(f"default: {'on' if self.default else 'off'}")
+        elif self.default is not None and not self.switch:
+            parts.append(f"default: {self.default:g}" if isinstance(self.default, float) else f"default: {self.default}")
+        if self.env and not self.switch:
+            parts.append(f"env {env_name(self.name)}")
+        return f" ({'; '.join(parts)})" if parts else ""
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
-    """Add each flag, its default read from its ``COLLECTIVE_*`` variable (``add_option``)."""
+    """Add each flag to ``parser``, its default read from its ``COLLECTIVE_*`` variable; each
+    argparse action keeps the ``Flag`` it came from (``action.flag``)."""
     for f in flags:
-        extra: dict[str, Any] = {}
-        if f.choices:
-            extra["choices"] = list(f.choices)
-        if f.boolean:
-            extra["action"] = argparse.BooleanOptionalAction
-        add_option(parser, f.name, help=f.help, type=f.parse, default=f.default, **extra)
+        if f.help == argparse.SUPPRESS:
+            helptext = f.help
+        else:
+            helptext = f.help + f.suffix()
+        extra: dict[str, Any] = {"help": helptext, "dest": f.dest}
+        if f.metavar:
+            extra["metavar"] = f.metavar
+        if f.required:
+            extra["required"] = True
+        if f.switch:
+            action = parser.add_argument(f"--{f.name}", action="store_true", **extra)
+        else:
+            if f.choices:
+                extra["choices"] = list(f.choices)
+            if f.boolean:
+                extra["action"] = argparse.BooleanOptionalAction
+            default = _env_default(f.name, f.parse, f.default, f.choices) if f.env else f.default
+            action = parser.add_argument(f"--{f.name}", type=f.parse, default=default, **extra)
+        action.flag = f  # type: ignore[attr-defined]
 
 
 def settings_from_env(flags: Iterable[Flag], env: Mapping[str, str], skip: Iterable[str] = ()) -> dict[str, Any]:
@@ -287,7 +316,7 @@ def settings_from_env(flags: Iterable[Flag], env: Mapping[str, str], skip: Itera
     skipped = set(skip)
     out: dict[str, Any] = {}
     for f in flags:
-        raw = None if f.name in skipped else env.get(env_name(f.name))
+        raw = None if f.name in skipped or not f.env else env.get(env_name(f.name))
         value = f.default
         if raw not in (None, ""):
             try:
@@ -298,58 +327,6 @@ def settings_from_env(flags: Iterable[Flag], env: Mapping[str, str], skip: Itera
                 raise env_error(env_name(f.name), raw, f"not one of {', '.join(f.choices)}")
         out[f.dest] = value
     return out
-
-
-def timeout_flags(*phases: str) -> tuple[Flag, ...]:
-    """The deadline flags of ``phases`` (``heartbeat``: its interval and timeout)."""
-    helps = {
-        "join": "seconds to wait for every worker to join (chief) or for the chief and plan (worker)",
-        "stall": "longest silence tolerated inside a data stream",
-        "ready": "seconds from plan release until every worker is ready",
-        "start": "seconds a ready worker waits for start",
-        "rejoin": "seconds the chief waits for a worker lost mid-broadcast to come back (restarted with the same "
-                  "--worker-id) before failing the round naming it",
-    }
-    defaults = Timeouts()
-    out: list[Flag] = []
-    if "heartbeat" in phases:
-        out.append(Flag("heartbeat-interval", f"seconds between a worker's heartbeats; default {defaults.heartbeat:g}",
-                        positive_float, defaults.heartbeat))
-        out.append(Flag("heartbeat-timeout", f"a peer silent this long is declared dead; default {defaults.lease:g}",
-                        positive_float, defaults.lease))
-    out += [Flag(f"{p}-timeout", helps[p] + f"; default {getattr(defaults, p):g}", positive_float, getattr(defaults, p))
-            for p in phases if p not in ("heartbeat", "rejoin", "linger")]
-    if "linger" in phases:
-        out.append(Flag("linger", "the most seconds the chief keeps serving after the outcome until every worker has "
-                        f"heard it (a worker gone, or silent for a heartbeat timeout, is not waited for); default "
-                        f"{defaults.linger:g}", positive_float, defaults.linger))
-    if "rejoin" in phases:
-        out.append(Flag("rejoin-timeout", helps["rejoin"] + "; default 0: a loss fails the round at once",
-                        non_negative_float, defaults.rejoin))
-    return tuple(out)
-
-
-def tls_flags(*, worker: bool) -> tuple[Flag, ...]:
-    if worker:
-        return (
-            Flag("tls-ca", "CA certificate (PEM) that signed the chief's certificate; enables TLS"),
-            Flag("tls-cert", "this worker's certificate (PEM), for mutual TLS; its CN/SAN must be the worker id"),
-            Flag("tls-key", "this worker's private key (PEM)"),
-            Flag("tls-server-name", "name the chief's certificate must carry, if not the dialled host"),
-        )
-    return (
-        Flag("tls-cert", "the chief's certificate (PEM); enables TLS"),
-        Flag("tls-key", "the chief's private key (PEM)"),
-        Flag("tls-ca", "CA (PEM) of worker certificates: mutual TLS, client certificates required"),
-    )
-
-
-def add_timeout_options(parser: argparse.ArgumentParser, *phases: str) -> None:
-    add_flags(parser, timeout_flags(*phases))
-
-
-def add_tls_options(parser: argparse.ArgumentParser, *, worker: bool) -> None:
-    add_flags(parser, tls_flags(worker=worker))
 
 
 @dataclass(frozen=True)
@@ -411,17 +388,7 @@ def byte_size(option: str) -> Callable[[str], int]:
 
         try:
             return parse_size(text, option=option)
-        except UsageError as exc:  # argparse (or add_option, for the environment) names the source
+        except UsageError as exc:  # argparse (or add_flags, for the environment) names the source
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return size
-
-
-def max_model_bytes_flag() -> Flag:
-    """``--max-model-bytes`` (``COLLECTIVE_MAX_MODEL_BYTES``) of every process that loads a model."""
-    return Flag("max-model-bytes", "refuse (exit 2) a model whose arena is larger, e.g. 8GiB; the memory available "
-                "is always checked", byte_size("--max-model-bytes"))
-
-
-def add_max_model_bytes_option(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, (max_model_bytes_flag(),))

@@ -1,8 +1,8 @@
 """``mpiexec -n N+1 python -m collective.mpi``: the same round over MPI. Rank 0 is the chief.
 
-Rank 0 loads the model, runs ``ChiefService`` behind the MPI driver and prints the summary
-table (and, with ``--json``, the JSON line of ``collective launch``). Ranks 1..N run
-``WorkerAgent`` with an MPI link. With ``--chief-trains`` (always under ``collective.sync``)
+Rank 0 loads the model, serves the round as the chief and prints the summary table (and,
+with ``--json``, the JSON line of ``collective launch``). Ranks 1..N are the workers, over an
+MPI link. With ``--chief-trains`` (always under ``collective.sync``)
 rank 0 also holds verified replicas of its own, one per ``--devices-per-worker`` device, and
 start waits for them. Any failure ends every rank with a non-zero exit: a failure all
 ranks learn together exits normally (also a worker's bad data: it reports it at the ready step);
@@ -23,46 +23,16 @@ import time
 from pathlib import Path
 
 from collective import logs
-from collective.config import (
-    Parser,
-    add_max_model_bytes_option,
-    add_option,
-    add_timeout_options,
-    parse_bool,
-    plain,
-    positive_int,
-    timeouts_from_args,
-)
+from collective.config import Parser, add_flags, plain, timeouts_from_args
 from collective.errors import CollectiveError, UsageError
-from collective.options import parse_shards
+from collective.options import MPI_FLAGS
 
 log = logging.getLogger("collective.mpi")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _RankZeroParser(prog="mpiexec -n N+1 python -m collective.mpi", description=plain(__doc__))
-    add_option(p, "model", help="preset (mlp, transformer-100m), .yaml/.json spec, .npz or .safetensors file, "
-               "a *.safetensors.index.json or a checkpoint directory", default="mlp")
-    add_option(p, "seed", help="seed for initializer specs", type=int, default=None)
-    add_max_model_bytes_option(p)
-    add_option(p, "shards", help="each worker rank receives a part of the model, not a replica: dim0 (torch's "
-               "Shard(0) of every variable over the workers) or a JSON object name -> placement",
-               type=parse_shards, default=None)
-    add_option(p, "from-file", help="rank 0 serves a .safetensors model straight from its file(s), mapped read-only, "
-               "instead of a copy in memory", type=parse_bool, default=False, action=argparse.BooleanOptionalAction)
-    add_option(p, "devices-per-worker", help="devices (replicas) per worker", type=positive_int, default=1)
-    add_option(p, "chief-trains", help="rank 0 trains too: it holds verified replicas of its own (--no-chief-trains: "
-               "it only serves)", type=parse_bool, default=False, action=argparse.BooleanOptionalAction)
-    add_option(p, "chunk-bytes", help="bytes per chunk: the unit of keys, trailers and checks", type=positive_int,
-               default=None)
-    add_option(p, "split-bytes", help="largest Bcast call, whole chunks (default 256 MiB; must stay below 2 GiB)",
-               type=positive_int, default=None)
-    add_timeout_options(p, "join", "ready", "start")
-    add_option(p, "log-format", help="text or json", default="text", choices=["text", "json"])
-    p.add_argument("--json", action="store_true", help="rank 0 prints the summary as one JSON line last")
-    add_option(p, "result-file", help="rank 0 writes the round's JSON summary here, also when it aborts the job",
-               default=None)
-    p.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)  # collective launch prints its own
+    add_flags(p, MPI_FLAGS)
     return p
 
 

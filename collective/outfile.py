@@ -4,7 +4,7 @@ written safely in any directory, as any user.
 The output may lie in a directory other users can write (a shared scratch directory, /tmp), and
 the command may run as root. A name another user planted there (``state.safetensors.tmp ->
 /victim``, or the output's own name a link) must never be followed: root would overwrite what it
-points to. So, as ``rundir.py`` does for launch's run directory:
+points to. So, as ``cli/rundir.py`` does for launch's run directory:
 
 - the directory is opened once, by its path, before anything else (a symbolic link on the way
   that belongs to another user is refused: its owner could point it anywhere); every later

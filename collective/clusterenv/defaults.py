@@ -106,7 +106,7 @@ def apply_to_environ(role: str, environ: MutableMapping[str, str] | None = None)
     ``COLLECTIVE_*`` variables that are unset or empty. Returns what was found (None: nothing);
     log ``env.describe()`` and ``role_mismatch(env, role)`` once logging is configured.
 
-    Call it before building the argument parser: ``config.add_option`` reads the environment
+    Call it before building the argument parser: ``config.add_flags`` reads the environment
     when the parser is built. Raises ``UsageError`` on a malformed or conflicting value.
     """
     environ = os.environ if environ is None else environ

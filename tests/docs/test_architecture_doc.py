@@ -96,8 +96,8 @@ def _options() -> set[str]:
 
     flags = set()
     with reading({}):
-        for _, _, get in docgen.COMMANDS:
-            for action in get()._actions:
+        for _, _, parser in docgen.commands():
+            for action in parser._actions:
                 flags.update(action.option_strings)
     return flags
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from collective.doctor import Check, doctor_command, format_checks, run_doctor
+from collective.cli.doctor import Check, doctor_command, format_checks, run_doctor
 from collective.errors import UsageError
 from tests.clusters import Cluster
 

@@ -125,7 +125,7 @@ def test_a_run_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, where, s
 
 def test_more_workers_than_this_hosts_memory_holds_are_refused_before_any_process_starts(tmp_path):
     # A typo (100000 for 10) used to start processes until the machine gave out.
-    from collective.launch import PROCESS_BYTES
+    from collective.cli.launch import PROCESS_BYTES
     from collective.model import available_memory
 
     n = (available_memory() or 1 << 40) // PROCESS_BYTES + 100  # more than fit, here and on CI
@@ -136,7 +136,7 @@ def test_more_workers_than_this_hosts_memory_holds_are_refused_before_any_proces
 
 
 def test_a_run_dir_held_by_another_live_launch_is_refused_naming_it(tmp_path):
-    from collective.launch import Launcher
+    from collective.cli.launch import Launcher
 
     holder = Launcher(workers=1, run_dir=str(tmp_path))
     holder._claim_run_dir()  # another launch in this process holds the directory

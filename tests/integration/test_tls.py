@@ -84,7 +84,7 @@ def test_a_half_configured_chief_refuses_to_start(cluster, certs, args, words):
 
 
 def test_doctor_checks_a_mutual_tls_chief_with_the_workers_certificates(cluster, certs):
-    from collective.doctor import run_doctor
+    from collective.cli.doctor import run_doctor
     from collective.transport.grpc import TlsFiles
 
     good, rogue = certs

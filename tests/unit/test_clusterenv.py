@@ -523,7 +523,7 @@ def test_launch_keeps_every_engine_away_from_its_children():
 
 
 def test_doctor_shows_what_was_resolved_and_from_where():
-    from collective.doctor import local_checks
+    from collective.cli.doctor import local_checks
 
     checks = {c.name: c for c in local_checks({**SLURM, "SLURM_PROCID": "0", "SLURM_NODEID": "0"})}
     detail = checks["cluster env"].detail

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from collective.chief.reports import failed_summary
-from collective.launch import Child, Launcher
+from collective.cli.launch import Child, Launcher
 
 
 @dataclass

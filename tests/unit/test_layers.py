@@ -22,7 +22,7 @@ PACKAGES = ("collective",)
 LAYERS: list[tuple[str, ...]] = [
     # What every layer may use: errors, units, digests, logging, the wire types.
     ("collective.errors", "collective.dtypes", "collective.tensors", "collective.digest", "collective.sizes", "collective.logs",
-     "collective.entry", "collective.keys", "collective.limits", "collective.status", "collective.logmerge", "collective.rundir", "collective.outfile", "collective._proto",
+     "collective.entry", "collective.keys", "collective.limits", "collective.outfile", "collective._proto",
      "collective.parking",
      "collective._protogen"),
     # Settings: timeouts, TLS files, COLLECTIVE_* and the clusters' own variables.
@@ -37,15 +37,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("collective.options",),
     # The two roles, written once against the transport interface.
     ("collective.chief", "collective.worker"),
-    # Round runners: the local launcher and the MPI round, and the summary table they print.
-    ("collective.launch", "collective.mpi", "collective.summary"),
+    # Round runners: the MPI round, and the summary table it and launch print.
+    ("collective.mpi", "collective.summary"),
     # The public Python API.
     ("collective._api", "collective.checks", "collective.snapshot", "collective"),
     # Framework hand-offs, on top of the API.
     ("collective.torch", "collective.torchft", "collective.jax", "collective.tf"),
-    # Command lines and tools.
-    ("collective.cli", "collective.doctor", "collective.chief.__main__",
-     "collective.worker.__main__"),
+    # Command lines: the collective command's folder (one module per command, with what only
+    # they show or keep: launch's run directory, the status table, the merged logs) and the
+    # roles' entry points.
+    ("collective.cli", "collective.chief.__main__", "collective.worker.__main__"),
 ]
 
 

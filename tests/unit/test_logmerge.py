@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 import pytest
 
 from collective import logs
+from collective.cli.logs import format_records, logs_command, merge_run
 from collective.errors import UsageError
-from collective.logmerge import format_records, logs_command, merge_run
 
 
 def text(t: str, role: str, rank: str, wid: str, phase: str, msg: str, level: str = "INFO") -> str:

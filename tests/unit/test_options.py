@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 
@@ -92,24 +93,116 @@ def test_an_unknown_option_gets_its_subcommands_usage_and_the_option_meant(capsy
     assert "(--devcies: did you mean --devices?)" in capsys.readouterr().err
 
 
-def test_no_help_shows_restructuredtext_markup():
-    """`collective --help` printed ``collective``: docstrings' literal quotes are the docs' markup."""
+def _commands():
+    """Every command's parser as the options page finds them (tools.docgen.commands), and the
+    top-level ``collective`` one; bench (tools/bench, not the package's flag table) aside."""
+    from collective.cli import build_parser
+    from tools.docgen import commands
+
+    yield "collective", build_parser()
+    for title, _, parser in commands():
+        if title != "bench":
+            yield title, parser
+
+
+def _package_classes() -> set[str]:
+    """The names of the classes the package defines that read as a class name (two capitals:
+    ChiefService, WorkerAgent, TlsFiles), not as a word."""
+    import ast
+    import re
+
+    from tests.procs import ROOT
+
+    names = set()
+    for path in (ROOT / "collective").rglob("*.py"):
+        names |= {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)}
+    return {n for n in names if re.fullmatch(r"_?[A-Z][a-z0-9]+[A-Z]\w*", n)}
+
+
+def test_no_help_shows_markup_or_names_an_internal_class():
+    """`collective --help` printed ``collective``, and mpi's named ChiefService and WorkerAgent:
+    a help text is plain words for a user, not the docs' markup or the code's class names."""
+    import re
+
+    classes = _package_classes()
+    assert {"ChiefService", "WorkerAgent"} <= classes
+    markup = re.compile(r"``|`[^`]+`|:(?:class|func|meth|mod|attr|param|py):|\*\*\w")
+    checked = 0
+    for title, parser in _commands():
+        text = parser.format_help()
+        checked += 1
+        assert not markup.search(text), f"{title} --help shows markup: {markup.search(text).group()!r}\n{text}"
+        named = sorted(c for c in classes if re.search(rf"\b{re.escape(c)}\b", text))
+        assert not named, f"{title} --help names the internal class(es) {named}\n{text}"
+    assert checked >= 9  # collective, chief, launch, status, logs, fetch, doctor, mpi, worker
+
+
+def test_a_help_text_with_markup_or_a_class_name_would_be_caught():
+    """The check above is not vacuous: the old mpi description fails it."""
+    import re
+
+    old = "Rank 0 loads the model, runs ChiefService behind the MPI driver. Ranks 1..N run WorkerAgent."
+    assert [c for c in _package_classes() if re.search(rf"\b{c}\b", old)]
+
+
+def test_every_option_of_every_command_comes_from_the_one_flag_table():
+    """Flags were written three times (options, launch's in cli.py, mpi.py's) with help texts
+    that differed: now each command's options are the table's entries, help text included."""
     import argparse
 
+    from collective.options import CHIEF_TLS, FLAGS
+
+    for title, parser in _commands():
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction | argparse._VersionAction):
+                continue
+            flag = getattr(action, "flag", None)
+            assert flag is not None, f"{title}: {action.option_strings[0]} is not made from the flag table"
+            entry = next((f for f in CHIEF_TLS if title == "chief" and f.name == flag.name), FLAGS[flag.name])
+            words = re.sub(r"\\\{\w+\\\}", ".*", re.escape(entry.help))  # a command's own words in braces
+            assert re.fullmatch(words, flag.help), f"{title}: --{flag.name} has a help text of its own: {flag.help!r}"
+
+
+def test_no_option_is_defined_twice():
+    """One definition per option, in options.FLAGS: no Flag(...) or add_argument("--...") anywhere
+    else in the package; the only names defined twice are the three TLS files, whose meaning
+    differs between the chief that serves (CHIEF_TLS) and a caller (worker, doctor, fetch)."""
+    import ast
+    from collections import Counter
+
+    from tests.procs import ROOT
+
+    defined, elsewhere = Counter(), []
+    for path in (ROOT / "collective").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            first = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if name == "Flag":
+                defined[first] += 1
+                if path.name != "options.py":
+                    elsewhere.append(f"{where} Flag({first!r})")
+            elif name in ("add_argument", "add_option") and isinstance(first, str) and first.startswith("--") \
+                    and first != "--version":
+                elsewhere.append(f"{where} {name}({first!r})")
+    assert not elsewhere, "options defined outside the flag table (collective/options.py):\n" + "\n".join(elsewhere)
+    twice = {n: c for n, c in defined.items() if c > 1}
+    assert twice == {"tls-ca": 2, "tls-cert": 2, "tls-key": 2}, twice
+    assert None not in defined  # every definition names its option literally
+
+
+def test_fetch_tells_a_fetcher_about_holders_not_the_chief():
+    """`collective fetch --help` told a fetcher its certificate must be signed like the chief's
+    and carry the worker id."""
     from collective.cli import build_parser
-    from collective.mpi import build_parser as mpi_parser
 
-    def parsers(p):
-        yield p
-        for a in p._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                for sub in a.choices.values():
-                    yield from parsers(sub)
-
-    for top in (build_parser(), chief_parser(), worker_parser(), mpi_parser()):
-        for p in parsers(top):
-            text = p.format_help()
-            assert "``" not in text, f"{p.prog}: {text}"
+    parser = dict(_commands())["fetch"]
+    text = " ".join(parser.format_help().split())
+    assert "each holder's certificate" in text and "this fetcher's own certificate" in text
+    assert "chief" not in text.replace("the chief (or a holder)", "") and "worker id" not in text
+    assert build_parser()  # the fetch parser is the one collective builds
 
 
 @pytest.mark.parametrize("env", [{"COLLECTIVE_TRANSPORT": "foo"}, {"COLLECTIVE_WORKERS": "x"},
@@ -165,3 +258,19 @@ def test_the_compose_files_topology_comment_names_every_topology():
     comment = lines[i - 1]
     assert comment.strip().startswith("#") and all(t in comment for t in TOPOLOGIES), comment
     assert "16 MiB" not in comment  # auto is a time model, not a size threshold
+
+
+def test_the_options_page_finds_every_command_without_a_list():
+    """docgen had a hand list of commands, so a new one would have been missing from the page:
+    it now walks every module `python -m` runs and every subcommand of `collective`."""
+    import argparse
+
+    from collective.cli import build_parser
+    from tools.docgen import commands
+
+    found = [(title, prog) for title, prog, _ in commands()]
+    titles = [t for t, _ in found]
+    [subs] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(subs.choices) <= set(titles), (sorted(subs.choices), titles)
+    assert {"chief", "worker", "mpi"} <= set(titles) and len(titles) == len(set(titles)), titles
+    assert ("mpi", "mpiexec -n N+1 python -m collective.mpi") in found

@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import argparse
 import json as _json
 import re
 import sys
@@ -316,3 +317,11 @@ def _outcome(path: Path) -> str | None:
     if result.get("failed_processes"):
         line += " (exit codes " + ", ".join(f"{k}={v}" for k, v in result["failed_processes"].items()) + ")"
     return line
+
+
+def command(args: argparse.Namespace) -> int:
+    """``collective logs RUN_DIR`` (or ``--run-dir DIR``)."""
+    run_dir = args.run_dir or args.run_dir_option
+    if not run_dir:
+        raise UsageError("pass the run directory: collective logs RUN_DIR (or --run-dir DIR)")
+    return logs_command(run_dir, worker=args.worker, phase=args.phase, as_json=args.json)

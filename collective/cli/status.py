@@ -7,6 +7,7 @@ All of it reads the chief's Status RPC, so it works from any host that can reach
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import os
@@ -18,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from collective._proto import collective_pb2 as pb
+from collective.cli.rundir import LOCK_NAME, RESULT_FILE, STATUS_FILE
 from collective.errors import UsageError
 from collective.limits import MAX_ERROR_CHARS
 from collective.logs import printable
-from collective.rundir import LOCK_NAME, RESULT_FILE, STATUS_FILE
 
 # The most of an ended launch's result.json read (its variables are listed: a large model's is long).
 RESULT_LIMIT = 256 << 20
@@ -322,3 +323,54 @@ class BroadcastProgress:
         self._stop.set()
         self._thread.join(2)
         self._progress.stop()
+
+
+def command(args: argparse.Namespace) -> int:
+    """``collective status``: the chief's answer, or with ``--run-dir`` an ended launch's outcome."""
+    from collective.config import parse_address
+    from collective.errors import ChiefUnreachableError
+    from collective.transport.grpc import GrpcChiefLink
+
+    run = None
+    if args.run_dir:
+        if args.chief:
+            raise UsageError("pass either --run-dir or --chief, not both")
+        run = run_of(args.run_dir)
+        if run.address is None:  # the launch has ended: its summary says how
+            return _ended(args, run.run_dir, run.result)
+        args.chief = run.address
+        args.token = args.token or run.token
+    if not args.chief:
+        from collective.clusterenv import from_environment
+
+        env = from_environment(os.environ)
+        args.chief = env.chief_address if env else None
+    if not args.chief:
+        raise UsageError("pass --chief HOST:PORT (or set COLLECTIVE_CHIEF), or --run-dir DIR of a running launch")
+    parse_address(args.chief, what="--chief")
+    link = GrpcChiefLink(args.chief, token=args.token)
+    try:
+        if args.watch and not args.json:
+            st = watch(link, args.chief, interval=args.interval)
+        else:
+            st = link.status(timeout=5.0)
+    except ChiefUnreachableError:
+        if run is None:
+            raise
+        # A launch's chief ends soon after the outcome (it answers Status for a moment more):
+        # launch then writes the summary into the run dir.
+        return _ended(args, run.run_dir, wait_for_outcome(run))
+    finally:
+        link.close()
+    if args.json:
+        print(json.dumps(status_dict(st)))
+    elif not args.watch:
+        print(status_text(st, args.chief))
+    return 1 if st.phase == "failed" else 0
+
+
+def _ended(args: argparse.Namespace, run_dir: str, result: dict | None) -> int:
+    """``collective status --run-dir`` of a launch whose chief is gone: its outcome, exit 0 when started."""
+    shown = outcome_dict(run_dir, result)
+    print(json.dumps(shown) if args.json else outcome_text(run_dir, result))
+    return 0 if shown["ok"] else 1

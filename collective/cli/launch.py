@@ -7,7 +7,7 @@ is left behind, on failure, timeout or Ctrl-C (children are killed by process id
 owns a run directory at a time (an flock, released when the launch ends or dies); each launch
 clears the previous run's logs and summary first. The chief's port and summary files live in a
 private directory, so a full run directory only cuts the logs short, never the round. The run
-directory is checked and written as ``collective.rundir`` says (no link followed, 0600 files);
+directory is checked and written as ``collective.cli.rundir`` says (no link followed, 0600 files);
 while the chief runs, ``status.json`` there (0600) holds its address and token for
 ``collective status --run-dir``. A temporary run directory (no ``--run-dir``) is removed after a
 successful run unless ``--keep-run-dir``; a failed or interrupted run's is kept and named.
@@ -15,6 +15,7 @@ successful run unless ``--keep-run-dir``; a failed or interrupted run's is kept 
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import os
@@ -32,11 +33,12 @@ from pathlib import Path
 from typing import TextIO
 
 from collective.chief.reports import failed_summary, shards_text
+from collective.cli.rundir import RESULT_FILE, STATUS_FILE, RunDir
 from collective.clusterenv import CLUSTER_VARS
-from collective.config import Timeouts
-from collective.errors import DeadlineError, UsageError
+from collective.config import Timeouts, timeouts_from_args
+from collective.entry import early_sigint
+from collective.errors import CollectiveError, DeadlineError, UsageError
 from collective.model import available_memory
-from collective.rundir import RESULT_FILE, STATUS_FILE, RunDir
 from collective.sizes import format_bytes
 
 
@@ -510,7 +512,7 @@ class Launcher:
     def _start_progress(self, port: int) -> None:
         if self.quiet or not sys.stderr.isatty():
             return  # plain log lines only; the chief logs progress periodically
-        from collective.status import BroadcastProgress
+        from collective.cli.status import BroadcastProgress
         from collective.transport.grpc import GrpcChiefLink
 
         self._progress_link = GrpcChiefLink(f"127.0.0.1:{port}", token=self.token)
@@ -602,3 +604,59 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         proc.send_signal(sig)
     except ProcessLookupError:
         pass
+
+
+def command(args: argparse.Namespace) -> int:
+    """``collective launch``: the run, then its summary table (and ``--json``'s line); exit 130 on Ctrl-C."""
+    from collective.summary import summary_table
+
+    launcher = None
+    try:
+        if early_sigint():  # a Ctrl-C while the command loaded
+            raise KeyboardInterrupt
+        launcher = Launcher(
+            workers=args.workers,
+            devices_per_worker=args.devices_per_worker,
+            model=args.model,
+            seed=args.seed,
+            token=args.token,
+            run_dir=args.run_dir,
+            timeouts=timeouts_from_args(args),
+            chunk_bytes=args.chunk_bytes,
+            quiet=args.quiet,
+            transport=args.transport,
+            shm=args.shm,
+            topology=args.topology,
+            from_file=args.from_file,
+            shards=args.shards,
+            keep_run_dir=args.keep_run_dir,
+        )
+        result = launcher.run()
+    except KeyboardInterrupt:
+        if launcher is None:
+            print("interrupted before the launch started: nothing was started", file=sys.stderr)
+            if args.json:
+                print(json.dumps(_not_started(args, "interrupted (SIGINT) before the launch started: nothing was "
+                                                    "started", 130)))
+            return 130
+        where = launcher.run_dir
+        print(f"interrupted: every process of the run was stopped; its logs are in {where} "
+              f"(collective logs {where})", file=sys.stderr)
+        if args.json:
+            print(json.dumps(launcher.interrupted_summary()))
+        return 130
+    except CollectiveError as exc:  # refused before any process started (the run dir, the host's memory)
+        if args.json:
+            print(json.dumps(_not_started(args, exc, exc.exit_code)))
+        raise
+    print(summary_table(result, expected=args.workers), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    return exit_code(result)
+
+
+def _not_started(args: argparse.Namespace, error: object, code: int) -> dict:
+    """``--json``'s summary line (every key of any other) of a launch that started nothing."""
+    summary = failed_summary(error, transport=args.transport, model=args.model)
+    summary["exit_code"] = code
+    return summary

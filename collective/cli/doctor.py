@@ -12,6 +12,7 @@ skipped. The overall verdict fails when any check fails; information never fails
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -352,3 +353,11 @@ def doctor_command(
     else:
         print(format_checks(checks), file=out)
     return 0 if ok else 1
+
+
+def command(args: argparse.Namespace) -> int:
+    """``collective doctor``."""
+    from collective.config import tls_from_args
+
+    return doctor_command(args.chief, token=args.token, timeout=args.timeout, as_json=args.json,
+                          tls=tls_from_args(args))

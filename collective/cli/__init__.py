@@ -1,0 +1,116 @@
+"""``collective``: launch a local cluster, ask a running chief for its status, merge a run's logs,
+fetch a published training state, check this host.
+
+One module per command beside this one (``launch``, ``status``, ``logs``, ``fetch``,
+``doctor``), each with ``command(args)``; their options come from the one flag table
+(``collective.options``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from collective import logs
+from collective.config import Parser, add_flags, plain
+from collective.entry import early_sigint, run_main
+from collective.errors import CollectiveError, UsageError
+from collective.options import DOCTOR_FLAGS, FETCH_FLAGS, LAUNCH_FLAGS, LOGS_FLAGS, STATUS_FLAGS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Parser (config): no abbreviations (`--devices 2` must not silently mean `--devices-per-worker
+    # 2`); an unknown option gets its subcommand's usage and the option it most likely meant.
+    p = Parser(prog="collective", description=plain(__doc__).split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"collective {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    add_flags(sub.add_parser("launch", help="run a chief and N workers on this machine, on loopback"), LAUNCH_FLAGS)
+    add_flags(sub.add_parser("status", help="ask a running chief who has joined and who is being waited for"),
+              STATUS_FLAGS)
+    lg = sub.add_parser("logs", help="merge a run directory's logs into one timeline")
+    lg.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default=None, help="the run directory (or --run-dir DIR)")
+    add_flags(lg, LOGS_FLAGS)
+    add_flags(sub.add_parser("fetch", help="fetch a training state published at a step (collective.publish) into a "
+                             "file"), FETCH_FLAGS)
+
+    bench = _bench_tools()
+    if bench is not None:
+        bench.add_bench_parser(sub)
+    else:  # an installed package without its checkout: say where the benchmark lives
+        sub.add_parser("bench", help="benchmark (needs the source checkout: tools/bench)", add_help=False,
+                       prefix_chars="\0").add_argument("rest", nargs="*")
+
+    add_flags(sub.add_parser("doctor", help="pre-flight checks: versions, cluster env, and the path to a chief"),
+              DOCTOR_FLAGS)
+    return p
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("collective")
+    except metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "(not installed)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    def go() -> int:
+        args = build_parser().parse_args(argv)
+        if args.command != "launch" and early_sigint():  # launch acts on it, its JSON line printed
+            raise KeyboardInterrupt
+        if args.command in ("launch", "bench"):  # these show log lines of their own and of processes they run
+            logs.configure("launch")
+            return _run(args)
+        try:
+            return _run(args)
+        except CollectiveError as exc:  # the command's own one-line error, not a log line of another role
+            if args.command == "status" and args.json:
+                print(json.dumps({"ok": False, "error": str(exc), "error_type": type(exc).__name__}))
+            print(f"collective {args.command}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+
+    go.acts_on_early_sigint = True  # type: ignore[attr-defined]
+    return run_main(go)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command ``args`` names, its module imported only now (``collective status`` stays quick)."""
+    if args.command == "launch":
+        from collective.cli.launch import command
+    elif args.command == "status":
+        from collective.cli.status import command
+    elif args.command == "logs":
+        from collective.cli.logs import command
+    elif args.command == "fetch":
+        from collective.cli.fetch import command
+    elif args.command == "doctor":
+        from collective.cli.doctor import command
+    else:
+        command = _bench
+    return command(args)
+
+
+def _bench_tools():
+    """``tools.bench`` of the checkout this package runs from (an editable install), or None.
+
+    The benchmark and its emulated-hosts harness need root, tc and matplotlib, so they are not
+    part of the installed package; ``collective bench`` finds them beside ``collective/``."""
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    if Path(root, "tools", "bench", "__init__.py").is_file() and root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        import tools.bench
+    except ImportError:
+        return None
+    return tools.bench
+
+
+def _bench(args: argparse.Namespace) -> int:
+    bench = _bench_tools()
+    if bench is None:
+        raise UsageError("collective bench runs from a source checkout (tools/bench is not installed): "
+                         "clone the repository, `make install`, and run it there")
+    return bench.run_bench(args)
