@@ -76,7 +76,7 @@ COMMANDS: tuple[tuple[str, str, Callable[[], argparse.ArgumentParser]], ...] = (
     ("logs", "collective logs", _subcommand("logs")),
     ("doctor", "collective doctor", _subcommand("doctor")),
     ("fetch", "collective fetch", _subcommand("fetch")),
-    ("bench", "collective bench (from a checkout)", _subcommand("bench")),
+    ("bench", "collective bench", _subcommand("bench")),
 )
 
 
