@@ -172,10 +172,10 @@ def run_chief(
     trains meanwhile), and log a WARNING naming whom the round waits for while it waits (``_waits.Awaited``)."""
     from collective.chief.pending import PendingChief
     from collective.chief.round import run_round
-    from collective.transport.grpc import GrpcEndpoint
+    from collective.transport.registry import NETWORK, lookup
 
     parse_address(bind, what="bind address")
-    endpoint = GrpcEndpoint(bind, token=token, tls=tls)  # refuses a half-configured TLS setup here
+    endpoint = lookup(NETWORK, "endpoint").load("endpoint")(bind, token=token, tls=tls)  # refuses a half-set TLS
     pending = PendingChief(num_workers)
     address = endpoint.start(pending)
     log.debug("chief listening on %s; loading the model", address)  # "serving on" follows once loaded
@@ -391,7 +391,8 @@ def join(
     the culprit; every wait has a deadline.
     """
     from collective.config import timeouts_from_args, tls_from_args
-    from collective.transport.grpc import GrpcChiefLink, relay_client_tls
+    from collective.transport.grpc import relay_client_tls
+    from collective.transport.registry import NETWORK, lookup
     from collective.worker.agent import WorkerAgent
     from collective.worker.relay import Relay, host_towards
 
@@ -408,15 +409,16 @@ def join(
     t = timeouts or timeouts_from_args(args)
     if expected is None and args.expect_model:
         expected = as_source(args.expect_model).specs()
-    link = GrpcChiefLink(chief, token=token, tls=tls)
+    Link = lookup(NETWORK, "link").load("link")  # noqa: N806 - a class
+    link = Link(chief, token=token, tls=tls)
     # The chief tells children the address it saw us at: the interface that reaches the chief.
     if relay_host == "auto":
         relay_host = host_towards(chief)
     relay = None
 
-    def connect(parent, name: str) -> GrpcChiefLink:
+    def connect(parent, name: str):
         # A parent relay is verified as the plan says (its worker id, or its own certificate).
-        return GrpcChiefLink(parent.relay_address, token=token, tls=relay_client_tls(tls, parent), name=name)
+        return Link(parent.relay_address, token=token, tls=relay_client_tls(tls, parent), name=name)
 
     previous: dict[int, Any] = {}
     try:

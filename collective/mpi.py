@@ -219,8 +219,10 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
     from collective.chief.round import run_round
     from collective.errors import AbortedError
     from collective.plan import DEFAULT_CHUNK_BYTES
-    from collective.transport.mpi import MpiChiefDriver, refuse_joins
+    from collective.transport.mpi import refuse_joins
+    from collective.transport.registry import lookup
 
+    mpi = lookup("mpi", "driver")
     serving = False
 
     def drive(service, local) -> None:
@@ -228,7 +230,7 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
         serving = True
         log.info("chief %s on rank 0; %d worker rank(s)%s", service.incarnation, comm.size - 1,
                  "; rank 0 trains too" if devices else "")
-        MpiChiefDriver(comm, service, watchdog, timeouts, split_bytes=split_bytes, local=local).serve()
+        mpi.load("driver")(comm, service, watchdog, timeouts, split_bytes=split_bytes, local=local).serve()
 
     try:
         if split_bytes and split_bytes >= 2**31:
@@ -237,7 +239,7 @@ def run_chief_rank(comm, source, watchdog, timeouts, *, chunk_bytes=None, split_
             source = source()
         return run_round(
             source, comm.size - 1, drive, devices=devices, timeouts=timeouts,
-            chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport="mpi", heartbeats=False, spmd=spmd,
+            chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, transport=mpi.name, heartbeats=mpi.heartbeats, spmd=spmd,
             max_model_bytes=max_model_bytes, from_file=from_file, shards=shards, result_file=result_file,
         )
     except Exception as exc:
@@ -252,11 +254,11 @@ def run_worker_rank(comm, watchdog, timeouts, devices, *, split_bytes=None, expe
     """Ranks 1..N: ``WorkerAgent`` over an MPI link. A failure every rank heard at the same step
     is raised as is; any other leaves the ranks out of step and is raised with ``.unannounced``
     set, for the caller to abort the job."""
-    from collective.transport.mpi import MpiChiefLink
+    from collective.transport.registry import lookup
     from collective.worker.agent import WorkerAgent
 
     watchdog.phase("join", timeouts.join)
-    link = MpiChiefLink(comm, watchdog, timeouts, split_bytes=split_bytes)
+    link = lookup("mpi", "link").load("link")(comm, watchdog, timeouts, split_bytes=split_bytes)
     agent = WorkerAgent(
         link,
         worker_id=f"mpi-rank-{comm.rank}",

@@ -33,6 +33,7 @@ from collective.config import (
 )
 from collective.entry import run_main
 from collective.topology import TOPOLOGIES
+from collective.transport import registry
 
 log = logging.getLogger("collective")
 
@@ -78,7 +79,7 @@ FLAGS: dict[str, Flag] = _table(
          "file, a *.safetensors.index.json or a checkpoint directory", default="mlp"),
     Flag("seed", "seed of an initializer spec's random values", int, shown="the spec's own"),
     Flag("transport", "grpc (chief and workers on loopback) or mpi (mpiexec -n N+1)", default="grpc",
-         choices=("grpc", "mpi")),
+         choices=tuple(registry.names("launch"))),
     Flag("devices-per-worker", "devices (replicas) per worker", positive_int, 1),
     Flag("chief-trains", "rank 0 trains too: it holds verified replicas of its own (--no-chief-trains: it only "
          "serves)", parse_bool, False, boolean=True),

@@ -30,7 +30,7 @@ network link carries the model once:
   model at most once (plus one chunk when their number is odd) and a chunk crosses at most
   ceil(log2(N+1)) + 1 hops. A receiver takes each tree's chunks from that tree's parent
   (``Layout.parents_b``, the plan's ``WorkerInfo.parent_b``) in two streams at once, and relays
-  each chunk as it lands; the simulator (tools/bench/sim.py) runs it chunk by chunk.
+  each chunk as it lands; the simulator (collective/bench/sim.py) runs it chunk by chunk.
 
 ``choose`` resolves ``auto`` with ``predict``, a model of the broadcast time fitted to runs on
 emulated hosts (BENCHMARKS.md): the topology with the least predicted time for this number of
@@ -147,7 +147,7 @@ def predict(
 ) -> float:
     """Predicted broadcast seconds for ``receivers`` network receivers, one per host.
 
-    The structure of the simulator (tools/bench/sim.py, which runs these layouts chunk by chunk):
+    The structure of the simulator (collective/bench/sim.py, which runs these layouts chunk by chunk):
     every parent-child pair is a stream with an equal share of the links it crosses, 1 / max(the
     parent's streams out, the child's streams in). The chief's link carries the model once per
     child of the chief in each tree (a star: once per receiver; a binomial tree: ceil(log2(R+1));

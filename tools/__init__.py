@@ -1,1 +1,2 @@
-"""Tools of the checkout that are not part of the installed package (see tools/bench)."""
+"""Tools of the checkout that are not part of the installed package: docgen, the mkdocs hooks,
+snapshot_bench (the benchmark itself is collective.bench)."""

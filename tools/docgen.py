@@ -46,8 +46,15 @@ command-line only.
 """
 
 
+# The benchmark's modules: `collective bench` (a subcommand, walked with the others) runs them;
+# their own `python -m` entries are its harness (mpiexec ranks, worker processes), not commands.
+HARNESS = ("collective/bench/",)
+
+
 def _runnable(path: Path) -> bool:
     """A module ``python -m`` runs as a command: a ``__main__.py``, or one that runs itself."""
+    if any(str(path.relative_to(ROOT)).startswith(h) for h in HARNESS):
+        return False
     return path.name == "__main__.py" or '__name__ == "__main__"' in path.read_text()
 
 

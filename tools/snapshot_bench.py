@@ -11,7 +11,7 @@ peak RSS. Every process it starts is killed by its pid at the end.
 
 On loopback (default) holders and fetcher share one machine's cores: it measures the code's
 overhead, not the uplinks' sum that striping gives. ``--emulate RATE`` (root) puts each holder
-on an emulated host of its own whose link is shaped to RATE (``tools/bench/emulate.py``: network
+on an emulated host of its own whose link is shaped to RATE (``collective/bench/emulate.py``: network
 namespaces, tbf), and the fetcher on another, unshaped: N holders' uplinks at once.
 """
 
@@ -113,7 +113,7 @@ def _table(a, counts: list[int], addresses: list[str], fetch, link: str) -> None
 
 def _emulated(a, counts: list[int], tmp: Path) -> int:
     sys.path.insert(0, str(ROOT))
-    from tools.bench.emulate import Topology, unavailable_reason
+    from collective.bench.emulate import Topology, unavailable_reason
 
     why = unavailable_reason("--emulate")
     if why:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from collective import logs
 from collective.config import Parser, add_flags, plain
 from collective.entry import early_sigint, run_main
-from collective.errors import CollectiveError, UsageError
+from collective.errors import CollectiveError
 from collective.options import DOCTOR_FLAGS, FETCH_FLAGS, LAUNCH_FLAGS, LOGS_FLAGS, STATUS_FLAGS
 
 
@@ -35,12 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(sub.add_parser("fetch", help="fetch a training state published at a step (collective.publish) into a "
                              "file"), FETCH_FLAGS)
 
-    bench = _bench_tools()
-    if bench is not None:
-        bench.add_bench_parser(sub)
-    else:  # an installed package without its checkout: say where the benchmark lives
-        sub.add_parser("bench", help="benchmark (needs the source checkout: tools/bench)", add_help=False,
-                       prefix_chars="\0").add_argument("rest", nargs="*")
+    _bench_tools().add_bench_parser(sub)
 
     add_flags(sub.add_parser("doctor", help="pre-flight checks: versions, cluster env, and the path to a chief"),
               DOCTOR_FLAGS)
@@ -94,23 +88,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench_tools():
-    """``tools.bench`` of the checkout this package runs from (an editable install), or None.
+    """``collective.bench``, the benchmark: part of the package, so ``collective bench`` works
+    wherever ``collective`` is installed (its runs ask for root, tc, mpiexec or matplotlib only
+    when a mode needs them, and say so)."""
+    import collective.bench
 
-    The benchmark and its emulated-hosts harness need root, tc and matplotlib, so they are not
-    part of the installed package; ``collective bench`` finds them beside ``collective/``."""
-    root = str(Path(__file__).resolve().parent.parent.parent)
-    if Path(root, "tools", "bench", "__init__.py").is_file() and root not in sys.path:
-        sys.path.insert(0, root)
-    try:
-        import tools.bench
-    except ImportError:
-        return None
-    return tools.bench
+    return collective.bench
 
 
 def _bench(args: argparse.Namespace) -> int:
-    bench = _bench_tools()
-    if bench is None:
-        raise UsageError("collective bench runs from a source checkout (tools/bench is not installed): "
-                         "clone the repository, `make install`, and run it there")
-    return bench.run_bench(args)
+    return _bench_tools().run_bench(args)

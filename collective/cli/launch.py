@@ -40,6 +40,7 @@ from collective.entry import early_sigint
 from collective.errors import CollectiveError, DeadlineError, UsageError
 from collective.model import available_memory
 from collective.sizes import format_bytes
+from collective.transport.registry import NETWORK, lookup
 
 
 @dataclass
@@ -83,7 +84,7 @@ class Launcher:
         chunk_bytes: int | None = None,
         out: TextIO | None = None,
         quiet: bool = False,
-        transport: str = "grpc",
+        transport: str = NETWORK,
         shm: bool = True,
         topology: str = "auto",
         from_file: bool = False,
@@ -94,8 +95,7 @@ class Launcher:
         self.from_file = from_file
         self.shards = shards  # None, "dim0" or a mapping name -> placement (collective.shards)
         self.topology = topology
-        if transport not in ("grpc", "mpi"):
-            raise UsageError(f"--transport {transport!r} is not one of grpc, mpi")
+        self._transport = lookup(transport, "launch", what="--transport")  # one of the registry's
         self.transport = transport
         if workers < 1:
             raise UsageError(f"--workers must be at least 1, got {workers}")
@@ -136,19 +136,17 @@ class Launcher:
         if self.seed is not None and not takes_seed(self.model):
             out.append(f"--seed {self.seed} does nothing: model {self.model} stores its values (only presets and "
                        f".yaml/.json specs draw theirs from a seed)")
-        if self.transport == "mpi":
-            mpi = "under --transport mpi"
-            if self.topology != "auto":
-                out.append(f"--topology {self.topology} does nothing {mpi}: rank 0 sends each rank its stream "
-                           f"(a star, over MPI)")
-            if not self.shm:
-                out.append(f"--no-shm does nothing {mpi}: MPI moves the bytes, by its own means on one host")
-            if token_given:
-                out.append(f"--token does nothing {mpi}: no network service is started to present it to")
-            default = Timeouts()
-            if (self.timeouts.heartbeat, self.timeouts.lease) != (default.heartbeat, default.lease):
-                out.append(f"--heartbeat-interval / --heartbeat-timeout do nothing {mpi}: the MPI job has no "
-                           f"heartbeats (mpiexec ends it when a rank dies)")
+        default = Timeouts()
+        given = {  # each of registry.IDLE_OPTIONS: what was given, if it was
+            "topology": self.topology != "auto" and f"--topology {self.topology} does",
+            "no-shm": not self.shm and "--no-shm does",
+            "token": token_given and "--token does",
+            "heartbeats": (self.timeouts.heartbeat, self.timeouts.lease) != (default.heartbeat, default.lease)
+            and "--heartbeat-interval / --heartbeat-timeout do",
+        }
+        for option, why in self._transport.idle.items():
+            if given[option]:
+                out.append(f"{given[option]} nothing under --transport {self.transport}: {why}")
         return out
 
     # --- processes ----------------------------------------------------------------------
@@ -244,7 +242,8 @@ class Launcher:
         start = time.monotonic()
         for c in live:
             # The chief gets the time to write its summary: SIGKILLed at 3 s, it once left none.
-            limit = self._chief_grace() if c is self.children[0] and self.transport == "grpc" else grace
+            chief = c is self.children[0] and self._transport.launch == "processes"  # not mpiexec
+            limit = self._chief_grace() if chief else grace
             try:
                 c.proc.wait(max(0.0, start + limit - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -276,7 +275,7 @@ class Launcher:
         previous = self._catch_interrupt()
         try:
             self._private = Path(tempfile.mkdtemp(prefix="collective-launch-"))
-            result = self._run_mpi() if self.transport == "mpi" else self._run_grpc()
+            result = self._run_mpi() if self._transport.launch == "mpiexec" else self._run_grpc()
             self._keep_result(result)
             ok = bool(result.get("ok"))
             if ok and not self.keep_run_dir:
@@ -513,9 +512,8 @@ class Launcher:
         if self.quiet or not sys.stderr.isatty():
             return  # plain log lines only; the chief logs progress periodically
         from collective.cli.status import BroadcastProgress
-        from collective.transport.grpc import GrpcChiefLink
 
-        self._progress_link = GrpcChiefLink(f"127.0.0.1:{port}", token=self.token)
+        self._progress_link = self._transport.load("link")(f"127.0.0.1:{port}", token=self.token)
         self._progress = BroadcastProgress(self._progress_link)
         self._progress.start()
 

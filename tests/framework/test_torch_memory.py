@@ -2,7 +2,7 @@
 round. Two ranks in threads of one process over real loopback gRPC.
 
 The figures (RSS before, at the peak, held, dropped) are in BENCHMARKS.md ("Memory after the
-hand-off"), measured by ``python -m tools.bench.spmd_memory``; this test holds the cause: the
+hand-off"), measured by ``python -m collective.bench.spmd_memory``; this test holds the cause: the
 chief's service, its arena and the values it served are gone when the call returns, without any
 collection by the caller.
 """

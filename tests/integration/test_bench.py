@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from collective.errors import UsageError
-from tests.framework.conftest import require
-from tests.procs import ROOT
-from tools.bench import (
+from collective.bench import (
     Candidate,
     candidates,
     parse_rate,
@@ -22,6 +20,9 @@ from tools.bench import (
     variable_lengths,
     write_spec,
 )
+from collective.errors import UsageError
+from tests.framework.conftest import require
+from tests.procs import ROOT
 
 # One deadline for a bench run and pytest's timeout consistent with it. Beside three CPU-bound
 # processes a 1 MiB bench with its peers overran 90 s, a refusal 30 s (its imports), `bench sim`
@@ -96,7 +97,7 @@ def test_without_json_it_prints_a_table():
 
 
 def test_the_copy_free_path_is_never_given_a_ratio_to_the_copying_peers():
-    from tools.bench import Result, table
+    from collective.bench import Result, table
 
     results = [
         Result("chain", 4, MIB, [0.1], path="mapped"),
@@ -163,7 +164,7 @@ def test_emulated_hosts_need_root(monkeypatch, capsys):
 
 @pytest.mark.multihost
 def test_emulated_hosts_report_link_seconds_and_every_figure(tmp_path):
-    from tools.bench.emulate import unavailable_reason
+    from collective.bench.emulate import unavailable_reason
 
     reason = unavailable_reason("emulated-hosts bench")
     if reason:
@@ -227,21 +228,24 @@ def test_candidates_are_every_topology_but_auto_or_those_asked_and_mpi():
 
 
 def test_the_last_json_object_is_found_even_with_a_log_line_glued_to_it():
-    from tools.bench.runners import _last_json
+    from collective.bench.runners import _last_json
 
     text = 'noise\n{"ok": false}\n{"ok": true, "seconds": 1.5}2026-12-02T14:34:40Z INFO worker: started\nmore\n'
     assert _last_json(text, "ok") == {"ok": True, "seconds": 1.5}
     assert _last_json("nothing here", "ok") is None
 
 
-def test_without_the_checkouts_tools_collective_bench_says_where_it_lives(monkeypatch, capsys):
-    # An installed package has no tools/bench: the command must say so, not crash on an import.
-    from collective import cli
-
-    monkeypatch.setattr(cli, "_bench_tools", lambda: None)
-    code = cli.main(["bench", "--workers", "2"])  # the root logger it configures: see conftest
-    assert code == 2
-    assert "collective bench runs from a source checkout (tools/bench is not installed)" in capsys.readouterr().err
+def test_collective_bench_runs_from_the_package_alone(tmp_path):
+    # What a wheel installs is collective/ and nothing beside it: the bench must come with it.
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "collective", site / "collective", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}, "PYTHONPATH": str(site)}
+    code = ("import sys, collective.cli as cli; assert cli.__file__.startswith(sys.argv[1]), cli.__file__; "
+            "sys.exit(cli.main(sys.argv[2:]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(site), "bench", "--help"], capture_output=True, text=True,
+                          timeout=RUN, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert "--workers" in proc.stdout and "--emulate-hosts" in proc.stdout, proc.stdout
 
 
 def test_from_file_reports_read_broadcast_to_ready_and_the_chiefs_rss_for_both_rows():
@@ -270,8 +274,8 @@ def test_sim_prints_the_fit_and_the_projection_and_draws_an_svg(monkeypatch, cap
     """`collective bench sim` in-process, on a smaller projection (the full one takes half a minute)."""
     import xml.etree.ElementTree as ET
 
+    from collective.bench import simreport
     from collective.cli import main
-    from tools.bench import simreport
 
     monkeypatch.setattr(simreport, "HOSTS", (64,))
     monkeypatch.setattr(simreport, "SIZES", (("64 MiB", 64 << 20),))

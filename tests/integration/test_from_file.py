@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from collective.bench.checkpoint import write_checkpoint
 from collective.digest import combined_digest, worker_digest
 from tests.clusters import tampering_relay
 from tests.procs import error_line, wait_for
-from tools.bench.checkpoint import write_checkpoint
 
 pytestmark = pytest.mark.integration
 

@@ -271,8 +271,8 @@ def test_rank_0_serves_a_checkpoint_from_its_files_under_mpiexec(tmp_path):
     """--from-file under mpiexec: rank 0 maps the files (nothing copied), reads them while the
     workers wait asleep, then Bcasts straight from the mapping, 32 MiB spans here, each span's
     pages dropped once sent; the digests are the files' bytes."""
+    from collective.bench.checkpoint import write_checkpoint
     from tests.integration.test_from_file import tensor_bytes
-    from tools.bench.checkpoint import write_checkpoint
 
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, 256 << 20, 2, tensor_bytes=20 << 20)
@@ -289,7 +289,7 @@ def test_rank_0_serves_a_checkpoint_from_its_files_under_mpiexec(tmp_path):
 
 def test_collective_launch_passes_from_file_to_mpiexec(tmp_path):
     ckpt = tmp_path / "ckpt"
-    from tools.bench.checkpoint import write_checkpoint
+    from collective.bench.checkpoint import write_checkpoint
 
     write_checkpoint(ckpt, 4 << 20, 2, tensor_bytes=1 << 20)
     proc = subprocess.run(
@@ -305,7 +305,7 @@ def test_collective_launch_passes_from_file_to_mpiexec(tmp_path):
 def test_shards_from_the_files_under_mpiexec(tmp_path):
     """--from-file with --shards dim0 under mpiexec: each worker rank's own stream, point to point,
     read from the mapped files; each holds its half, verified."""
-    from tools.bench.checkpoint import write_checkpoint
+    from collective.bench.checkpoint import write_checkpoint
 
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, 16 << 20, 2, tensor_bytes=2 << 20)

@@ -1,6 +1,6 @@
 """Many workers on one chief (issue 31, item 1): real processes over gRPC on loopback.
 
-256 workers of the project's own worker code, 64 per process (``tools.bench.manyworkers``),
+256 workers of the project's own worker code, 64 per process (``collective.bench.manyworkers``),
 join one chief at once and complete a verified round: every worker started, every digest
 equal. The chief's threads do not grow with the workers: before, its server had a pool thread
 per open call (each worker holds three or four for the whole round: 770 threads at 256
@@ -16,8 +16,8 @@ import time
 import pytest
 
 from collective._proto import collective_pb2 as pb
+from collective.bench.scale import scale_round
 from tests.clusters import TOKEN, grpc_chief
-from tools.bench.scale import scale_round
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ Two parts:
   ``${VAR:-default}`` interpolation from a mapping the test gives, as the shell would), so a test
   runs exactly the commands, environment and healthcheck that ``docker compose up`` would.
 * the namespace harness (``Topology``, ``Process``, ``wait_all`` ...) lives in
-  ``tools.bench.emulate``, which ``collective bench --emulate-hosts`` uses too; it is re-exported
+  ``collective.bench.emulate``, which ``collective bench --emulate-hosts`` uses too; it is re-exported
   here so the tests import everything from one place. See that module for how hosts are built
   and cleaned up.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from tools.bench import emulate
-from tools.bench.emulate import (  # noqa: F401 - re-exported for the tests
+from collective.bench import emulate
+from collective.bench.emulate import (  # noqa: F401 - re-exported for the tests
     ETC_NETNS,
     NETNS_RUN,
     SUBNET,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import EmulatedRunner
+from collective.bench import EmulatedRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
+from collective.bench import write_spec
 from tests.multihost.netns import Topology, wait_all
-from tools.bench import write_spec
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(180)]
 

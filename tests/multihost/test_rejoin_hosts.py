@@ -18,8 +18,8 @@ import uuid
 
 import pytest
 
+from collective.bench import write_spec
 from tests.multihost.netns import Topology, wait_all
-from tools.bench import write_spec
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(600)]
 

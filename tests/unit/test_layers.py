@@ -9,6 +9,7 @@ written by ``python -m tools.docgen`` (tests/docs/test_architecture_doc.py fails
 
 from __future__ import annotations
 
+import ast
 import sys
 
 import grimp
@@ -44,9 +45,9 @@ LAYERS: list[tuple[str, ...]] = [
     # Framework hand-offs, on top of the API.
     ("collective.torch", "collective.torchft", "collective.jax", "collective.tf"),
     # Command lines: the collective command's folder (one module per command, with what only
-    # they show or keep: launch's run directory, the status table, the merged logs) and the
-    # roles' entry points.
-    ("collective.cli", "collective.chief.__main__", "collective.worker.__main__"),
+    # they show or keep: launch's run directory, the status table, the merged logs), the roles'
+    # entry points, and the benchmark behind `collective bench`.
+    ("collective.cli", "collective.chief.__main__", "collective.worker.__main__", "collective.bench"),
 ]
 
 
@@ -137,3 +138,43 @@ def test_no_module_imports_a_layer_above_its_own(graph):
 def test_every_module_has_a_layer(graph):
     for module in graph.modules:
         _layer_of(module)  # raises naming the module
+
+
+def _reaches_outside(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each import of the checkout's ``tools`` and each edit of ``sys.path``
+    (an assignment to it, or a call of one of its methods) in ``source``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, f"import {a.name}") for a in node.names if a.name.split(".")[0] == "tools"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "tools":
+            out.append((node.lineno, f"from {node.module} import ..."))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Name) and \
+                node.func.id == "__import__" and isinstance(node.args[0], ast.Constant) and \
+                str(node.args[0].value).split(".")[0] == "tools":
+            out.append((node.lineno, f"__import__({node.args[0].value!r})"))
+        targets = [node.func.value] if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else \
+            node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            while isinstance(t, ast.Subscript):
+                t = t.value
+            if ast.unparse(t) == "sys.path":
+                out.append((node.lineno, f"sys.path edited: {ast.unparse(node)[:60]}"))
+    return sorted(out)
+
+
+def test_the_reach_finder_finds_tools_and_sys_path_edits():
+    found = _reaches_outside(
+        "import tools.bench\nfrom tools import docgen\nimport sys\nsys.path.insert(0, 'x')\nsys.path[:0] = ['y']\n"
+        "sys.path += ['z']\n__import__('tools')\nimport toolsmith\nfrom .tools import x\nprint(sys.path[0])\n")
+    assert [line for line, _ in found] == [1, 2, 4, 5, 6, 7]
+
+
+def test_the_package_never_imports_the_checkouts_tools_nor_edits_sys_path():
+    # An installed wheel has collective/ alone: whatever it needs must be inside it, found by an
+    # import, never by putting the checkout on sys.path (tools/ may import the package, not back).
+    found = [f"{path.relative_to(ROOT)}:{line}: {what}"
+             for path in sorted((ROOT / "collective").rglob("*.py")) if "_proto" not in path.parts
+             for line, what in _reaches_outside(path.read_text())]
+    assert found == [], "the package reaches outside itself:\n" + "\n".join(found)

@@ -1,4 +1,4 @@
-"""tools/bench/sim.py: the simulator of the project's layouts, and its fit (tools/bench/simreport.py)."""
+"""collective/bench/sim.py: the simulator of the project's layouts, and its fit (collective/bench/simreport.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from collective._proto import collective_pb2 as pb
+from collective.bench import simreport
+from collective.bench.sim import Net, chunk_sizes, simulate
 from collective.stream import frame_messages
 from collective.topology import bucket_bytes, predict
-from tools.bench import simreport
-from tools.bench.sim import Net, chunk_sizes, simulate
 
 MIB = 1 << 20
 ONE_MIB_PER_S = Net(float(MIB))

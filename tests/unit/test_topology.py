@@ -85,9 +85,9 @@ def test_the_model_charges_a_star_one_copy_per_receiver_and_a_chain_one_chunk_pe
 
 
 def test_the_model_is_the_simulators_closed_form():
-    """topology.predict against tools/bench/sim.py (links with no token bucket): the same
+    """topology.predict against collective/bench/sim.py (links with no token bucket): the same
     structure, so the same figure for every layout, small or large."""
-    from tools.bench.sim import Net, simulate
+    from collective.bench.sim import Net, simulate
 
     rate = 25e9 / 8
     for topo in MODELLED:

@@ -32,13 +32,13 @@ import numpy as np
 from collective import errors as E
 from collective._proto import collective_pb2 as pb
 from collective.arena import new_arena
+from collective.bench.spec import DEFAULT_SIZE, _positive, parse_workers
 from collective.digest import bytes_digest, chunk_digests
 from collective.sizes import parse_size
 from collective.stream import Receiver, Select
 from collective.topology import top_down, trees
 from collective.transport import rawtcp
 from collective.worker.relay import RelayHandler
-from tools.bench.spec import DEFAULT_SIZE, _positive, parse_workers
 
 STALL = 30.0  # seconds without a byte before a node gives up: a broken run ends, a slow one is never cut
 TOPOLOGIES = ("chain", "dtree")
@@ -164,7 +164,7 @@ def run_hops(args, say) -> int:
     path = getattr(args, "data_path", None) or "tcp"
     if path not in ("tcp", "auto"):
         raise E.UsageError(f"collective bench hops --data-path {path!r}: use tcp (TCP on loopback) or auto (unix socket)")
-    argv = [sys.executable, "-m", "tools.bench.hops"]
+    argv = [sys.executable, "-m", "collective.bench.hops"]
     procs = [subprocess.Popen([*argv, str(i), str(workers), str(size), str(chunk), path, topology],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(workers + 1)]
     try:

@@ -1,6 +1,6 @@
 """Many workers in one process, for the scale test and ``collective bench scale``.
 
-``python -m tools.bench.manyworkers --chief HOST:PORT --workers K [--prefix w] [--first R]``
+``python -m collective.bench.manyworkers --chief HOST:PORT --workers K [--prefix w] [--first R]``
 runs K workers of the project's own worker code (``collective.join``: the agent, its heartbeat
 and presence calls, its relay) as K threads of this process, ids ``<prefix><first>`` ...
 ``<prefix><first+K-1>``. ``--ready-file F``: touched once the imports are done; ``--go-file G``:
@@ -71,7 +71,7 @@ def run_workers(chief: str, ids: list[str], *, token: str | None, relay: bool, d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench.manyworkers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m collective.bench.manyworkers", description=__doc__.split("\n\n")[0])
     p.add_argument("--chief", required=True, metavar="HOST:PORT")
     p.add_argument("--workers", type=int, required=True, metavar="K")
     p.add_argument("--prefix", default="w")

@@ -1,5 +1,5 @@
 """Running one bench candidate: ``LocalRunner`` (``collective launch`` on this host, the MPI and
-gloo peers) and ``EmulatedRunner`` (the same on emulated hosts, ``tools.bench.emulate``)."""
+gloo peers) and ``EmulatedRunner`` (the same on emulated hosts, ``collective.bench.emulate``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tools.bench.spec import CHIEF_PORT, GLOO_PORT, BenchError, Candidate, parse_rate
+from collective.bench.spec import CHIEF_PORT, GLOO_PORT, BenchError, Candidate, parse_rate
 
 GiB = 1 << 30
 
@@ -315,7 +315,7 @@ class EmulatedRunner:
         return [f"worker-{r // self.per_host + 1}" for r in range(workers)]
 
     def _network(self, workers: int):
-        from tools.bench.emulate import Topology
+        from collective.bench.emulate import Topology
 
         hosts = self._hosts(workers)
         if self.net is not None and self.workers == workers:
@@ -342,7 +342,7 @@ class EmulatedRunner:
     def project(self, c: Candidate, workers: int, spec: Path, size: int) -> float:
         if c.transport == "mpi":
             return self._project_mpi(c, workers, spec, size)
-        from tools.bench.emulate import HostProcessError, wait_all
+        from collective.bench.emulate import HostProcessError, wait_all
 
         net = self._network(workers)
         self._serial += 1
@@ -381,7 +381,7 @@ class EmulatedRunner:
         return float(result["seconds"])
 
     def _mpiexec(self, workers: int, argv: list[str], name: str, timeout: float, env: dict[str, str] | None = None) -> str:
-        from tools.bench.emulate import HostProcessError, wait_all
+        from collective.bench.emulate import HostProcessError, wait_all
 
         net = self._network(workers)
         self._serial += 1
@@ -424,7 +424,7 @@ class EmulatedRunner:
         return _samples(result)
 
     def gloo(self, workers: int, size: int, repeat: int) -> list[float]:
-        from tools.bench.emulate import HostProcessError, wait_all
+        from collective.bench.emulate import HostProcessError, wait_all
 
         net = self._network(workers)
         self._serial += 1

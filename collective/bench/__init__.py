@@ -36,7 +36,7 @@ check nothing.
 
 ``--emulate-hosts --rate 200mbit`` runs everything on emulated hosts instead (network namespaces
 ``chief``, ``worker-1`` ... on one bridge, every host's link shaped both ways with ``tc tbf``, a
-private ``/dev/shm`` per host; see ``tools.bench.emulate``) and reports ``link_seconds`` = S/B, the
+private ``/dev/shm`` per host; see ``collective.bench.emulate``) and reports ``link_seconds`` = S/B, the
 time one link needs to carry the model once. ``--hosts H --workers-per-host K`` (instead of
 ``--workers``) puts K workers on each of H worker hosts (ranks in host order), the chief alone on
 its own host. The chief and workers run as ``python -m collective.chief`` / ``python -m collective.worker`` on their
@@ -68,11 +68,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from collective.errors import UsageError
-from collective.sizes import parse_size  # noqa: F401 - the bench's size parser, for its tests
-from tools.bench.runners import EmulatedRunner, LocalRunner, mpi_problem, torch_gloo_problem
-from tools.bench.scale import add_scale_options
-from tools.bench.spec import (
+from collective.bench.runners import EmulatedRunner, LocalRunner, mpi_problem, torch_gloo_problem
+from collective.bench.scale import add_scale_options
+from collective.bench.spec import (
     DEFAULT_RATE,
     DEFAULT_REPEAT,
     DEFAULT_SIZE,
@@ -81,6 +79,7 @@ from tools.bench.spec import (
     MAX_EMULATED_WORKERS,
     Candidate,
     _positive,
+    aligned,
     candidates,
     parse_list,
     parse_rate,
@@ -88,6 +87,8 @@ from tools.bench.spec import (
     variable_lengths,
     write_spec,
 )
+from collective.errors import UsageError
+from collective.sizes import parse_size  # noqa: F401 - the bench's size parser, for its tests
 
 GiB = 1 << 30
 # --- the bench --------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def _check_plot_available() -> None:
 
 
 def _check_emulation_available() -> None:
-    from tools.bench.emulate import unavailable_reason
+    from collective.bench.emulate import unavailable_reason
 
     if os.geteuid() != 0:
         raise UsageError("--emulate-hosts needs root (it creates network namespaces and shapes links with tc)")
@@ -288,16 +289,6 @@ def _path(c: Candidate, settings: Settings) -> str:
     return {"tcp": "net-tcp", "grpc": "net-grpc"}.get(settings.data_path or "", "network")
 
 
-def aligned(rows: list[list[str]]) -> list[str]:
-    """The rows (the first one the head) as text columns: the first left-aligned, the others
-    right-aligned, a rule under the head."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
-             for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
-
-
 def table(results: Sequence[Result], link_seconds: float | None) -> str:
     best_peer: dict[int, float] = {}
     for r in results:
@@ -367,26 +358,26 @@ def run_bench(args: argparse.Namespace) -> int:
     what = getattr(args, "what", None)
     say = lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True)  # noqa: E731
     if what == "sim":
-        from tools.bench.simreport import run_sim
+        from collective.bench.simreport import run_sim
 
         return run_sim(args, say)
     if what == "hops":
-        from tools.bench.hops import run_hops
+        from collective.bench.hops import run_hops
 
         return run_hops(args, say)
     if what == "scale":
-        from tools.bench.scale import run_scale
+        from collective.bench.scale import run_scale
 
         return run_scale(args, say)
     if what is not None:
         raise UsageError(f"collective bench {what!r}: the modes are 'sim' and 'scale' (the simulator, many workers) "
                          "and 'hops' (a relay's cost per hop), or none, to run the benchmark")
     if getattr(args, "from_file", False):
-        from tools.bench.fromfile import run_from_file
+        from collective.bench.fromfile import run_from_file
 
         return run_from_file(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
     if getattr(args, "recovery", False):
-        from tools.bench.recovery import run_recovery
+        from collective.bench.recovery import run_recovery
 
         return run_recovery(args, lambda line: print(f"bench     | {line}", file=sys.stderr, flush=True))
     settings = settings_from_args(args)
@@ -425,11 +416,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                     "configuration, median of --repeat runs; with --peers also MPI_Bcast (mpi4py) and "
                     "gloo (torch) moving the same bytes to the same number of receivers.")
     p.add_argument("what", nargs="?", metavar="sim|hops|scale",
-                   help="sim: fit the simulator (tools/bench/sim.py) to the emulated runs and project every "
-                        "topology to 64, 1,024 and 10,000 hosts (tools/bench/simreport.py); no byte is sent. "
+                   help="sim: fit the simulator (collective/bench/sim.py) to the emulated runs and project every "
+                        "topology to 64, 1,024 and 10,000 hosts (collective/bench/simreport.py); no byte is sent. "
                         "hops: a chain (or --topology dtree) of --workers relays on this host without a control plane, the slope of "
-                        "a chunk's arrival over the hops: the relay's own cost per hop (tools/bench/hops.py). "
-                        "scale: one chief and many workers, K per process (tools/bench/scale.py): round and "
+                        "a chunk's arrival over the hops: the relay's own cost per hop (collective/bench/hops.py). "
+                        "scale: one chief and many workers, K per process (collective/bench/scale.py): round and "
                         "join-storm seconds, the chief's threads, peak RSS and status latency, plan bytes, "
                         "frozen-worker detection (default --workers 1024)")
     p.add_argument("--svg", default=None, metavar="FILE.svg",
@@ -475,11 +466,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--from-file", action="store_true",
                    help="instead: a sharded safetensors checkpoint of --size served by a copying chief and by "
                         "--from-file to --workers local workers: read, broadcast and to-ready seconds, the chief's "
-                        "peak RSS (tools/bench/fromfile.py)")
+                        "peak RSS (collective/bench/fromfile.py)")
     p.add_argument("--recovery", action="store_true",
                    help="instead: a restarted torchft replica takes a --size state dict of --variables tensors from "
                         "live holders: torchft's HTTPTransport (num_chunks 0, 8) and PGTransport (gloo) against "
-                        "collective.torchft.Transport from 1 and 3 holders; seconds and peak RSS (tools/bench/recovery.py)")
+                        "collective.torchft.Transport from 1 and 3 holders; seconds and peak RSS (collective/bench/recovery.py)")
     p.add_argument("--files", default="4", metavar="F", help="with --from-file: files of the generated checkpoint (default 4)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="with --from-file: serve this checkpoint instead of writing one")

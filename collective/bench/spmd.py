@@ -1,6 +1,6 @@
 """Time one ``collective.sync`` of a small model across SPMD ranks on this host (issue 28, item 19).
 
-``python -m tools.bench.spmd --ranks 3 --size-mib 1 --repeat 5 [--rank0-late 0.5]`` starts
+``python -m collective.bench.spmd --ranks 3 --size-mib 1 --repeat 5 [--rank0-late 0.5]`` starts
 ``--ranks`` processes on loopback (COLLECTIVE_RANK / _WORLD_SIZE / _CHIEF); each imports its
 modules, waits for a common start time (so import skew is not measured), sleeps
 ``--rank0-late`` s if it is rank 0, then times its ``collective.sync`` call. Prints one line per
@@ -71,7 +71,7 @@ def one(ranks: int, nbytes: int, late: float, preimport: bool) -> dict[int, dict
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.spmd", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m collective.bench.spmd", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--size-mib", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=5)

@@ -29,11 +29,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from collective.bench.checkpoint import write_checkpoint
+from collective.bench.runners import _clean_env, _last_json, _run_job, _tail, _timeout
+from collective.bench.spec import _positive, parse_workers
 from collective.errors import UsageError
 from collective.sizes import format_bytes, parse_size
-from tools.bench.checkpoint import write_checkpoint
-from tools.bench.runners import _clean_env, _last_json, _run_job, _tail, _timeout
-from tools.bench.spec import _positive, parse_workers
 
 ROWS = {"copy": [], "from-file": ["--from-file"]}
 FIELDS = ("load_seconds", "seconds", "ready_seconds", "peak_rss_bytes")

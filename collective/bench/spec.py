@@ -146,3 +146,12 @@ def write_spec(path: Path, size: int, variables: int, seed: int = SPEC_SEED) -> 
 
 # --- peers ----------------------------------------------------------------------------------------
 
+
+def aligned(rows: list[list[str]]) -> list[str]:
+    """The rows (the first one the head) as text columns: the first left-aligned, the others
+    right-aligned, a rule under the head."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines

@@ -1,6 +1,6 @@
 """Rank 0's memory around ``collective.torch.sync_module`` (issue 28, item 20).
 
-``python -m tools.bench.spmd_memory --ranks 2 --size-mib 64 [--sharded]`` starts ``--ranks``
+``python -m collective.bench.spmd_memory --ranks 2 --size-mib 64 [--sharded]`` starts ``--ranks``
 processes on loopback; each builds a torch module of about ``--size-mib`` (8 Linear layers), and
 rank 0 prints its RSS over its state before the call: the peak during the call (VmHWM reset
 first), after the call with the result held, after ``del result; gc.collect()``, and 2 s later.
@@ -75,7 +75,7 @@ def free_port() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.spmd_memory", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m collective.bench.spmd_memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--size-mib", type=float, default=64)
     parser.add_argument("--sharded", action="store_true")

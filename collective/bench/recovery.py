@@ -8,7 +8,7 @@ dict is torchft's shape (``{"user": {"default": {"model": ...}}, "torchft": {...
 ``--variables`` float32 tensors sharing ``--size`` bytes, the same bytes in every holder.
 
 Every holder and the recovering process are processes of their own (``python -m
-tools.bench.recovery holder|recover``); a holder builds the state, publishes it (``send_checkpoint``)
+collective.bench.recovery holder|recover``); a holder builds the state, publishes it (``send_checkpoint``)
 and prints its metadata and the state's digest; then the recovering process starts, imports
 everything, and times ``recv_checkpoint`` alone (for PGTransport: from after the process group
 is up until the last tensor is in). It then reports the seconds, its peak RSS (``ru_maxrss``) and
@@ -17,7 +17,7 @@ row whose digest differs fails the bench). Runs are interleaved over ``--repeat`
 counts.
 
 ``--emulate-hosts`` puts every holder and the recovering process on a host of its own
-(``tools.bench.emulate``), each holder's link shaped to ``--rate`` both ways; the recovering
+(``collective.bench.emulate``), each holder's link shaped to ``--rate`` both ways; the recovering
 host's link is not shaped, so what three holders gain is their three uplinks at once.
 """
 
@@ -166,7 +166,7 @@ def recover(args: argparse.Namespace) -> int:
 
 
 def _argv(role: str, c: Candidate, size: int, variables: int, done: Path, metadata: str = "") -> list[str]:
-    argv = [sys.executable, "-m", "tools.bench.recovery", role, "--kind", c.kind, "--size", str(size),
+    argv = [sys.executable, "-m", "collective.bench.recovery", role, "--kind", c.kind, "--size", str(size),
             "--variables", str(variables), "--done", str(done)]
     return argv + (["--metadata", metadata] if metadata else [])
 
@@ -177,7 +177,7 @@ class _Place:
     def __init__(self, workdir: Path, rate: str | None) -> None:
         self.workdir, self.topology, self.serial = workdir, None, 0
         if rate is not None:
-            from tools.bench.emulate import Topology
+            from collective.bench.emulate import Topology
 
             self.topology = Topology(["holder-1", "holder-2", "holder-3", "recoverer"], workdir).__enter__()
             # The holders' links are the bottleneck (three uplinks striped is the point of three
@@ -186,12 +186,12 @@ class _Place:
                 self.topology.shape(host, rate)
 
     def start(self, host: str, argv: list[str]):
-        from tools.bench.emulate import Process
+        from collective.bench.emulate import Process
 
         self.serial += 1
         name = f"{self.serial:03d}-{host}"
         if self.topology is not None:
-            # The checkout's tools and collective (emulate's own PYTHONPATH is tools/ alone).
+            # The directory holding collective, as emulate.base_env sets it.
             return self.topology.run(host, argv, name=name, env={"PYTHONPATH": str(CHECKOUT)})
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         return Process("local", name, argv, env, self.workdir / f"{name}.log", Path.cwd())
@@ -227,7 +227,7 @@ def run_once(place: _Place, c: Candidate, size: int, variables: int) -> dict:
 
 
 def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
-    from tools.bench import aligned
+    from collective.bench.spec import aligned
 
     med = statistics.median
 
@@ -259,7 +259,7 @@ def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
 
 
 def run_recovery(args: argparse.Namespace, say: Callable[[str], None]) -> int:
-    from tools.bench.spec import _positive
+    from collective.bench.spec import _positive
 
     size, variables = parse_size(args.size), _positive(args.variables, "--variables")
     repeat = _positive(args.repeat, "--repeat")
@@ -273,7 +273,7 @@ def run_recovery(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     rate = (args.rate or "200mbit") if args.emulate_hosts else None
     link_seconds = None
     if rate is not None:
-        from tools.bench.spec import parse_rate
+        from collective.bench.spec import parse_rate
 
         link_seconds = size * 8 / parse_rate(rate)
     workdir = Path(tempfile.mkdtemp(prefix="collective-bench-recovery-"))
@@ -300,7 +300,7 @@ def run_recovery(args: argparse.Namespace, say: Callable[[str], None]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.bench.recovery")
+    p = argparse.ArgumentParser(prog="python -m collective.bench.recovery")
     p.add_argument("role", choices=["holder", "recover"])
     p.add_argument("--kind", required=True)
     p.add_argument("--size", type=int, required=True)

@@ -1,4 +1,4 @@
-"""``collective bench sim``: fit the simulator (``tools.bench.sim``) to the emulated runs, then
+"""``collective bench sim``: fit the simulator (``collective.bench.sim``) to the emulated runs, then
 project every topology to 64, 1,024 and 10,000 hosts at 25 and 100 Gbit/s, for 64 MiB and 10 GiB.
 
 The fit: ``emulated_runs.json`` (beside this file) holds the medians of emulated-host runs, each
@@ -26,11 +26,11 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from collective.bench.sim import Net, simulate
+from collective.bench.spec import parse_rate
 from collective.errors import UsageError
 from collective.sizes import parse_size
 from collective.topology import MODELLED, choose, predict
-from tools.bench.sim import Net, simulate
-from tools.bench.spec import parse_rate
 
 RUNS = Path(__file__).with_name("emulated_runs.json")
 HOSTS = (64, 1024, 10_000)
@@ -38,7 +38,7 @@ RATES = (("25 Gbit/s", 25e9 / 8), ("100 Gbit/s", 100e9 / 8))
 SIZES = (("64 MiB", 64 << 20), ("10 GiB", 10 << 30))
 PLOT_HOSTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 10_000)
 COLOURS = {"star": "#d62728", "tree": "#1f77b4", "chain": "#2ca02c", "dtree": "#9467bd"}
-EMULATED_BURST = 256 << 10  # tbf's bucket on every emulated link (tools/bench/emulate.py: shape)
+EMULATED_BURST = 256 << 10  # tbf's bucket on every emulated link (collective/bench/emulate.py: shape)
 DEFAULT_QUEUE = "100ms"  # tbf's latency on every emulated link unless a set says otherwise
 DEFAULT_BURST = "256kb"  # tbf's bucket on every emulated link unless a set says otherwise (EMULATED_BURST)
 # The projection's second column: the relay's own cost per hop, measured with a core to itself

@@ -2,7 +2,7 @@
 
 A chief (``python -m collective.chief --no-shm``, a small model of ``--variables`` float32
 variables in ``--size`` bytes) and ``--workers`` N workers of the project's own worker code, K
-per process (``--per-process``, ``tools.bench.manyworkers``), over gRPC on 127.0.0.1. Every
+per process (``--per-process``, ``collective.bench.manyworkers``), over gRPC on 127.0.0.1. Every
 process imports first; then all N join within the same instant (a join storm). Measured:
 
 * ``round_s``: from the storm until every worker process ended with start released;
@@ -38,8 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+from collective.bench.spec import write_spec
 from collective.errors import AbortedError
-from tools.bench.spec import write_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "bench-scale-token"
@@ -160,7 +160,7 @@ def _workers(procs: _Procs, address: str, counts: list[int], tag: str, relay: bo
     go_file, started, first = procs.tmp / f"go-{tag}", [], 0
     for i, k in enumerate(counts):
         ready = procs.tmp / f"ready-{tag}-{i}"
-        started.append((procs.start(f"workers-{tag}-{i}", "-m", "tools.bench.manyworkers", "--chief", address,
+        started.append((procs.start(f"workers-{tag}-{i}", "-m", "collective.bench.manyworkers", "--chief", address,
                                     "--workers", str(k), "--prefix", f"{tag}{i}-", "--ready-file", str(ready),
                                     "--go-file", str(go_file), "--deadline", str(deadline),
                                     *([] if relay else ["--no-relay"]), nice=WORKERS_NICE), ready))
@@ -293,7 +293,7 @@ PLAN_VARIABLES = 20_000
 def add_scale_options(p) -> None:
     """The options only ``collective bench scale`` reads (``--workers`` and ``--json`` are the bench's)."""
     p.add_argument("--per-process", default="64", metavar="K",
-                   help="scale: workers per process (tools/bench/manyworkers.py; default 64)")
+                   help="scale: workers per process (collective/bench/manyworkers.py; default 64)")
     p.add_argument("--relay", action="store_true",
                    help="scale: the workers relay (a tree); default: none relays (a star)")
     p.add_argument("--no-freeze", action="store_true", help="scale: skip the frozen-worker round")
@@ -306,8 +306,8 @@ def run_scale(args, say) -> int:
     frozen-worker round; a table, or one JSON line with --json."""
     import tempfile
 
+    from collective.bench.spec import _positive, parse_workers
     from collective.errors import UsageError
-    from tools.bench.spec import _positive, parse_workers
 
     counts = parse_workers(args.workers) if args.workers else [1024]
     per_process = _positive(args.per_process, "--per-process")

@@ -38,8 +38,9 @@ from itertools import count
 from pathlib import Path
 from typing import Protocol
 
-# The directory holding the collective, chief and worker packages: processes on emulated hosts
-# import them from here (PYTHONPATH), as the machine's own processes do.
+# The directory holding the collective package (a checkout's root, with its chief and worker
+# shims, or site-packages): processes on emulated hosts import it from here (PYTHONPATH), as the
+# machine's own processes do.
 ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "10.77.0"  # only ever assigned inside namespaces this module creates
 NETNS_RUN = Path("/run/netns")
