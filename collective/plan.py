@@ -27,9 +27,9 @@ from collective.errors import InvalidVariableError, ProtocolError
 from collective.model import Aggregation, Synchronization, VariableSpec, check_specs
 from collective.stream import (  # noqa: F401  (re-exported: the package imports them from here)
     Chunker,
+    ChunkRange,
     Lockstep,
     Receiver,
-    Select,
     culprit,
     differing_chunk,
     frame_messages,
@@ -422,15 +422,14 @@ def parent_in(w: pb.WorkerInfo, tree: int) -> int:
     return w.parent_b if tree == 1 and w.HasField("parent_b") else w.parent
 
 
-def sibling_streams(plan: pb.Plan, ref: pb.WorkerRef) -> int:
-    """How many selected streams the sender of ``ref``'s stream serves under ``plan``
-    (``Lockstep``): a double tree's chief its two roots, a relay its children in its tree; 1
-    for a whole stream or a worker the plan does not name."""
-    select = Select.of(ref)
-    child = next((w for w in plan.workers if w.worker_id == ref.worker_id), None)
-    if select.stride <= 1 or child is None:
+def sibling_streams(plan: pb.Plan, worker_id: str, rng: ChunkRange) -> int:
+    """How many selected streams the sender of the stream ``rng`` to ``worker_id`` serves
+    under ``plan`` (``Lockstep``): a double tree's chief its two roots, a relay its children in
+    its tree; 1 for a whole stream or a worker the plan does not name."""
+    child = next((w for w in plan.workers if w.worker_id == worker_id), None)
+    if rng.stride <= 1 or child is None:
         return 1
-    sender = parent_in(child, select.phase)
+    sender = parent_in(child, rng.phase)
     return sum(parent_in(w, t) == sender for w in plan.workers if w.HasField("parent_b") for t in (0, 1))
 
 

@@ -80,19 +80,17 @@ class Chunker:
         """Yield the stream's messages; the last one carries the stream end."""
         return with_bytes(self.frames())
 
-    def frames(self, start: int = 0, landed=None, select: Select | None = None,
-               stop: int = 0) -> Iterator[tuple[pb.Chunk, memoryview]]:
-        """Each message without its bytes, and a view of those bytes in the arena; from the
-        message at offset ``start`` (a receiver resuming: ``WorkerRef.resume_from``) on, only the
-        chunks of ``select`` (default: all), then the end message. ``landed(i)``: returns once
+    def frames(self, rng: ChunkRange | None = None, landed=None) -> Iterator[tuple[pb.Chunk, memoryview]]:
+        """Each message without its bytes, and a view of those bytes in the arena: the chunks of
+        ``rng`` (default: all; a request's, ``ChunkRange.of``), then the end message, a stripe's
+        (``stripe_end``) when ``rng`` stops before the arena's end. ``landed(i)``: returns once
         the arena holds chunk ``i``, verified (a relay's, as its own streams arrive), called
-        before each chunk's message is made. ``stop`` (a chunk boundary below the arena's end;
-        0: none): end there with a stripe's end message (``stripe_end``), for a receiver of one
-        stripe (``Receiver(span=...)``).
+        before each chunk's message is made.
 
         For transports that send the bytes themselves without a copy (MPI's Bcast).
         """
-        select = select or ALL
+        rng = rng or ALL
+        start, stop = rng.start, rng.stop
         total, size = self._plan.total_bytes, self._plan.chunk_bytes
         for msg, first, end in frame_messages(self._plan, self._frames, start):
             if stop and first >= stop:
@@ -101,7 +99,7 @@ class Chunker:
             if first < start:
                 continue
             if first < total:  # a chunk, not the end message
-                if not select.has(first // size):
+                if not rng.has(first // size):
                     continue
                 if landed is not None:
                     landed(first // size)
@@ -188,27 +186,39 @@ def culprit(
     hashed on its own. ``base``: ``arena`` holds the plan's arena from that offset on (a
     stripe's buffer); a variable that begins before it cannot be hashed either.
     """
-    upto = plan.total_bytes if upto is None else upto
-    flat = arena.reshape(-1).view(np.uint8)
-    partial = []
-    for v in overlapping(plan, start, end):
-        if v.offset + v.nbytes > upto or v.offset < base:
-            partial.append(v)
-            continue
-        got = bytes_digest(memoryview(flat[v.offset - base : v.offset + v.nbytes - base]))
-        if got != v.digest and replica is not None:
-            name = replica_name(v.name, replica[0])
-            return f"variable {v.name!r}: replica {name!r} on {replica[1]} has digest {got}, the chief's is {v.digest}"
-        if got != v.digest:
-            return f"variable {v.name!r}: digest of received bytes {got} differs from the chief's {v.digest}"
+    v, got = differing_variable(plan, arena, start, end, upto=upto, base=base)
+    if got and replica is not None:
+        name = replica_name(v.name, replica[0])
+        return f"variable {v.name!r}: replica {name!r} on {replica[1]} has digest {got}, the chief's is {v.digest}"
+    if got:
+        return f"variable {v.name!r}: digest of received bytes {got} differs from the chief's {v.digest}"
     quoted = f": chunk digest {digests[0]}, the chief's {digests[1]}" if digests else ""
-    if partial:
-        v = partial[0]
+    if v is not None:
         return (
             f"variable {v.name!r}: its bytes {max(start, v.offset) - v.offset}..{min(end, v.offset + v.nbytes) - v.offset} "
             f"(in the chunk at offset {start}) differ from the chief's{quoted}"
         )
     return f"the padding between variables in bytes {start}..{end} differs from the chief's{quoted}"
+
+
+def differing_variable(plan: pb.Plan, arena: np.ndarray, start: int, end: int, *, upto: int | None = None,
+                       base: int = 0) -> tuple[pb.VariableInfo | None, str]:
+    """The variable to blame for bytes ``start..end`` of ``arena`` that differ from the plan's
+    (``culprit``'s, a fetch's): the first one overlapping them, held whole (from ``base`` on,
+    below ``upto``, default: the arena end), whose bytes' digest differs from its own, with that
+    digest; else the first one only partly held, with ""; (None, "") when only the padding
+    between variables is left."""
+    upto = plan.total_bytes if upto is None else upto
+    flat = arena.reshape(-1).view(np.uint8)
+    partial = None
+    for v in overlapping(plan, start, end):
+        if v.offset + v.nbytes > upto or v.offset < base:
+            partial = partial or v
+            continue
+        got = bytes_digest(memoryview(flat[v.offset - base : v.offset + v.nbytes - base]))
+        if got != v.digest:
+            return v, got
+    return partial, ""
 
 
 def differing_chunk(plan: pb.Plan, got: Sequence[str], want: Sequence[str]) -> tuple[int, int] | None:
@@ -235,41 +245,64 @@ def overlapping(plan: pb.Plan, start: int, end: int) -> list[pb.VariableInfo]:
 
 
 @dataclass(frozen=True)
-class Select:
-    """Which chunks one stream carries: those whose index i has ``i % stride == phase``.
+class ChunkRange:
+    """Which chunks one stream carries: from arena offset ``start`` to ``stop`` (chunk
+    boundaries; ``stop`` 0: to the arena's end), those whose index i has ``i % stride ==
+    phase``; then the end message (a stripe's, ``stripe_end``, when it stops early).
 
-    ``Select()`` (stride 1) is the whole stream, what every single-parent topology asks. A double
-    tree's child asks each of its two parents for one tree's chunks (stride 2, phase = the tree).
-    A sender applies it (``Chunker.frames``), a receiver takes each selection through its own
-    ``Receiver.part``. A snapshot fetch stripes by range instead (``Receiver(span=)``,
-    ``WorkerRef.stop_at``): a selection applies within the Receiver's span."""
+    ``ChunkRange()`` (``ALL``) is the whole stream, what every single-parent topology asks. A
+    double tree's child asks each of its two parents for one tree's chunks (stride 2, phase =
+    the tree); a worker whose parent was lost resumes at the first chunk it lacks (``start``);
+    a snapshot fetch asks each holder for one stripe (``start``..``stop``). Every sender (the
+    chief, a relay, a holder) reads a request with ``of``, which checks it against the plan,
+    and cuts it with ``Chunker.frames``; a receiver asks with ``Part.range``, written into the
+    request by ``ask``. On the wire: ``WorkerRef.resume_from``, ``stop_at``, ``chunk_stride``,
+    ``chunk_phase``."""
 
+    start: int = 0
+    stop: int = 0
     stride: int = 1
     phase: int = 0
 
-    def has(self, i: int) -> bool:
-        return i % self.stride == self.phase
-
-    def first(self, i: int) -> int:
-        """The index of the first chunk from ``i`` on that this selection carries."""
-        return i + (self.phase - i) % self.stride
-
     @classmethod
-    def of(cls, ref: pb.WorkerRef) -> Select:
-        """The selection a stream request asks for (``WorkerRef.chunk_stride``/``chunk_phase``)."""
-        stride = ref.chunk_stride or 1
-        if ref.chunk_phase >= stride:
-            raise ProtocolError(f"stream request asks for chunk phase {ref.chunk_phase} of stride {stride}")
-        return cls(stride, ref.chunk_phase)
+    def of(cls, ref: pb.WorkerRef, plan: pb.Plan) -> ChunkRange:
+        """The range a stream request asks for, checked against ``plan`` (``check``)."""
+        return cls(ref.resume_from, ref.stop_at, ref.chunk_stride or 1, ref.chunk_phase).check(
+            plan, "stream request asks for")
+
+    def check(self, plan: pb.Plan, what: str = "range of") -> ChunkRange:
+        """This range, or ProtocolError (``what`` it is, then the range) unless it is one of
+        ``plan``'s stream: ``start`` a chunk boundary or the arena's end, ``stop`` 0 or a chunk
+        boundary from ``start`` (none between them: the end message only) to below the arena's
+        end, ``phase`` below ``stride``."""
+        total, size = plan.total_bytes, plan.chunk_bytes or 1
+        start, stop = self.start, self.stop
+
+        def boundary(x: int) -> bool:
+            return x == total or (0 <= x < total and x % size == 0)
+        if not boundary(start) or (stop and not (boundary(stop) and start <= stop < total)) or not 0 <= self.phase < self.stride:
+            raise ProtocolError(f"{what} bytes {start}..{stop or total}, chunk phase {self.phase} of stride "
+                                f"{self.stride}: not a range of chunks of this {total}-byte stream ({size}-byte chunks)")
+        return self
 
     def ask(self, ref: pb.WorkerRef) -> pb.WorkerRef:
-        """``ref`` asking for this selection (left unset for the whole stream: older senders)."""
+        """``ref`` asking for this range (stride and phase left unset for the whole stream:
+        older senders)."""
+        ref.resume_from, ref.stop_at = self.start, self.stop
         if self.stride > 1:
             ref.chunk_stride, ref.chunk_phase = self.stride, self.phase
         return ref
 
+    def has(self, i: int) -> bool:
+        """Whether chunk ``i`` (an index in the plan) is of this range's stride and phase."""
+        return i % self.stride == self.phase
 
-ALL = Select()
+    def first(self, i: int) -> int:
+        """The index of the first chunk from ``i`` on of this range's stride and phase."""
+        return i + (self.phase - i) % self.stride
+
+
+ALL = ChunkRange()
 
 
 class Lockstep:
@@ -299,13 +332,13 @@ class Lockstep:
         self._lead, self._hold = lead, hold
         self._expected, self._seen, self._started = 1, 0, 0.0
 
-    def frames(self, chunker: Chunker, start: int, select: Select, landed=None,
+    def frames(self, chunker: Chunker, rng: ChunkRange, landed=None,
                expected: int = 1) -> Iterator[tuple[pb.Chunk, memoryview]]:
-        """``chunker.frames(start, landed, select)`` kept in step with this sender's other
-        selected streams, ``expected`` of them in all (``plan.sibling_streams``); a whole stream
-        (stride 1) has no sibling to wait for."""
-        if select.stride <= 1:
-            yield from chunker.frames(start, landed, select)
+        """``chunker.frames(rng, landed)`` kept in step with this sender's other selected
+        streams, ``expected`` of them in all (``plan.sibling_streams``); a whole stream (stride
+        1) has no sibling to wait for."""
+        if rng.stride <= 1:
+            yield from chunker.frames(rng, landed)
             return
         token = object()
         with self._cond:
@@ -319,7 +352,7 @@ class Lockstep:
                 landed(i)
             self.wait(token, i)
         try:
-            yield from chunker.frames(start, paced, select)
+            yield from chunker.frames(rng, paced)
         finally:  # ended, failed or cut off (the generator closed): nobody waits for it
             with self._cond:
                 self._next.pop(token, None)
@@ -353,8 +386,8 @@ class Lockstep:
 class Receiver:
     """Writes the streams of one plan into a worker's arena and checks them against the plan.
 
-    The chunks may come in several streams, each a ``Select``ion of them from its own sender
-    (``part``), concurrently and in any order between streams; within one stream in order. Each
+    The chunks may come in several streams, each a ``ChunkRange``'s stride and phase of them
+    from its own sender (``part``), concurrently and in any order between streams; within one stream in order. Each
     chunk is marked landed (``landed``, ``verified``) only once its bytes matched the plan's
     digest, so a relay never forwards one known to differ. The Receiver's own ``view``, ``span``
     and ``accept`` are those of the whole stream (``part(ALL)``), for a single sender.
@@ -378,8 +411,7 @@ class Receiver:
         self._base = base
         self._table(frame_table(plan) if table is None else table)
         start, stop = self._start, self._stop = span if span is not None else (0, plan.total_bytes)
-        if start not in self._frames or stop not in self._frames or start > stop:
-            raise ProtocolError(f"span {start}..{stop} does not fit the plan's chunks")
+        ChunkRange(start, 0 if stop == plan.total_bytes else stop).check(plan, "a receiver's span of")
         # A stripe ends where its next chunk would begin, with a message of no bytes there.
         f = self._frames[stop]
         self._end = _ChunkFrame(f.start, f.start, f.group_key, (), "")
@@ -407,12 +439,18 @@ class Receiver:
     def _slice(self, start: int, end: int) -> np.ndarray:
         return self._arena[start - self._base : end - self._base]
 
-    def part(self, select: Select = ALL) -> Part:
-        """The receiving end of one stream carrying ``select``'s chunks (one per sender). A
-        stream resumed from another sender continues the same part (``resume_from``)."""
-        p = Part(self, select)
+    def part(self, rng: ChunkRange = ALL) -> Part:
+        """The receiving end of one stream carrying the chunks of ``rng``'s stride and phase
+        within this Receiver's span (one per sender). A stream resumed from another sender
+        continues the same part (``Part.range``)."""
+        p = Part(self, rng)
         self._parts.append(p)
         return p
+
+    @property
+    def range(self) -> ChunkRange:
+        """What to ask a single sender for: the whole stream's part's ``range``."""
+        return self._default().range
 
     def _default(self) -> Part:
         if self._whole is None:
@@ -523,12 +561,12 @@ class Receiver:
 
 
 class Part:
-    """One stream of a ``Receiver``: the chunks of ``select`` in its span, in order, then the end
-    message."""
+    """One stream of a ``Receiver``: the chunks of its stride and phase in the Receiver's span,
+    in order, then the end message."""
 
-    def __init__(self, receiver: Receiver, select: Select) -> None:
-        self._r, self.select = receiver, select
-        self._next = select.first(receiver._first)  # the index of the next chunk this stream carries
+    def __init__(self, receiver: Receiver, rng: ChunkRange) -> None:
+        self._r, self.stride, self.phase = receiver, rng.stride, rng.phase
+        self._next = rng.first(receiver._first)  # the index of the next chunk this stream carries
         self._ended = False
 
     @property
@@ -540,6 +578,13 @@ class Part:
         """Where this stream stands: the offset of its next chunk (the span's end once none is left)."""
         r = self._r
         return r._list[min(self._next, r._last)].start
+
+    @property
+    def range(self) -> ChunkRange:
+        """What to ask a sender for (``ChunkRange.ask``): this stream's chunks from where it
+        stands to the span's end."""
+        r = self._r
+        return ChunkRange(self.resume_from, r._stop if r._stop < r.plan.total_bytes else 0, self.stride, self.phase)
 
     @property
     def bytes_received(self) -> int:
@@ -568,7 +613,7 @@ class Part:
         """
         r, pos = self._r, self.resume_from
         ok = end in r._frames and end <= r._stop  # the arena's end is the end frame's offset
-        if self.select.stride > 1:
+        if self.stride > 1:
             ok = ok and pos < r._stop and end == r._list[self._next].end
         if start != pos or not ok or end < start:
             raise ProtocolError(f"span {start}..{end} does not fit the plan (the stream stands at {pos})")
@@ -602,7 +647,7 @@ class Part:
             r._slice(frame.start, frame.end)[...] = np.frombuffer(chunk.data, dtype=np.uint8)
         if frame.end > frame.start:
             r._land(self._next, r._check_chunk(chunk, frame), frame.end - frame.start)
-            self._next += self.select.stride
+            self._next += self.stride
         elif chunk.digest:
             raise ProtocolError(f"message at offset {chunk.offset} has no bytes but claims digest {chunk.digest}")
         if chunk.HasField("end"):

@@ -35,7 +35,7 @@ from collective.arena import new_arena
 from collective.bench.spec import DEFAULT_SIZE, _positive, parse_workers
 from collective.digest import bytes_digest, chunk_digests
 from collective.sizes import parse_size
-from collective.stream import Receiver, Select
+from collective.stream import ChunkRange, Receiver
 from collective.topology import top_down, trees
 from collective.transport import rawtcp
 from collective.worker.relay import RelayHandler
@@ -64,8 +64,8 @@ class _Timed:
     """One stream of a Receiver that notes when each chunk landed and wakes the relay (what the
     worker's ``_Watched`` does, without the heartbeat bookkeeping)."""
 
-    def __init__(self, receiver: Receiver, select: Select, relay: RelayHandler, times: dict[int, float]) -> None:
-        self._r, self._relay, self.times = receiver.part(select), relay, times
+    def __init__(self, receiver: Receiver, rng: ChunkRange, relay: RelayHandler, times: dict[int, float]) -> None:
+        self._r, self._relay, self.times = receiver.part(rng), relay, times
         self._total, self._chunk = receiver.plan.total_bytes, receiver.plan.chunk_bytes
 
     def view(self, offset: int, nbytes: int):
@@ -106,7 +106,7 @@ def node(index: int, workers: int, size: int, chunk: int, tcp: bool, topology: s
                 receiver = Receiver(plan, arena)
                 times = {}
                 stride = len(upstream)
-                parts = [_Timed(receiver, Select(stride, t), handler, times) for t in sorted(upstream)]
+                parts = [_Timed(receiver, ChunkRange(stride=stride, phase=t), handler, times) for t in sorted(upstream)]
                 handler.feed(plan, arena, known=receiver.verified, landed=receiver.landed_mask.__getitem__)
             print("ready", flush=True)
         elif cmd == "connect":
@@ -131,7 +131,7 @@ def node(index: int, workers: int, size: int, chunk: int, tcp: bool, topology: s
 def _receive(index: int, upstream: tuple[int, str | None], part: _Timed) -> None:
     port, unix = upstream
     sock = rawtcp.connect("127.0.0.1", port, timeout=STALL, tls=None, server_name=None, unix_name=unix)
-    ref = part._r.select.ask(pb.WorkerRef(worker_id=f"n{index}"))
+    ref = part._r.range.ask(pb.WorkerRef(worker_id=f"n{index}"))
     rawtcp.receive(sock, ref, None, part, stall_timeout=STALL, track=lambda c: None, untrack=lambda c: None,
                    fail=lambda code, info, message: E.ProtocolError(f"node {index}'s parent: {code} {message}"))
 

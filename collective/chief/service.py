@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -45,8 +46,8 @@ from collective.model import ModelSource
 from collective.plan import (
     MAX_CHUNK_BYTES,
     Chunker,
+    ChunkRange,
     Lockstep,
-    Select,
     complete_plan,
     sibling_streams,
     with_bytes,
@@ -306,12 +307,14 @@ class ChiefService(Admission):
                 m.phase, m.bytes_sent = "receiving", ref.resume_from  # resumed: it holds the bytes before
             if self.state.first_byte_at is None:
                 self.state.first_byte_at = time.monotonic()
-            select = Select.of(refs[0])  # one stream to many (MPI) is always the whole stream
-            if any(Select.of(ref) != select for ref in refs):
+            # One stream to many (MPI) is always the whole stream, from the least a worker holds.
+            ranges = [ChunkRange.of(ref, self.plan_of(m)) for m, ref in zip(members, refs, strict=True)]
+            rng = replace(ranges[0], start=min(r.start for r in ranges))
+            if any(replace(r, start=rng.start) != rng for r in ranges):
                 raise PreconditionError("one stream to many workers must carry the same chunks to each")
+            siblings = sibling_streams(self.state.plan, refs[0].worker_id, rng)
         # A double tree's two root streams kept in step (``Lockstep``: they race for this link).
-        start = min(ref.resume_from for ref in refs)
-        for chunk, data in self._lockstep.frames(chunker, start, select, expected=sibling_streams(self.state.plan, refs[0])):
+        for chunk, data in self._lockstep.frames(chunker, rng, expected=siblings):
             if self.state.phase is Phase.FAILED:
                 with self.state.cond:
                     for m in members:

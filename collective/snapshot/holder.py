@@ -7,7 +7,8 @@ answers the plan in pieces, the data stream goes over the raw data port (an abst
 on the same host, TCP otherwise) or FetchRaw, cut by the same ``Chunker``; the cluster token
 guards every call (the endpoint's interceptor, the data port's hello). The only addition is the
 stripe: a fetcher may ask for the chunks from ``WorkerRef.resume_from`` to ``WorkerRef.stop_at``
-only, so several holders each serve a part (``collective.snapshot.fetch``).
+only (a ``ChunkRange``, as every sender reads it), so several holders each serve a part
+(``collective.snapshot.fetch``).
 
 ``copy=False`` (default): nothing is copied; the chunks are read from the caller's own arrays
 (``ScatteredArena``), so they must not change until ``close()`` returns (a fetcher would get
@@ -33,7 +34,7 @@ from collective._proto import collective_pb2 as pb
 from collective.arena import new_arena
 from collective.config import TlsFiles
 from collective.digest import array_digest, bytes_digest, chunk_digests
-from collective.errors import AbortedError, ProtocolError, UsageError
+from collective.errors import AbortedError, UsageError
 from collective.limits import (
     MAX_HOLDER_NAME_CHARS,
     MIN_SNAPSHOT_CHUNK_BYTES,
@@ -43,7 +44,7 @@ from collective.limits import (
 from collective.model import VariableSpec
 from collective.plan import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, build_plan, layout
 from collective.snapshot import tree
-from collective.stream import Chunker, with_bytes
+from collective.stream import Chunker, ChunkRange, with_bytes
 from collective.transport.api import plan_server
 
 log = logging.getLogger(__name__)
@@ -208,19 +209,16 @@ class SnapshotHandler:
             raise AbortedError(f"this holder publishes nothing now (its step {step} was withdrawn or closed)")
 
     def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
-        """The stream (``Chunker.frames``) from ``resume_from`` to ``stop_at`` (0: the end)."""
+        """The stream (``Chunker.frames``) of the chunks asked for (``ChunkRange.of``): a
+        stripe from ``resume_from`` to ``stop_at`` (0: the end)."""
         ref = refs[0]
         check_ref(ref)
-        size, total = self.plan.chunk_bytes, self.plan.total_bytes
-        start, stop = ref.resume_from, ref.stop_at
-        if start % size or start > total or stop % size or (stop and not start < stop < total):
-            raise ProtocolError(f"stripe {start}..{stop or total} is not a range of chunks of this "
-                                f"{total}-byte snapshot ({size}-byte chunks)")
+        rng = ChunkRange.of(ref, self.plan)
         with self._cond:
             self._refuse_if_closed(self._closed)
             self._active += 1
         try:
-            for msg, data in self._chunker.frames(start, stop=stop):
+            for msg, data in self._chunker.frames(rng):
                 yield msg, data
                 with self._cond:
                     self.bytes_served += len(data)

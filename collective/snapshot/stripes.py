@@ -22,7 +22,7 @@ from collective.digest import bytes_digest
 from collective.limits import MAX_HOLDER_NAME_CHARS
 from collective.logs import printable
 from collective.model import quoted
-from collective.stream import Receiver, frame_table, overlapping
+from collective.stream import Receiver, differing_variable, frame_table, overlapping
 
 log = logging.getLogger("collective.snapshot.fetcher")  # the fetch's one log, as before the split
 
@@ -82,15 +82,10 @@ def one_line(exc: Exception) -> str:
 
 def differing(plan: pb.Plan, buf: np.ndarray, base: int, start: int, end: int) -> str:
     """The variable whose bytes in ``start..end`` differ from its digest: the first one held
-    whole in ``buf`` (bytes from ``base`` on) that does, else the first only partly held."""
-    partial = None
-    for v in overlapping(plan, start, end):
-        lo, hi = v.offset - base, v.offset + v.nbytes - base
-        if lo < 0 or hi > buf.size:
-            partial = partial or v.name
-        elif bytes_digest(memoryview(buf[lo:hi])) != v.digest:
-            return v.name
-    return partial or "the padding between variables"
+    whole in ``buf`` (bytes from ``base`` on) that does, else the first only partly held
+    (``stream.differing_variable``, as the broadcast's ``culprit`` names it)."""
+    v, _ = differing_variable(plan, buf, start, end, upto=base + buf.nbytes, base=base)
+    return v.name if v is not None else "the padding between variables"
 
 
 class _Watch:
@@ -248,7 +243,6 @@ class Striper:
 
     def _receive(self, h: Holder, span: tuple[int, int], own: np.ndarray | None) -> bool:
         a, b = span
-        total = self.plan.total_bytes
         if self.arena is not None:
             buf, base = self.arena, 0
             warm(buf, a, b)  # this stripe's pages, committed now that its bytes are asked for
@@ -258,7 +252,7 @@ class Striper:
                 warm(own, 0, b - a)
             buf, base = inside or (own[: b - a], a)
         receiver = Receiver(self.plan, buf, span=span, base=base, table=self.table)
-        ref = pb.WorkerRef(worker_id=self.ident, resume_from=a, stop_at=b if b < total else 0)
+        ref = receiver.range.ask(pb.WorkerRef(worker_id=self.ident))  # this stripe's chunks
         with self.cond:
             self.watches[h] = _Watch(receiver)
         try:

@@ -37,8 +37,8 @@ from collective.errors import (
 from collective.keys import local_devices
 from collective.model import VariableSpec
 from collective.plan import (
+    ChunkRange,
     Receiver,
-    Select,
     check_completes,
     declared,
     differing_chunk,
@@ -86,15 +86,18 @@ class _Watched:
     the real cause (say a digest mismatch) before it sees the stream cut off.
     """
 
-    def __init__(self, receiver: Receiver, select: Select, agent: WorkerAgent) -> None:
+    def __init__(self, receiver: Receiver, rng: ChunkRange, agent: WorkerAgent) -> None:
         self._whole, self._agent = receiver, agent
-        self._r = receiver.part(select)
-        self.select = select
+        self._r = receiver.part(rng)
         self.relay: tuple[str, str] | None = None  # (name, worker id) of the relay feeding it, if any
 
     @property
     def resume_from(self) -> int:
         return self._r.resume_from
+
+    @property
+    def range(self) -> ChunkRange:
+        return self._r.range
 
     @property
     def plan(self) -> pb.Plan:
@@ -304,7 +307,7 @@ class WorkerAgent(ChiefWatch):
             self.relay.feed(plan, arena if served is None else served.reader(), known=receiver.verified,
                             landed=receiver.landed_mask.__getitem__)
         self._prepared(plan)
-        parts = [_Watched(receiver, Select(2, t) if self._trees(plan) == 2 else Select(), self)
+        parts = [_Watched(receiver, ChunkRange(stride=2, phase=t) if self._trees(plan) == 2 else ChunkRange(), self)
                  for t in range(self._trees(plan))]
         if len(parts) == 1:
             self._stream(plan, 0, parts[0])
@@ -375,15 +378,15 @@ class WorkerAgent(ChiefWatch):
             source.interrupt(error)
 
     def _stream(self, plan: pb.Plan, tree: int, part: _Watched) -> None:
-        """One tree's chunks (``part.select``): from its parent, and from the parent the chief
+        """One tree's chunks (``part.range``): from its parent, and from the parent the chief
         names next each time one is lost, at the first chunk this tree still lacks."""
         parent, first = self._parent(plan, tree), True
-        which = f" (tree {'AB'[tree]})" if part.select.stride > 1 else ""
+        which = f" (tree {'AB'[tree]})" if part.range.stride > 1 else ""
         while parent is not None:
             # The secret goes to the chief only: a relay is another member, which must not learn it.
-            ref = part.select.ask(pb.WorkerRef(
+            ref = part.range.ask(pb.WorkerRef(
                 worker_id=self.worker_id, incarnation=self.incarnation,
-                secret=self.ref.secret if parent.rank < 0 else "", resume_from=part.resume_from))
+                secret=self.ref.secret if parent.rank < 0 else ""))
             if not first:
                 log.info("resuming the stream at byte %d from %s%s", ref.resume_from,
                          f"worker {parent.worker_id} (rank {parent.rank})" if parent.rank >= 0 else "the chief", which)

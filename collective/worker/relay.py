@@ -6,8 +6,8 @@ is answered, and its raw TCP data port (`collective.transport.rawtcp`). The stre
 own arena by the same ``Chunker`` as the chief's, each chunk released as soon as its bytes have
 arrived here and matched the plan's digest (``progress``), in whatever order they land, so a
 chain or a double tree pipelines: every link carries the model about once. A child may ask for
-a selection of the chunks (``WorkerRef.chunk_stride``): a double tree's child takes each tree's
-half from that tree's parent.
+a range of the chunks (``ChunkRange``): a double tree's child takes each tree's half from that
+tree's parent.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from collective._proto import collective_pb2 as pb
 from collective.errors import AbortedError, DeadlineError, PreconditionError
 from collective.logs import printable
-from collective.plan import Chunker, Lockstep, Select, sibling_streams, with_bytes
+from collective.plan import Chunker, ChunkRange, Lockstep, sibling_streams, with_bytes
 from collective.transport.api import stream_server
 
 log = logging.getLogger(__name__)
@@ -101,10 +101,9 @@ class RelayHandler:
         return with_bytes(self.stream_views([ref]))
 
     def stream_views(self, refs: list[pb.WorkerRef]) -> Iterator[tuple[pb.Chunk, memoryview]]:
-        """Each chunk the child asked for (``WorkerRef.chunk_stride``) without its bytes and a
-        view of them, released once it has landed here."""
+        """Each chunk the child asked for (``ChunkRange.of``) without its bytes and a view of
+        them, released once it has landed here."""
         [ref] = refs
-        select = Select.of(ref)
         with self._cond:
             self._wait(lambda: self._plan is not None, "waiting for the plan")
             plan, arena, known = self._plan, self._arena, self._known
@@ -112,10 +111,11 @@ class RelayHandler:
             # incarnation this plan has never seen.
             if not any(w.worker_id == ref.worker_id for w in plan.workers):
                 raise PreconditionError(f"worker {ref.worker_id!r} is not in this round's plan")
-        resumed = ref.resume_from > select.phase * plan.chunk_bytes  # past the selection's first chunk
+        rng = ChunkRange.of(ref, plan)
+        resumed = rng.start > rng.phase * plan.chunk_bytes  # past the selection's first chunk
         log.info("relaying to worker %s%s%s", printable(ref.worker_id),
-                 f" from byte {ref.resume_from}" if resumed else "",
-                 f" chunks {select.phase} mod {select.stride}" if select.stride > 1 else "")
+                 f" from byte {rng.start}" if resumed else "",
+                 f" chunks {rng.phase} mod {rng.stride}" if rng.stride > 1 else "")
 
         def landed(i: int) -> None:
             with self._cond:
@@ -123,7 +123,7 @@ class RelayHandler:
 
         # A double tree's relay with two children keeps their streams in step (``Lockstep``).
         chunker = Chunker(plan, arena, known)
-        yield from self._lockstep.frames(chunker, ref.resume_from, select, landed, sibling_streams(plan, ref))
+        yield from self._lockstep.frames(chunker, rng, landed, sibling_streams(plan, ref.worker_id, rng))
 
     def lost(self, ref: pb.WorkerRef, reason: str) -> None:
         log.info("relay stream to worker %s ended early: %s", printable(ref.worker_id), reason)

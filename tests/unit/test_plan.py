@@ -963,7 +963,7 @@ def test_the_chunker_of_a_provisional_plan_sends_each_chunks_digest_as_its_trail
 def test_a_relays_chunker_sends_the_digests_it_verified_once_the_bytes_landed(follow):
     provisional, complete, arena = follow
     known, landed = ["k0", "k1"], []
-    frames = Chunker(provisional, arena, known).frames(0, landed.append)
+    frames = Chunker(provisional, arena, known).frames(landed=landed.append)
     got = [(m.offset, m.digest) for m, _ in frames]
     # The two known digests are sent as they are; the rest are hashed, each after landed(its index).
     assert got == [(0, "k0"), (128, "k1"), (256, complete.chunk_digests[2]), (384, complete.chunk_digests[3]),

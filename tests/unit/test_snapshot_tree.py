@@ -1,5 +1,5 @@
 """collective.snapshot's state <-> tensors + JSON skeleton, and the stripes of a stream
-(``Chunker.frames(stop=)``, ``Receiver(span=, base=)``) that a fetch from several holders uses."""
+(``ChunkRange.stop``, ``Receiver(span=, base=)``) that a fetch from several holders uses."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from collective._proto import collective_pb2 as pb
 from collective.errors import IntegrityError, ProtocolError, UsageError
 from collective.snapshot import holder, tree
-from collective.stream import Chunker, Receiver
+from collective.stream import Chunker, ChunkRange, Receiver
 
 
 def _roundtrip(state, step: int = 5):
@@ -136,7 +136,7 @@ def test_stripes_of_a_stream_rebuild_the_arena_bit_for_bit(copy):
     for a, b in itertools.pairwise(bounds):
         own = np.zeros(b - a, np.uint8)  # a stripe's own buffer (fetch into=)
         receivers = [Receiver(plan, whole, span=(a, b)), Receiver(plan, own, span=(a, b), base=a)]
-        for msg, data in chunker.frames(a, stop=b if b < plan.total_bytes else 0):
+        for msg, data in chunker.frames(ChunkRange(a, b if b < plan.total_bytes else 0)):
             for r in receivers:
                 r.view(msg.offset, len(data))[...] = np.frombuffer(data, np.uint8)
                 r.accept(msg, placed=True)
@@ -161,7 +161,7 @@ def test_a_stripe_that_stops_short_or_runs_past_its_end_is_refused():
     plan, arena, _ = _plan({"x": np.arange(1000.0)}, 1024, True)
     whole = np.zeros(plan.total_bytes, np.uint8)
     r = Receiver(plan, whole, span=(0, 2048))
-    frames = list(Chunker(plan, arena).frames(0))  # the whole stream, not the stripe
+    frames = list(Chunker(plan, arena).frames())  # the whole stream, not the stripe
     for msg, data in frames[:2]:
         r.view(msg.offset, len(data))[...] = np.frombuffer(data, np.uint8)
         r.accept(msg, placed=True)
@@ -169,8 +169,9 @@ def test_a_stripe_that_stops_short_or_runs_past_its_end_is_refused():
         r.view(frames[2][0].offset, len(frames[2][1]))
     with pytest.raises(IntegrityError, match="stream ended without its end message"):
         r.finish()
-    with pytest.raises(ProtocolError, match="does not fit"):
-        Receiver(plan, whole, span=(100, 2048))
+    for span in ((100, 2048), (0, 100), (2048, 1024), (-1024, 2048), (0, plan.total_bytes + 1024)):
+        with pytest.raises(ProtocolError, match="a receiver's span of bytes .*: not a range of chunks"):
+            Receiver(plan, whole, span=span)
     end = pb.Chunk(offset=2048, end=pb.StreamEnd(total_bytes=plan.total_bytes))
     with pytest.raises(IntegrityError, match="stream end claims"):
         r.accept(end, placed=True)
