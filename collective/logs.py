@@ -41,6 +41,15 @@ def printable(value: object, limit: int = 300) -> str:
     return text[:limit] + f"...({len(raw) - shown} more)"
 
 
+def quoted_text(value: str | bytes, limit: int = 80) -> str:
+    """``value``'s repr as an error quotes a rejected text: whole up to ``limit`` characters,
+    else its first ``limit`` and its length, so a 5,000-digit number or a pasted file is not
+    echoed whole (``model.quoted`` for any value)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}...({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+
+
 def first_of(items: list[str], n: int, sep: str = "; ", what: str = "more") -> str:
     """The first ``n`` of ``items`` joined by ``sep``, and how many were left out: a message
     about 1,024 workers or 20,000 variables stays one line a person can read."""
