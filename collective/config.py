@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from collective.errors import UsageError, env_error
+from collective.logs import quoted_text
 
 ENV_PREFIX = "COLLECTIVE_"
 
@@ -139,9 +140,9 @@ def positive_float(text: str) -> float:
     try:
         v = float(text)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(f"{quoted_text(text)} is not a number of seconds") from None
     if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+        raise argparse.ArgumentTypeError(f"{quoted_text(text)} must be greater than 0")
     return v
 
 
@@ -149,9 +150,9 @@ def non_negative_float(text: str) -> float:
     try:
         v = float(text)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        raise argparse.ArgumentTypeError(f"{quoted_text(text)} is not a number of seconds") from None
     if not v >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+        raise argparse.ArgumentTypeError(f"{quoted_text(text)} must be 0 or more")
     return v
 
 
@@ -163,16 +164,16 @@ def parse_bool(text: str | bool) -> bool:
         return True
     if low in ("0", "false", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    raise argparse.ArgumentTypeError(f"{quoted_text(text)} is not true or false")
 
 
 def positive_int(text: str) -> int:
     try:
         v = int(text)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{quoted_text(text)} is not a whole number") from None
     if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+        raise argparse.ArgumentTypeError(f"{quoted_text(text)} must be at least 1")
     return v
 
 
@@ -219,8 +220,9 @@ def _env_default(name: str, parse: Callable[[str], Any], default: Any, choices: 
 def parse_address(text: str, *, what: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[v6]:PORT`` -> (host, port). Raises UsageError naming ``what``."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"{what} {text!r} is not HOST:PORT (for example 127.0.0.1:50051)")
+    # ASCII digits, at most 5: "²" passes isdigit and a 5,000-digit port is past what int() reads
+    if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or int(port) > 65535:
+        raise UsageError(f"{what} {quoted_text(text)} is not HOST:PORT (for example 127.0.0.1:50051)")
     return host.strip("[]"), int(port)
 
 

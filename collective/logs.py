@@ -41,6 +41,15 @@ def printable(value: object, limit: int = 300) -> str:
     return text[:limit] + f"...({len(raw) - shown} more)"
 
 
+def quoted_text(value: str | bytes, limit: int = 80) -> str:
+    """``value``'s repr as an error quotes a rejected text: whole up to ``limit`` characters,
+    else its first ``limit`` and its length, so a 5,000-digit number or a pasted file is not
+    echoed whole (``model.quoted`` for any value)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}...({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+
+
 def first_of(items: list[str], n: int, sep: str = "; ", what: str = "more") -> str:
     """The first ``n`` of ``items`` joined by ``sep``, and how many were left out: a message
     about 1,024 workers or 20,000 variables stays one line a person can read."""
@@ -80,17 +89,21 @@ def doing(phase: str | None) -> str:
 
 def stop_message(who: str, signum: int, phase: str | None) -> str:
     """"worker w0 stopped by SIGTERM while receiving": the line a stop signal leaves, and what a
-    stopped worker reports to its chief (``is_stop``)."""
-    return f"{who} stopped by {signal.Signals(signum).name} {doing(phase)}"
+    stopped worker reports to its chief (with the signal, ``stopped_by``)."""
+    return f"{who} {stopped_by(signum, phase)}"
 
 
-_STOP = re.compile(r" stopped by SIG[A-Z]+ (?:while|during) ")
-
-
-def is_stop(message: str) -> bool:
-    """A failure report that says a stop signal ended the worker (``stop_message``): a preempted
-    process, which a restart may replace within the chief's rejoin window."""
-    return _STOP.search(message) is not None
+def stopped_by(signum: int, phase: str | None) -> str:
+    """"stopped by SIGTERM while receiving", or "" for ``signum`` 0 (no signal): a worker's
+    failure report carries the signal (``FailureReport.stop_signal``), from which the chief names
+    a stopped worker as the worker names itself, whatever its message says."""
+    if not signum:
+        return ""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:  # a peer's number: bounded, named as it came
+        name = f"signal {signum}"
+    return f"stopped by {name} {doing(phase)}"
 
 
 class _ContextFilter(logging.Filter):

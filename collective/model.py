@@ -22,6 +22,7 @@ import numpy as np
 
 from collective import dtypes
 from collective.errors import InvalidVariableError, ModelError
+from collective.logs import quoted_text
 from collective.sizes import format_bytes
 
 _QUOTED_CHARS = 80
@@ -48,9 +49,7 @@ def quoted(value: object, *, _nested: bool = False) -> str:
             digits -= 1
         return f"<an integer of {digits} digits>"
     if isinstance(value, str | bytes):
-        if len(value) <= _QUOTED_CHARS:
-            return repr(value)
-        return f"{value[:_QUOTED_CHARS]!r}...({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+        return quoted_text(value, _QUOTED_CHARS)
     if isinstance(value, dict):
         if _nested:
             return "{...}"

@@ -15,6 +15,8 @@ then bends what it serves. Its address goes to ``--address-file`` once it serves
               lists: a plan that contradicts itself
 ``fine``      1-byte chunks (publish's own refusal bypassed)
 ``trickle``   its raw data path sends one byte a second
+``slow``      its raw data path sends each chunk ``--slow-seconds`` after the one before (just
+              inside the fetcher's stall timeout): never stalled, far below an honest holder
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def attack_plan(kind: str, plan, arena, state: dict, claim: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--attack", choices=("none", "flood", "claim", "follow", "forged", "fine", "trickle"), default="none")
+    p.add_argument("--attack", choices=("none", "flood", "claim", "follow", "forged", "fine", "trickle", "slow"),
+                   default="none")
     p.add_argument("--mib", type=int, default=2)
     p.add_argument("--kib", type=int, default=0, help="a state of this many KiB instead of --mib MiB")
     p.add_argument("--step", type=int, default=8)
@@ -79,6 +82,7 @@ def main() -> None:
     p.add_argument("--claim-mib", type=int, default=2048)
     p.add_argument("--address-file", required=True)
     p.add_argument("--name", default=None)
+    p.add_argument("--slow-seconds", type=float, default=3.0)
     a = p.parse_args()
     if a.kib:
         state = {"x": np.random.default_rng(3).random(a.kib * 256, dtype=np.float32)}
@@ -130,6 +134,17 @@ def main() -> None:
                     time.sleep(1.0)
 
         rawtcp._send_all = trickle
+    if a.attack == "slow":
+        from collective.transport import rawtcp
+
+        real_send = rawtcp._send_all
+
+        def slow(sock, parts):
+            if len(parts) == 3 and len(parts[2]):  # a chunk's frame (head, metadata, bytes)
+                time.sleep(a.slow_seconds)
+            real_send(sock, parts)
+
+        rawtcp._send_all = slow
     pub = collective.publish(state, step=a.step, bind="127.0.0.1:0", chunk_bytes=chunk_bytes, name=a.name)
     folder = os.path.dirname(a.address_file)
     with open(os.path.join(folder, "state_digests.json"), "w") as fh:

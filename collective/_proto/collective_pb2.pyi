@@ -275,16 +275,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self, chief_incarnation: _Optional[str] = ..., phase: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("worker", "phase", "message", "culprit")
+    __slots__ = ("worker", "phase", "message", "culprit", "stop_signal")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CULPRIT_FIELD_NUMBER: _ClassVar[int]
+    STOP_SIGNAL_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerRef
     phase: str
     message: str
     culprit: str
-    def __init__(self, worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., phase: _Optional[str] = ..., message: _Optional[str] = ..., culprit: _Optional[str] = ...) -> None: ...
+    stop_signal: int
+    def __init__(self, worker: _Optional[_Union[WorkerRef, _Mapping]] = ..., phase: _Optional[str] = ..., message: _Optional[str] = ..., culprit: _Optional[str] = ..., stop_signal: _Optional[int] = ...) -> None: ...
 
 class FailureReply(_message.Message):
     __slots__ = ()

@@ -511,16 +511,17 @@ class ChiefService(Admission):
     def report_failure(self, req: pb.FailureReport) -> pb.FailureReply:
         with self.state.cond:
             m = self._member(req.worker)
-            if logs.is_stop(req.message) and self.rejoins.waits() and m.phase != "lost":
+            stopped = logs.stopped_by(req.stop_signal, logs.printable(req.phase))  # the field, not the words
+            if stopped and self.rejoins.waits() and m.phase != "lost":
                 # Stopped (preempted) mid-broadcast: a restart may take its rank, as for a
                 # process lost outright; the chief names it in its own words.
-                self.lost(req.worker, f"it was stopped ({logs.printable(req.message)})", after_grace=True)
+                self.lost(req.worker, f"it was {stopped}", after_grace=True)
                 return pb.FailureReply()
             m.phase, m.told = "failed", True
             # In the worker's own words for its phase ("while waiting for start"), as its line says.
-            self.fail(AbortedError(f"{m.name()} failed {logs.doing(logs.printable(req.phase))}: "
-                                   f"{logs.printable(req.message, limit=4000)}",
-                                   culprit=req.culprit or m.worker_id, phase=req.phase or None))
+            said = stopped or (f"failed {logs.doing(logs.printable(req.phase))}: "
+                               f"{logs.printable(req.message, limit=4000)}")
+            self.fail(AbortedError(f"{m.name()} {said}", culprit=req.culprit or m.worker_id, phase=req.phase or None))
             return pb.FailureReply()
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:

@@ -1,8 +1,10 @@
 """A fetch's stripes: the arena's chunks cut into stripes (``stripes``), taken in turn by one
 thread per holder (``Striper``), each stripe one data stream received in place and verified chunk
 by chunk. A holder whose stream breaks, stalls (no verified chunk for ``stall_timeout`` while
-another is left) or sends bytes that differ from its plan is dropped; its share goes back to the
-queue and its thread goes on with a spare (``fetcher``'s step 2).
+another is left), runs far below the others (``SLOW_FRACTION`` of their median rate over
+``SLOW_WINDOW`` seconds of streaming, while another is left) or sends bytes that differ from its
+plan is dropped; its share goes back to the queue and its thread goes on with a spare
+(``fetcher``'s step 2).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collective.digest import bytes_digest
 from collective.limits import MAX_HOLDER_NAME_CHARS
 from collective.logs import printable
 from collective.model import quoted
+from collective.sizes import format_bytes
 from collective.stream import Receiver, differing_variable, frame_table, overlapping
 
 log = logging.getLogger("collective.snapshot.fetcher")  # the fetch's one log, as before the split
@@ -33,6 +36,13 @@ arena's pages are put in place a stripe at a time, as each is asked for: a fetch
 MAX_ACTIVE_HOLDERS = 8
 """At most this many holders serve one fetch at once, one thread each; the other sources are
 spares, asked for their plan only when a holder is dropped, to retake its share."""
+SLOW_WINDOW = 6.0
+"""A holder's rate is its verified bytes over its last this many seconds of streaming (summed
+over its stripes, not counting the time it waits for one): one that sends a chunk just before
+every ``stall_timeout`` is never stalled, yet may run a thousand times below the others."""
+SLOW_FRACTION = 1 / 8
+"""Below this fraction of the median of the other holders' rates (each its verified bytes over
+its time streaming), a holder is dropped and its stripe retaken, while another holder is left."""
 
 
 class Holder:
@@ -44,6 +54,8 @@ class Holder:
         self.shared = False  # its sealed copy was mapped (same host), not streamed
         self.dropped: str | None = None
         self.label = ""  # its name (publish(name=)), from its plan: printable, bounded
+        self.streamed, self.verified = 0.0, 0  # seconds in its stripes and the bytes they verified
+        self.samples: collections.deque[tuple[float, int]] = collections.deque([(0.0, 0)])  # (streamed, verified)
 
     @property
     def link(self):
@@ -91,8 +103,13 @@ def differing(plan: pb.Plan, buf: np.ndarray, base: int, start: int, end: int) -
 class _Watch:
     """A stripe in progress: its receiver, and since when it has verified nothing more."""
 
-    def __init__(self, receiver: Receiver) -> None:
+    def __init__(self, receiver: Receiver, h: Holder) -> None:
         self.receiver, self.pos, self.since = receiver, receiver.verified_to, time.monotonic()
+        self.start, self.start_pos, self.base = self.since, self.pos, (h.streamed, h.verified)
+
+    def progress(self, now: float) -> tuple[float, int]:
+        """Its holder's seconds of streaming and bytes verified, this stripe's so far included."""
+        return self.base[0] + now - self.start, self.base[1] + self.receiver.verified_to - self.start_pos
 
 
 class Striper:
@@ -134,10 +151,9 @@ class Striper:
                     break
                 self.cond.wait(min(1.0, self.stall_timeout / 4, max(0.0, deadline - time.monotonic())))
                 stalled = self._stalled()
-            for h in stalled:  # outside the lock: its stripe comes back through _receive
-                log.warning("fetch: %s delivered no verified chunk for %g s; dropping it", h.name(), self.stall_timeout)
-                h.link.interrupt(E.DeadlineError(f"{h.name()} delivered no verified chunk for "
-                                                 f"{self.stall_timeout:g} s (its stripe stalled)"))
+            for h, why in stalled:  # outside the lock: its stripe comes back through _receive
+                log.warning("fetch: %s %s; dropping it", h.name(), why)
+                h.link.interrupt(E.DeadlineError(f"{h.name()} {why}"))
         with self.cond:
             done, failure = not self.left, self.failure
         if not done:
@@ -155,20 +171,56 @@ class Striper:
         for t in threads:
             t.join(5.0)
 
-    def _stalled(self) -> list[Holder]:
-        """The holders whose stripe verified no chunk for ``stall_timeout`` while another holder
-        (or a spare) is left to retake it: a trickle is as lost as a silence. The only holder
-        left keeps its stripe until the fetch's deadline. Called with the lock held."""
+    def _stalled(self) -> list[tuple[Holder, str]]:
+        """The holders to drop, and why: those whose stripe verified no chunk for
+        ``stall_timeout`` while another holder (or a spare) is left to retake it (a trickle is
+        as lost as a silence), and those far below the others (``_slow``) while another holder
+        is left. The only holder left keeps its stripe until the fetch's deadline. Called with
+        the lock held."""
         now, out = time.monotonic(), []
         for h, w in self.watches.items():
             pos = w.receiver.verified_to
             if pos != w.pos:
                 w.pos, w.since = pos, now
-            elif now - w.since >= self.stall_timeout and h.dropped is None and (
+            if h.dropped is not None or w.since == float("inf"):
+                continue
+            if now - w.since >= self.stall_timeout and (
                     self.spares or any(g is not h and g.dropped is None for g in self.holders)):
-                out.append(h)
-                w.since = float("inf")  # interrupted once
+                out.append((h, f"delivered no verified chunk for {self.stall_timeout:g} s (its stripe stalled)"))
+            elif (why := self._slow(h, w, now)) is not None:
+                out.append((h, why))
+            else:
+                continue
+            w.since = float("inf")  # interrupted once
         return out
+
+    def _slow(self, h: Holder, w: _Watch, now: float) -> str | None:
+        """Why ``h`` runs far below the others, or None: its rate over its last ``SLOW_WINDOW``
+        seconds of streaming is below ``SLOW_FRACTION`` of the median of the other holders'
+        (those not dropped that verified bytes). A holder that sends one chunk just before every
+        ``stall_timeout`` is not stalled, yet holds its stripe for (chunks x stall_timeout)."""
+        streamed, verified = w.progress(now)
+        h.samples.append((streamed, verified))
+        while len(h.samples) > 1 and streamed - h.samples[1][0] >= SLOW_WINDOW:
+            h.samples.popleft()  # the oldest kept is the last at least a window back
+        then, before = h.samples[0]
+        if streamed - then < SLOW_WINDOW:
+            return None
+        rates = sorted(v / s for v, s in (self._rate(g, now) for g in self.holders
+                                          if g is not h and g.dropped is None) if v and s > 0)
+        if not rates:
+            return None
+        rate, median = (verified - before) / (streamed - then), rates[len(rates) // 2]
+        if rate >= median * SLOW_FRACTION:
+            return None
+        return (f"ran far below the other holders ({format_bytes(int(rate))}/s over its last {streamed - then:.0f} s "
+                f"of streaming, against their median {format_bytes(int(median))}/s)")
+
+    def _rate(self, g: Holder, now: float) -> tuple[int, float]:
+        """``g``'s verified bytes and seconds streaming, its stripe in progress included."""
+        w = self.watches.get(g)
+        streamed, verified = w.progress(now) if w is not None else (g.streamed, g.verified)
+        return verified, streamed
 
     def _missing(self, deadline: float, timeout: float) -> E.CollectiveError:
         """Why stripes are left: every holder dropped, or the deadline."""
@@ -254,7 +306,7 @@ class Striper:
         receiver = Receiver(self.plan, buf, span=span, base=base, table=self.table)
         ref = receiver.range.ask(pb.WorkerRef(worker_id=self.ident))  # this stripe's chunks
         with self.cond:
-            self.watches[h] = _Watch(receiver)
+            self.watches[h] = _Watch(receiver, h)
         try:
             h.link.receive_into(ref, receiver, self.stall_timeout)
             receiver.finish()
@@ -283,7 +335,8 @@ class Striper:
             return False
         finally:
             with self.cond:
-                self.watches.pop(h, None)
+                w = self.watches.pop(h)
+                h.streamed, h.verified = w.progress(time.monotonic())
         return self._done(h, buf, base, a, b)
 
     def _done(self, h: Holder, buf: np.ndarray, base: int, a: int, b: int) -> bool:

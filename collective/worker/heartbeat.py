@@ -67,7 +67,7 @@ class ChiefWatch:
         A broken data stream while the heartbeat is content is reported too, with a short
         deadline: the chief is likely alive, and only it can tell the stream's fault from ours.
         ``stopped``: a stop signal ended this worker (its error an AbortedError of its own, not
-        the chief's word): told within the same 5 s at most, well inside a stop's grace (10 s
+        the chief's word, whose exit status is 128 + the signal, sent as ``stop_signal``): told within the same 5 s at most, well inside a stop's grace (10 s
         for docker stop, 30 s for Kubernetes and Slurm's KillWait); not
         while it waits for the plan, where the chief frees its slot for a restart instead of
         failing the round (its presence call cut off says it left)."""
@@ -77,7 +77,7 @@ class ChiefWatch:
         self._reported = True
         self.link.report_failure(
             pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc),
-                             culprit=exc.culprit or ""),
+                             culprit=exc.culprit or "", stop_signal=exc.exit_code - 128 if stopped else 0),
             timeout=min(1.0 if isinstance(exc, ChiefUnreachableError) else 5.0, self.timeouts.rpc),
         )
 

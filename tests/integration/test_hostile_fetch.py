@@ -1,7 +1,8 @@
 """collective.fetch against hostile holders (tests/fetch_hostile_holder.py: the project's own
 publish, plan and chunk code, bent) over real gRPC on 127.0.0.1: a plan streamed past its claim,
 a claimed size never sent, a provisional plan over forged bytes, chunk digests that contradict
-the manifest, 1-byte chunks, a holder that trickles one byte a second beside an honest one, and
+the manifest, 1-byte chunks, a holder that trickles one byte a second beside an honest one, one
+that sends a chunk just inside every stall timeout beside an honest one, and
 2,000 sources for one fetch. The fetcher runs in a process of its own where its memory is
 measured (its peak RSS: ``VmHWM``, not ``ru_maxrss``, which Linux carries over an exec from the
 forked copy of pytest's memory, so it read 425 MiB after memory-heavy tests ran first)."""
@@ -148,6 +149,23 @@ def test_a_trickling_holder_beside_an_honest_one_is_dropped_and_its_stripe_retak
     dropped = got["stats"][trickle]["dropped"]
     assert "delivered no verified chunk for 3 s" in dropped, got["stats"]
     assert got["stats"][honest]["bytes"] + got["stats"][trickle]["bytes"] >= 16 << 20
+
+
+@pytest.mark.timeout(240)
+def test_a_holder_far_below_the_other_yet_never_stalled_is_dropped_and_its_stripe_retaken(holders, tmp_path):
+    # One 64 KiB chunk every 3 s, inside the 5 s stall timeout: never stalled. Before, it kept
+    # its stripe (32 chunks) to the end: the fetch took 96 s, the slow holder never dropped. Now
+    # its rate over its last seconds of streaming is far below the honest holder's: it is
+    # dropped and the honest holder retakes its stripe.
+    slow, _, _ = holders("slow", "--mib", "16", "--chunk-bytes", str(64 << 10), "--slow-seconds", "3")
+    honest, published, _ = holders("none", "--mib", "16", "--chunk-bytes", str(64 << 10))
+    got = fetch_in_process(tmp_path, [slow, honest], stall=5, timeout=150)
+    assert got["error"] is None, got
+    assert got["digests"] == published["digests"] and got["manifest"] == published["manifest"]
+    dropped = got["stats"][slow]["dropped"]
+    assert dropped and "ran far below the other holders" in dropped, got["stats"]
+    assert got["stats"][honest]["dropped"] is None, got["stats"]
+    assert got["stats"][slow]["bytes"] < 2 << 20 <= got["stats"][honest]["bytes"], got["stats"]
 
 
 @pytest.mark.timeout(240)

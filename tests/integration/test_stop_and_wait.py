@@ -12,7 +12,9 @@ import socket
 
 import pytest
 
-from tests.clusters import SLOW_RECEIVER
+from collective._proto import collective_pb2 as pb
+from collective.chief.members import Phase
+from tests.clusters import FAST, SLOW_RECEIVER, chief_service, grpc_link
 from tests.integration.test_sync import SCRIPT, collective_env, free_port
 from tests.procs import ROOT, Proc, error_line, run_all, wait_for
 
@@ -38,7 +40,8 @@ def test_sigterm_to_a_worker_mid_receive_says_so_in_one_line(cluster):
 def test_a_worker_stopped_while_waiting_for_start_tells_the_chief_why_in_the_same_words(cluster):
     """The stopped worker said "stopped by SIGTERM while waiting for start", but the chief, never
     told, named it "lost during the broadcast: its presence call was cut off": the worker now
-    reports its stop before it goes, and the chief names the phase as the worker does."""
+    reports its stop (and the signal) before it goes, and the chief names the phase as the worker
+    does."""
     chief = cluster.chief("--workers", "2", *BIG, *HB, "--topology", "star")
     victim = cluster.worker("victim", "--rank", "0", *HB)
     cluster.worker("slow", "--rank", "1", *HB, code=SLOW_RECEIVER)
@@ -50,7 +53,7 @@ def test_a_worker_stopped_while_waiting_for_start_tells_the_chief_why_in_the_sam
     assert said in error_line(victim.output()), victim.output()
     assert chief.wait(60) != 0
     line = error_line(chief.output(), "round aborted:")
-    assert "worker victim (rank 0, " in line and f"failed while waiting for start: {said}" in line, line
+    assert "worker victim (rank 0, " in line and ") stopped by SIGTERM while waiting for start" in line, line
     assert "lost" not in line and "cut off" not in line, line
     result = json.loads((cluster.tmp / "result.json").read_text())
     assert (result["culprit"], result["error_phase"]) == ("victim", "ready"), result
@@ -118,3 +121,47 @@ def test_the_chief_reports_a_port_in_use_before_it_loads_the_model(tmp_path):
             chief.kill()
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in output, output
     assert "not-there" not in output, output
+
+
+def _report_over_grpc(rejoin: float, report: pb.FailureReport):
+    """A chief service (2 workers, rejoin window ``rejoin`` s) served over real gRPC; both join,
+    then w0 sends ``report``: the service and w0's member."""
+    import dataclasses
+
+    service = chief_service(workers=2, timeouts=dataclasses.replace(FAST, rejoin=rejoin, lease=30.0))
+    with grpc_link(service) as link:
+        refs = []
+        for i in range(2):
+            joined = link.join(pb.JoinRequest(worker_id=f"w{i}", incarnation=f"i{i}", devices=["cpu:0"], host="h",
+                                              preferred_rank=i), 5)
+            refs.append(pb.WorkerRef(worker_id=f"w{i}", incarnation=f"i{i}", secret=joined.secret))
+        assert service.phase is Phase.BROADCASTING
+        report.worker.CopyFrom(refs[0])
+        link.report_failure(report, 5)
+    return service, service.state.members["w0"]
+
+
+@pytest.mark.parametrize("rejoin", [0.0, 60.0], ids=["no-rejoin-window", "rejoin-window"])
+def test_a_report_carrying_its_stop_signal_is_a_stop_whatever_its_message_says(rejoin):
+    # The chief read a stop in the message's words (" stopped by SIG... while "): a worker
+    # whose message said otherwise was "failed", and its rank not kept for a restart.
+    service, m = _report_over_grpc(rejoin, pb.FailureReport(phase="receive", message="preempted by the scheduler",
+                                                            stop_signal=signal.SIGTERM))
+    if rejoin:  # kept for a restart, named stopped in the chief's words
+        assert service.error is None and m.phase == "lost", (service.error, m.phase)
+        assert m.lost_reason == "it was stopped by SIGTERM while receiving", m.lost_reason
+    else:
+        assert "worker w0 (rank 0" in str(service.error), service.error
+        assert str(service.error).endswith(") stopped by SIGTERM while receiving"), service.error
+
+
+def test_a_message_in_a_stops_words_without_the_signal_is_a_failure_not_a_stop():
+    said = "worker w0 stopped by SIGTERM while receiving"  # a worker's words, not its signal
+    service, m = _report_over_grpc(60.0, pb.FailureReport(phase="receive", message=said))
+    assert m.phase == "failed" and service.error is not None, m.phase
+    assert f"failed while receiving: {said}" in str(service.error), service.error
+
+
+def test_an_unknown_stop_signal_number_is_named_as_a_number():
+    service, _ = _report_over_grpc(0.0, pb.FailureReport(phase="ready", message="x", stop_signal=9999))
+    assert str(service.error).endswith(") stopped by signal 9999 while waiting for start"), service.error

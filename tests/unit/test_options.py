@@ -278,3 +278,34 @@ def test_the_options_page_finds_every_command_without_a_list():
     assert set(subs.choices) <= set(titles), (sorted(subs.choices), titles)
     assert {"chief", "worker", "mpi"} <= set(titles) and len(titles) == len(set(titles)), titles
     assert ("mpi", "mpiexec -n N+1 python -m collective.mpi") in found
+
+
+BIG = "9" * 5000  # past the 4,300 digits Python reads from text
+
+
+@pytest.mark.parametrize(("argv", "env", "says"), [
+    (["collective.chief", "--workers", BIG], {}, "is not a whole number"),
+    (["collective.chief", "--workers", "-" + BIG[:4000]], {}, "must be at least 1"),
+    (["collective.chief", "--workers", "2", "--join-timeout", "x" * 5000], {}, "is not a number of seconds"),
+    (["collective.chief", "--workers", "2", "--bind", "127.0.0.1:" + BIG], {}, "is not HOST:PORT"),
+    (["collective.worker", "--chief", "127.0.0.1:" + BIG], {}, "is not HOST:PORT"),
+    (["collective.chief"], {"COLLECTIVE_WORKERS": BIG}, "is not a whole number"),
+], ids=["int", "negative-int", "seconds", "bind", "chief", "environment"])
+def test_a_5000_character_value_is_quoted_cut_in_its_one_line_error(argv, env, says):
+    """`positive_int` echoed a 5,000-digit value whole into its one line (6,286 bytes of stderr;
+    5,170 through COLLECTIVE_WORKERS) and `parse_address` ended in a ValueError traceback (exit
+    1: int() reads at most 4,300 digits): now one line quoting its first 80 characters and its
+    length, exit 2."""
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    proc = subprocess.run([sys.executable, "-m", *argv], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") <= 1 or proc.stderr.startswith("usage:"), proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert says in last and "characters)" in last and len(last) < 400, last[:2000]
+    assert "Traceback" not in proc.stderr

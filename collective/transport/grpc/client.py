@@ -233,8 +233,17 @@ class GrpcChiefLink(ChiefLink):
         last = "no answer"
         refusals, tries = 0, 0
         next_log, log_every = started, JOIN_LOG_FIRST
+        answered = None  # when the chief last said it is still loading: it was there
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
+            if answered is not None and self.retry_window and now - answered > self.retry_window:
+                # It answered, then fell silent for a lease: gone (killed while loading), not
+                # yet to come; its whole join timeout would be minutes more of waiting for it.
+                raise E.ChiefUnreachableError(
+                    f"{self.name} at {self.address} said it was still loading the model, then did not answer "
+                    f"for {now - answered:.0f} s (lease {self.retry_window:g} s) while joining ({last}): it is gone"
+                )
             if left <= 0:
                 raise E.ChiefUnreachableError(
                     f"{self.name} at {self.address} unreachable for {timeout:g} s while joining ({last}); "
@@ -250,6 +259,8 @@ class GrpcChiefLink(ChiefLink):
                 # flight (admission's LARGE_IN_FLIGHT); any other answer is final.
                 loading = raised is not None and (raised.get("class"), raised.get("phase")) == (
                     "ChiefUnreachableError", "loading")  # chief/pending.py's LOADING
+                if loading:
+                    answered = time.monotonic()
                 if (exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                    grpc.StatusCode.RESOURCE_EXHAUSTED)
                         and (raised is None or loading)):
