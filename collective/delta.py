@@ -252,7 +252,7 @@ def _check_positions(delta: Delta, name: str) -> None:
     """Every gap >= 1 and the last position inside the tensor, a block at a time: positions
     strictly increase, so none repeats or lies outside."""
     n, gaps, escaped = delta.size, delta.gaps, delta.escaped
-    zeros = int(np.count_nonzero(gaps == 0))
+    zeros = delta.count - int(np.count_nonzero(gaps))  # no temporary of the gaps' size
     if delta.coding == 0 and zeros != escaped.size:
         raise _refuse(f"{escaped.size} escaped gaps declared, {zeros} escapes found", name)
     if (delta.coding and zeros) or (escaped.size and not escaped.all()):

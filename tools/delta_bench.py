@@ -37,9 +37,10 @@ def _state(total: int, density: float, rng: np.random.Generator) -> tuple[list[n
         n = min(TENSOR_BYTES, total - lo) // 2
         a = rng.integers(0, 1 << 16, n, dtype=np.uint16)
         b = a.copy()
-        k = rng.binomial(n, density)
-        where = rng.choice(n, size=k, replace=False) if k < n // 4 else np.flatnonzero(rng.random(n) < density)
-        b[where] ^= rng.integers(1, 1 << 16, where.size, dtype=np.uint16)
+        for lo in range(0, n, 1 << 22):  # a block at a time: no full-size float temporary
+            part = b[lo : lo + (1 << 22)]
+            where = np.flatnonzero(rng.random(part.size) < density)
+            part[where] ^= rng.integers(1, 1 << 16, where.size, dtype=np.uint16)
         base.append(a)
         new.append(b)
     return base, new

@@ -287,3 +287,24 @@ def test_after_applying_the_touched_chunks_match_the_publishers_and_a_wrong_byte
     if bad in touched:
         assert dl.mismatched_chunks(targets, chunk, touched, [publisher[c] for c in touched]) == [bad]
     assert dl.mismatched_chunks(targets, chunk, [bad], [publisher[bad]]) == [bad]
+
+
+def test_parsing_and_applying_hold_a_block_of_positions_not_the_whole_list(monkeypatch):
+    import tracemalloc
+
+    monkeypatch.setattr(dl, "BLOCK", 1 << 14)
+    base = np.zeros(1 << 21, dtype=np.uint16)
+    new = _changed(base, 0.3)
+    wire = dl.make_delta(base, new).to_bytes()
+    target = base.copy()
+    tracemalloc.start()
+    try:
+        d = dl.parse_delta(wire, size=target.size, itemsize=2)
+        dl.apply_delta(target, d)
+        dl.touched_chunks(d, 0, 4 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert d.count * 8 > 4 << 20  # all positions at once: over 4 MiB
+    assert peak < 12 * 8 * dl.BLOCK  # a few blocks' temporaries (1.5 MiB; the whole list: 20 MiB)
+    assert target.tobytes() == new.tobytes()
