@@ -125,25 +125,34 @@ def _units(a: np.ndarray) -> np.ndarray:
     return flat.view(np.uint64).reshape(-1, 2) if w == 16 else flat.view(_UINT[w])
 
 
-def changed_positions(base: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Sorted int64 indices of the elements whose bytes differ, ``BLOCK`` elements compared at a
-    time (no full-size temporary)."""
-    a, b = _units(base), _units(new)
-    if a.shape[0] < 2 * BLOCK:
-        diff = a != b
-        return np.flatnonzero(diff.any(axis=1) if diff.ndim == 2 else diff)
-    out, mask = [], np.empty(min(BLOCK, a.shape[0]), dtype=bool)
-    for lo in range(0, a.shape[0], BLOCK):
+def _scan(a: np.ndarray, b: np.ndarray, limit: int) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """(k, gaps, values) of the elements of units ``b`` whose bytes differ from ``a``'s, ``BLOCK``
+    elements compared at a time (no full-size temporary): gaps from position -1 (uint32 when
+    they fit, else int64), the new values in order. None as soon as more than ``limit`` differ
+    (the tensor goes whole: the rest is not compared)."""
+    n = a.shape[0]
+    gap_dtype = np.uint32 if n < 1 << 32 else np.int64
+    gaps, values, k, last = [], [], 0, -1
+    mask = np.empty(min(BLOCK, n), dtype=bool)
+    for lo in range(0, n, BLOCK):
         x, y = a[lo : lo + BLOCK], b[lo : lo + BLOCK]
         m = mask[: x.shape[0]]
-        if x.ndim == 2:
+        if x.ndim == 2:  # 16-byte elements: rows of two uint64
             m[:] = (x != y).any(axis=1)
         else:
             np.not_equal(x, y, out=m)
         idx = np.flatnonzero(m)
-        if idx.size:
-            out.append(idx + lo)
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        if not idx.size:
+            continue
+        k += idx.size
+        if k > limit:
+            return None
+        values.append(y[idx])
+        gaps.append(np.diff(idx, prepend=last - lo).astype(gap_dtype))
+        last = lo + int(idx[-1])
+    if not k:
+        return 0, np.zeros(0, gap_dtype), b[:0]
+    return k, np.concatenate(gaps), np.concatenate(values)
 
 
 def _smallest(maximum: int) -> np.dtype:
@@ -176,16 +185,16 @@ def make_delta(base: np.ndarray, new: np.ndarray) -> Delta:
                          f"and {new.shape} {new.dtype}")
     units = _units(new)
     w, n = new.dtype.itemsize, int(new.size)
-    positions = changed_positions(base, new)
-    k = int(positions.size)
-    if k == 0:
-        return Delta(SAME, w, n, units[:0])
-    if k * (w + 1) + _ELEMS.size < n * w:  # else even one-byte gaps cannot win
-        gaps = np.diff(positions, prepend=-1)
+    # Past ``limit`` changes even one-byte gaps cannot beat the whole tensor: stop comparing.
+    scan = _scan(_units(base), units, limit=(n * w - _ELEMS.size) // (w + 1))
+    if scan is not None:
+        k, gaps, values = scan
+        if k == 0:
+            return Delta(SAME, w, n, units[:0])
         coded, escaped = _code_gaps(gaps)
         if k * w + coded.nbytes + escaped.nbytes + _ELEMS.size < n * w:
             coding = 0 if escaped.size else coded.dtype.itemsize
-            return Delta(ELEMENTS, w, n, units[positions], coded, escaped, k, coding)
+            return Delta(ELEMENTS, w, n, values, coded, escaped, k, coding)
     return Delta(WHOLE, w, n, units)
 
 
