@@ -310,12 +310,14 @@ def touched_chunks(delta: Delta, offset: int, chunk_bytes: int) -> np.ndarray:
     first, last = offset // chunk_bytes, (offset + delta.size * w - 1) // chunk_bytes
     if delta.kind == WHOLE:
         return np.arange(first, last + 1, dtype=np.int64)
-    hit = np.zeros(last - first + 1, dtype=bool)
-    for positions, _ in delta.blocks():
-        start = positions * w + offset
-        hit[start // chunk_bytes - first] = True
-        hit[(start + (w - 1)) // chunk_bytes - first] = True  # an element across a chunk edge
-    return np.flatnonzero(hit) + first
+    # Chunk c holds (part of) the elements lo[c]..hi[c]: an element across a chunk edge is in both.
+    chunks = np.arange(first, last + 1, dtype=np.int64)
+    lo = np.maximum((chunks * chunk_bytes - offset) // w, 0)  # = ceil((c C - offset - w + 1) / w)
+    hi = ((chunks + 1) * chunk_bytes - offset - 1) // w
+    hit = np.zeros(chunks.size, dtype=bool)
+    for positions, _ in delta.blocks():  # sorted: how many fall in lo..hi, by binary search
+        hit |= np.searchsorted(positions, hi, side="right") > np.searchsorted(positions, lo, side="left")
+    return chunks[hit]
 
 
 def state_touched_chunks(deltas: Sequence[Delta], offsets: Sequence[int], chunk_bytes: int) -> np.ndarray:
