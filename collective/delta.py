@@ -205,7 +205,9 @@ def _refuse(what: str, name: str) -> ProtocolError:
 def parse_delta(data, *, size: int, itemsize: int, name: str = "tensor") -> Delta:
     """Read and check a delta's wire form for a tensor of ``size`` elements of ``itemsize``
     bytes (the receiver's, never the sender's word). Raises ``ProtocolError`` naming ``name``
-    when anything is off; the values and gaps returned are views of ``data`` (no copy)."""
+    when anything is off. The values returned are views of ``data``; so are the gaps when
+    ``data`` is read-only (``bytes``), else they are copied, so what was checked is what
+    ``apply_delta`` writes by, whoever writes to ``data`` after."""
     buf = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))
     if len(buf) < _HEAD.size:
         raise _refuse(f"{len(buf)} bytes is shorter than its {_HEAD.size}-byte header", name)
@@ -247,6 +249,8 @@ def parse_delta(data, *, size: int, itemsize: int, name: str = "tensor") -> Delt
     gaps = np.frombuffer(buf, dtype=_UINT[coding or 1], count=k, offset=start + k * w)
     escaped = (np.frombuffer(buf, dtype=_UINT[esc_w], count=e, offset=start + k * w + gap_bytes)
                if coding == 0 else np.zeros(0, np.uint8))
+    if not buf.readonly:  # the positions checked must be the ones applied: a copy nobody else writes
+        gaps, escaped = gaps.copy(), escaped.copy()
     delta = Delta(ELEMENTS, w, n, values(start, k), gaps, escaped, k, coding)
     _check_positions(delta, name)
     return delta

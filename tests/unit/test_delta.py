@@ -308,3 +308,13 @@ def test_parsing_and_applying_hold_a_block_of_positions_not_the_whole_list(monke
     assert d.count * 8 > 4 << 20  # all positions at once: over 4 MiB
     assert peak < 12 * 8 * dl.BLOCK  # a few blocks' temporaries (1.5 MiB; the whole list: 20 MiB)
     assert target.tobytes() == new.tobytes()
+
+
+def test_positions_checked_in_a_writable_buffer_cannot_change_before_they_are_applied():
+    base, wire = _sparse_wire()
+    buf = bytearray(wire)
+    d = dl.parse_delta(buf, size=base.size, itemsize=2)
+    buf[40 + 2 * d.count :] = b"\xff" * (len(buf) - 40 - 2 * d.count)  # the gaps, after the check
+    target = base.copy()
+    dl.apply_delta(target, d)
+    assert np.flatnonzero(target != base).tolist() == [3, 4, 700]
