@@ -32,9 +32,10 @@ Wire form of one tensor's delta (little-endian, never pickled)::
 A parser refuses (``ProtocolError``, one line) anything that is not exactly that: a wrong
 magic, kind or width, a tensor size or width other than the target's, a count past the tensor's
 size, a gap of 0 (a repeated position) or past the end, a buffer of any length but the declared
-one. It checks everything before ``apply_delta`` writes a byte, and it never holds more than
-``BLOCK`` positions at a time (a 1 GB position list for a small tensor is refused from its
-header, before any allocation).
+one. It checks everything before ``apply_delta`` writes a byte (the last position is the gaps'
+sum: no decoding), and no step holds more than ``BLOCK`` decoded positions at a time (a 1 GB
+position list for a small tensor is refused from its header, before any allocation; a writable
+buffer's gaps are copied once, so the positions checked are the ones applied).
 
 Verifying after applying: ``touched_chunks`` gives the arena chunks a delta wrote (from its
 positions, no pass over the state) and ``chunk_digests_at`` their digests over the arrays where
