@@ -30,8 +30,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("collective.config", "collective.clusterenv"),
     # Models: variables and where their initial values come from.
     ("collective.model", "collective.variables", "collective.sources"),
-    # The plan (the arena's layout, chunks, receivers), who feeds whom, and replicas of it.
-    ("collective.plan", "collective.arena", "collective.stream", "collective.shards", "collective.topology", "collective.replicas"),
+    # The plan (the arena's layout, chunks, receivers), who feeds whom, replicas of it, and a
+    # tensor's element-level deltas against that layout.
+    ("collective.plan", "collective.arena", "collective.stream", "collective.shards", "collective.topology", "collective.replicas",
+     "collective.delta"),
     # Transports: the interface and its backends.
     ("collective.transport",),
     # The command-line flags of the two roles, and their start.
