@@ -492,7 +492,8 @@ class WorkerAgent(ChiefWatch):
 
     def _run(self) -> WorkerResult:
         t = self.timeouts
-        logs.set_context(worker_id=self.worker_id, phase="join")
+        logs.set_context(worker_id=self.worker_id)
+        self._enter("join")
         t0 = time.monotonic()
         reply = self.link.join(
             pb.JoinRequest(
@@ -522,7 +523,7 @@ class WorkerAgent(ChiefWatch):
         )
         plan = self.link.get_plan(self.ref, timeout=max(1.0, t.join - (time.monotonic() - t0)) + t.rpc)
         validate_plan(plan)
-        logs.phase("receive")
+        self._enter("receive")
         log.info(
             "plan: %d variables, %d bytes in chunks of %d bytes, group key %s, topology %s",
             len(plan.variables), plan.total_bytes, plan.chunk_bytes,
@@ -545,7 +546,7 @@ class WorkerAgent(ChiefWatch):
                 verified = chunk_digests(arena.reshape(-1).view(np.uint8), plan.chunk_bytes)
                 plan = self._complete(plan)
         t_verify = time.monotonic()
-        logs.phase("verify")
+        self._enter("verify")
         store, arenas = make_replicas(plan, arena, self.devices)
         devices = verify_replicas(plan, arenas, self.devices, first=verified)
         digest = worker_digest(plan.manifest_digest, [d.chunk_digests for d in devices])
@@ -556,12 +557,12 @@ class WorkerAgent(ChiefWatch):
             t_verify - (self._prepared_at or self._prepare_from), len(plan.variables) * len(self.devices),
             len(self.devices), time.monotonic() - t_verify, digest,
         )
-        logs.phase("ready")
+        self._enter("ready")
         self.link.report_ready(pb.ReadyRequest(worker=self.ref, devices=devices, worker_digest=digest), timeout=t.rpc)
         start = self.link.await_start(self.ref, timeout=t.start)
         self._stop_beats()
         store.start()
-        logs.phase("started")
+        self._enter("started")
         return WorkerResult(
             rank=self.rank,
             worker_id=self.worker_id,

@@ -41,6 +41,15 @@ class ChiefWatch:
         self._beat_now = False
         self._stopped = False
         self._sources: dict[int, ChiefLink] = {}  # by tree: the relay this worker receives it from, if any
+        # This worker's own phase, as its failure report names it: the log context's is the
+        # process's, which another agent or an in-process chief (its supervisor says "join")
+        # may have set since.
+        self.phase = "-"
+
+    def _enter(self, phase: str) -> None:
+        """Begin a phase: this worker's, and the log lines'."""
+        self.phase = phase
+        logs.phase(phase)
 
     def _stop_beats(self) -> None:
         with self._beat:
@@ -72,11 +81,11 @@ class ChiefWatch:
         while it waits for the plan, where the chief frees its slot for a restart instead of
         failing the round (its presence call cut off says it left)."""
         if self._reported or self.rank < 0 or self._verdict is not None or \
-                (isinstance(exc, AbortedError) and not stopped) or (stopped and logs.current("phase") == "join"):
+                (isinstance(exc, AbortedError) and not stopped) or (stopped and self.phase == "join"):
             return
         self._reported = True
         self.link.report_failure(
-            pb.FailureReport(worker=self.ref, phase=logs.current("phase"), message=str(exc),
+            pb.FailureReport(worker=self.ref, phase=self.phase, message=str(exc),
                              culprit=exc.culprit or "", stop_signal=exc.exit_code - 128 if stopped else 0),
             timeout=min(1.0 if isinstance(exc, ChiefUnreachableError) else 5.0, self.timeouts.rpc),
         )

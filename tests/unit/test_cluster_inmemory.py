@@ -115,6 +115,28 @@ def test_a_corrupted_chunk_is_caught_naming_the_variable_and_start_is_never_rele
     assert service.phase is Phase.FAILED
 
 
+def test_a_worker_reports_its_own_phase_whatever_the_process_log_context_says():
+    """The failure report named the process's log context, which an in-process chief shares: a
+    supervisor thread that began late (a loaded machine) set it to "join" after the worker had
+    begun receiving, and the chief blamed w0 "in join" (seen flaky in the suite). The worker names
+    its own phase."""
+    from collective import logs
+    from collective.errors import IntegrityError
+
+    service, endpoint, agents = cluster({"a": np.zeros(8, np.float32), "b": np.ones(8, np.float32)}, [["cpu:0"]])
+    flip_last_bit(agents[0].link)
+    corrupted = agents[0].link.fetch
+
+    def late_supervisor_says_join(ref, stall_timeout):
+        logs.phase("join")  # what a supervisor thread starting now does to the shared context
+        yield from corrupted(ref, stall_timeout)
+
+    agents[0].link.fetch = late_supervisor_says_join
+    r, sup = run_threads([agents[0].run, service.supervise])
+    assert isinstance(r, IntegrityError)
+    assert isinstance(sup, AbortedError) and (sup.culprit, sup.phase) == ("w0", "receive"), (sup.culprit, sup.phase)
+
+
 def _forger(arrays, chunk_bytes=4096):
     """A chief expecting one worker with two devices, and that worker's link after its stream."""
     from collective._proto import collective_pb2 as pb
