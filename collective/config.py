@@ -143,7 +143,7 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{quoted_text(text)} is not a number of seconds") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"{quoted_text(text)} must be greater than 0")
-    return v
+    return _bounded_seconds(text, v)
 
 
 def non_negative_float(text: str) -> float:
@@ -153,6 +153,18 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{quoted_text(text)} is not a number of seconds") from None
     if not v >= 0:
         raise argparse.ArgumentTypeError(f"{quoted_text(text)} must be 0 or more")
+    return _bounded_seconds(text, v)
+
+
+# The longest wait an option may set: a job lives for days, and every wait has a deadline (an
+# infinite one is no deadline; 1e300 s overflows the waits' own clocks: OverflowError).
+MAX_SECONDS = 30 * 86400
+
+
+def _bounded_seconds(text: str, v: float) -> float:
+    if not v <= MAX_SECONDS:  # inf, and NaN
+        raise argparse.ArgumentTypeError(f"{quoted_text(text)} is more than {MAX_SECONDS} seconds (30 days): every "
+                                         f"wait has a deadline; give a finite number of seconds")
     return v
 
 

@@ -42,7 +42,8 @@ Every command reads its options from the command line first, then from the `COLL
 environment variable named in the table, then the default. Under TensorFlow, torchrun, Slurm or
 Kubeflow the variables those launchers set fill in the `COLLECTIVE_*` variables that are not set
 (see [Launching](../launching.md#cluster-engines-one-resolver)). A flag with no variable is
-command-line only.
+command-line only. A number of seconds is finite and at most 30 days (2,592,000): every wait has a
+deadline.
 """
 
 

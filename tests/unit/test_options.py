@@ -309,3 +309,25 @@ def test_a_5000_character_value_is_quoted_cut_in_its_one_line_error(argv, env, s
     last = proc.stderr.strip().splitlines()[-1]
     assert says in last and "characters)" in last and len(last) < 400, last[:2000]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "env"), [
+    (["collective.chief", "--workers", "2", "--join-timeout", "inf"], {}),
+    (["collective.chief", "--workers", "2", "--ready-timeout", "1e300"], {}),
+    (["collective.worker", "--chief", "127.0.0.1:1", "--heartbeat-timeout", "Infinity"], {}),
+    (["collective.chief", "--workers", "2"], {"COLLECTIVE_JOIN_TIMEOUT": "inf"}),
+], ids=["inf", "1e300", "worker-infinity", "environment"])
+def test_a_wait_of_infinite_or_astronomical_seconds_is_refused(argv, env):
+    """`--join-timeout inf` was taken (a chief that waits for ever: no deadline), and 1e300 s
+    overflows the waits' clocks; a wait is at most 30 days, said in one line, exit 2."""
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    proc = subprocess.run([sys.executable, "-m", *argv], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "more than 2592000 seconds" in last and "Traceback" not in proc.stderr, last
