@@ -218,10 +218,9 @@ class SharedArena:
             except BufferError:
                 self.array = np.frombuffer(self._map, dtype=np.uint8)[: self.size]
                 raise
-        import fcntl  # Linux: memfd seals
+        import fcntl
 
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _seals())
         self._map = mmap.mmap(self.fd, max(self.size, 1), prot=mmap.PROT_READ)
         self.array = np.frombuffer(self._map, dtype=np.uint8)[: self.size]
 
@@ -231,6 +230,13 @@ class SharedArena:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _seals() -> int:
+    """What ``seal`` adds: write, shrink, grow and the seals themselves (Linux's names)."""
+    import fcntl
+
+    return fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
 def map_private(fd: int, size: int) -> np.ndarray:
