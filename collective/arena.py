@@ -15,18 +15,29 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
 PAGE = 4096
+SEGMENT = 8 << 20
+"""``populate`` puts huge pages in place this many bytes at a time."""
+SEGMENT_SLOW = 0.005
+"""CPU seconds of one segment's huge pages beyond which the rest of the range takes small pages
+populated by the kernel (``POPULATE_STEP`` bytes a call). On a 2-core VM 32 MiB take 1.5-2.5 ms
+of huge pages where the memory is warm, 75-100 ms where its host touches it first, and 10-11 ms
+of small pages either way (40 ms at worst): per 8 MiB segment, under 0.7 ms, about 20 ms and
+under 3 ms. The thread's CPU time, not the clock: a thread preempted meanwhile is not slow
+memory (the host's first touch stalls the virtual CPU, so it counts)."""
 _MADV_POPULATE_WRITE = 23  # madvise(2), Linux 5.14; Python 3.11's mmap has no name for it
 POPULATE_STEP = 64 << 20
-"""``populate`` has the kernel populate pages this many bytes a call. ``mmap.madvise`` holds the
-GIL for a whole call: one call for a 4 GiB arena held it 37.7 s beside three CPU-bound
-processes, the worker's heartbeat thread never ran meanwhile, and the chief declared the worker
-lost (no heartbeat for 17.5 s, lease 15 s). Between two calls other threads run."""
+"""``populate`` has the kernel populate small pages this many bytes a call. ``mmap.madvise``
+holds the GIL for a whole call: one call for the rest of a 4 GiB arena held it 37.7 s beside
+three CPU-bound processes, the worker's heartbeat thread never ran meanwhile, and the chief
+declared the worker lost (no heartbeat for 17.5 s, lease 15 s). Between two calls other threads
+run."""
 
 
 class Arena(Protocol):
@@ -118,25 +129,38 @@ class ScatterView:
 
 def populate(region: mmap.mmap | None, array: np.ndarray, start: int, end: int) -> None:
     """Put the pages of bytes ``start..end`` of ``array`` (a view of all of ``region``) in place
-    before a stream writes them: the kernel populates them writable (``MADV_POPULATE_WRITE``),
-    ``POPULATE_STEP`` bytes a call, no byte changed. Without ``region`` (not Linux) or before
-    Linux 5.14, one write of a zero per page of the range (only bytes of the range: other ranges
-    may be received meanwhile).
+    before a stream writes them. Writes only bytes of that range (those not received yet), so
+    other ranges may be received meanwhile. Without ``region`` (not Linux): one write per page.
 
-    The faster of the ways measured (``python -m tools.bench.prefault``; BENCHMARKS.md, "Putting
-    an arena's pages in place"): 1 GiB of an anonymous mapping in 0.34 s (2.97 GiB/s) against
-    0.36 s for ``MAP_POPULATE``, 0.37 s for huge pages first and 0.43 s for a write per page; a
-    memfd's the same within noise (1.5-1.6 GiB/s). A stream that faults fresh pages between two
-    chunks instead ran at a third of its rate."""
+    A segment (``SEGMENT``) at a time, one write per page: huge pages where the mapping asked
+    for them (``lazy_arena``), 0.012 s per 256 MiB where the memory is warm, and a socket writes
+    into them about 10 % faster than into 4 KiB pages. On a VM whose host has not backed that
+    memory yet they cost 0.4-1.1 s per 256-512 MiB (the host's first touch); a segment that slow
+    (``SEGMENT_SLOW``) turns the rest of the range to 4 KiB pages populated by the kernel,
+    ``POPULATE_STEP`` a call (``MADV_POPULATE_WRITE``: 0.08-0.19 s per 256 MiB, every time; one
+    write per page before Linux 5.14). So it costs about the faster of the two, plus at most one
+    slow segment. A memfd (``SharedArena``) has small pages either way.
+
+    The faster of the ways measured on the broadcast and the fetch (BENCHMARKS.md, "Putting an
+    arena's pages in place"; ``python -m tools.bench.prefault``): on its own, 1 GiB in
+    0.34-0.37 s for it, populating alone and ``MAP_POPULATE`` on a quiet machine, 0.80 s against
+    0.97 s and 1.09 s under load; a broadcast receives into its huge pages faster."""
     if region is None:
         array[start:end:PAGE] = 0
         return
-    for step in range(start // PAGE * PAGE, end, POPULATE_STEP):  # madvise takes whole pages
-        length = min(POPULATE_STEP, end - step)
-        try:
-            region.madvise(_MADV_POPULATE_WRITE, step, length)
-        except OSError:  # a kernel before 5.14
-            array[max(start, step) : step + length : PAGE] = 0
+    for at in range(start, end, SEGMENT):
+        began = time.thread_time()
+        array[at : min(at + SEGMENT, end) : PAGE] = 0
+        rest = (at + SEGMENT) // PAGE * PAGE  # madvise takes whole pages
+        if rest < end and time.thread_time() - began > SEGMENT_SLOW:
+            region.madvise(mmap.MADV_NOHUGEPAGE, rest, end - rest)
+            for step in range(rest, end, POPULATE_STEP):  # one call holds the GIL: a step at a time
+                length = min(POPULATE_STEP, end - step)
+                try:
+                    region.madvise(_MADV_POPULATE_WRITE, step, length)
+                except OSError:  # a kernel before 5.14: one write per page
+                    array[step : step + length : PAGE] = 0
+            break
 
 
 def new_arena(nbytes: int) -> np.ndarray:
@@ -151,13 +175,15 @@ def new_arena(nbytes: int) -> np.ndarray:
 def lazy_arena(nbytes: int) -> np.ndarray:
     """A receive arena whose pages are not in place yet: memory is committed only as parts of
     it are written or put in place (``warm``). A fetch's: a peer's claimed size commits nothing
-    before its bytes are asked for. Small pages: no huge-page hint, whose direct compaction
-    stalled a 1 GiB arena up to 2.7 s where memory was fragmented."""
+    before its bytes are asked for. Huge pages asked for (``populate`` turns from them where
+    they are slow)."""
     if nbytes <= 0:
         return np.empty(0, dtype=np.uint8)
-    if not hasattr(mmap, "MAP_ANONYMOUS"):  # not Linux
+    if not hasattr(mmap, "MADV_HUGEPAGE"):  # not Linux
         return np.empty(nbytes, dtype=np.uint8)
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(region, dtype=np.uint8)
 
 
 def warm(arena: np.ndarray, start: int, end: int) -> None:

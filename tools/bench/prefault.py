@@ -7,8 +7,8 @@ or a host leader's arena), a fresh mapping each run:
 - ``touch``: one write per 4 KiB page from Python (numpy, a strided store);
 - ``map-populate``: ``mmap(MAP_POPULATE)``, the kernel faults every page in inside the call;
 - ``populate-write``: ``madvise(MADV_POPULATE_WRITE)`` 64 MiB a call (``arena.POPULATE_STEP``);
-- ``huge-first`` (anonymous only): what ``arena.new_arena`` did before issue 37, a huge-page hint
-  and a write per page 8 MiB at a time, turning to ``populate-write`` when a segment is slow.
+- ``huge-first`` (anonymous only): ``arena.populate``, the one kept (as ``new_arena``): a huge-page
+  hint and a write per page 8 MiB at a time, turning to ``populate-write`` when a segment is slow.
 
 Prints the median and range of seconds and GiB/s per way; the mapping's own creation is inside
 the clock (``MAP_POPULATE`` does its work there). No process is started.
@@ -24,12 +24,11 @@ import time
 
 import numpy as np
 
+from collective.arena import populate
 from collective.sizes import parse_size
 
 PAGE = 4096
 STEP = 64 << 20
-SEGMENT = 8 << 20  # huge-first's segment, and its CPU seconds beyond which the rest takes small pages
-SEGMENT_SLOW = 0.005
 _MADV_POPULATE_WRITE = 23
 
 
@@ -67,15 +66,7 @@ def huge_first(make, n: int) -> mmap.mmap:
     region = make(n)
     region.madvise(mmap.MADV_HUGEPAGE)
     array = np.frombuffer(region, np.uint8)
-    for at in range(0, n, SEGMENT):
-        began = time.thread_time()
-        array[at : min(at + SEGMENT, n) : PAGE] = 0
-        rest = at + SEGMENT
-        if rest < n and time.thread_time() - began > SEGMENT_SLOW:
-            region.madvise(mmap.MADV_NOHUGEPAGE, rest, n - rest)
-            for step in range(rest, n, STEP):
-                region.madvise(_MADV_POPULATE_WRITE, step, min(STEP, n - step))
-            break
+    populate(region, array, 0, n)
     del array
     return region
 
