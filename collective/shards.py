@@ -21,7 +21,7 @@ is HSDP (FSDP2 on a 2-D mesh, ``(Replicate(), Shard(0))``): each replica group h
 model, cut over its ``S`` ranks; ranks placed by ``request`` are then shards, not training ranks.
 
 How it travels: the chief materialises the whole model (or maps its files: ``--from-file``) and
-serves each rank's pieces from where they lie in it (``ShardedArenas``, ``ShardView``: a piece
+serves each rank's pieces from where they lie in it (``ShardedArenas``, an ``arena.ScatterView`` each: a piece
 is one contiguous range, rows of dimension 0; a chunk that spans two pieces is gathered, no
 more), so the chief holds the model once. Each worker gets a plan of its own (``plan_for``): its pieces as the plan's variables (local
 shapes, their own digests), its arena's chunk digests and ``Plan.shard`` (the whole shapes and
@@ -32,13 +32,13 @@ not another rank's) and never use the same-host shared arena (it is the whole mo
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from collective._proto import collective_pb2 as pb
+from collective.arena import ScatterView
 from collective.digest import bytes_digest
 from collective.errors import UsageError
 from collective.model import VariableSpec
@@ -172,54 +172,9 @@ def local_spec(spec: VariableSpec, piece: Piece) -> VariableSpec:
     return VariableSpec(spec.name, shape, spec.dtype, spec.synchronization, spec.aggregation, spec.trainable)
 
 
-class ShardView:
-    """One rank's arena without a copy: each of its pieces is one contiguous range of the whole
-    model's arena (rows of dimension 0 are), placed at its offset in the rank's own layout
-    (``collective.plan.layout`` over its local specs); the padding between them reads as zeros.
-    ``slice`` is what a ``Chunker`` sends: a view into the model's arena when the range lies in
-    one piece, else the range gathered into a buffer of its own (at most one chunk)."""
-
-    def __init__(self, flat: np.ndarray, segments: list[tuple[int, int, int]], nbytes: int) -> None:
-        self._flat = flat
-        self.segments = [s for s in segments if s[2]]  # (local offset, model offset, bytes), in order
-        self._starts = [lo for lo, _, _ in self.segments]
-        self.nbytes = nbytes
-
-    def _overlapping(self, start: int, end: int):
-        i = max(0, bisect.bisect_right(self._starts, start) - 1)
-        for lo, src, n in self.segments[i:]:
-            if lo >= end:
-                break
-            a, b = max(start, lo), min(end, lo + n)
-            if a < b:
-                yield a, b, src + a - lo
-
-    def slice(self, start: int, end: int) -> memoryview:
-        """Bytes ``start..end`` of this rank's arena: a view when one piece holds them all."""
-        parts = list(self._overlapping(start, end))
-        if len(parts) == 1 and parts[0][:2] == (start, end):
-            src = parts[0][2]
-            return memoryview(self._flat[src : src + end - start])
-        return memoryview(self._gather(start, end, parts))
-
-    def _gather(self, start: int, end: int, parts) -> np.ndarray:
-        out = np.zeros(end - start, dtype=np.uint8)
-        for a, b, src in parts:
-            out[a - start : b - start] = self._flat[src : src + b - a]
-        return out
-
-    def sources(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The model arena's ranges that bytes ``start..end`` of this rank's arena come from."""
-        return [(src, src + b - a) for a, b, src in self._overlapping(start, end)]
-
-    def copy(self) -> np.ndarray:
-        """The whole rank's arena, copied out once (what the chief's own replicas are made from)."""
-        return self._gather(0, self.nbytes, self._overlapping(0, self.nbytes))
-
-
 class ShardedArenas:
     """The chief's side: each rank's pieces, read where they lie in the whole model's arena
-    (``ShardView``: nothing is copied), with their digests and each rank's chunk digests.
+    (``arena.ScatterView``: nothing is copied), with their digests and each rank's chunk digests.
 
     ``offsets``: where each variable lies in ``arena`` (default: ``collective.plan.layout``; a
     model served from its files has the files' offsets). ``drop(start, end)``: called for each
@@ -238,7 +193,7 @@ class ShardedArenas:
             offsets, self.model_bytes = layout(specs)
         else:
             self.model_bytes = int(flat.nbytes)
-        views: list[ShardView] = []
+        views: list[ScatterView] = []
         local_entries: list[list[tuple[VariableSpec, int, str]]] = []
         chunks: list[list[str]] = []
         for pieces in by_shard:
@@ -253,7 +208,7 @@ class ShardedArenas:
                 entries.append((spec, off, bytes_digest(memoryview(flat[src : src + spec.nbytes]))))
                 if drop is not None:
                     drop(src, src + spec.nbytes)
-            view = ShardView(flat, segments, total)
+            view = ScatterView.within(flat, segments, total)
             digests = []
             for start in range(0, total, chunk_bytes):
                 end = min(start + chunk_bytes, total)
@@ -265,7 +220,7 @@ class ShardedArenas:
             local_entries.append(entries)
             chunks.append(digests)
         # Per training rank: its shard's.
-        self.views: list[ShardView] = [views[i] for i in self.shard_of]
+        self.views: list[ScatterView] = [views[i] for i in self.shard_of]
         self.local = [local_entries[i] for i in self.shard_of]  # (local spec, offset, digest)
         self.chunk_digests = [chunks[i] for i in self.shard_of]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from collective._proto import collective_pb2 as pb
+from collective.arena import Arena, as_arena
 from collective.digest import bytes_digest
 from collective.errors import IntegrityError, ProtocolError
 from collective.variables import replica_name
@@ -58,17 +59,13 @@ def _frames(plan: pb.Plan) -> list[_ChunkFrame]:
 class Chunker:
     """Cuts the chief's arena into the messages of one stream. Built once, used per receiver."""
 
-    def __init__(self, plan: pb.Plan, arena, known: Sequence[str] | None = None) -> None:
-        """``arena``: a flat array, or an object whose ``slice(start, end)`` returns the bytes
-        (``collective.shards.ShardView``). ``known``: the chunk digests verified so far (a relay's Receiver's, growing as the
+    def __init__(self, plan: pb.Plan, arena: Arena | np.ndarray, known: Sequence[str] | None = None) -> None:
+        """``arena``: an ``Arena`` (``collective.arena``: a shard's or a holder's ``ScatterView``)
+        or a flat array. ``known``: the chunk digests verified so far (a relay's Receiver's, growing as the
         stream lands), the trailers of a provisional plan (``digests_follow``); without them
         each chunk is hashed as it is first sent, once for every stream of this Chunker."""
         self._plan = plan
-        if hasattr(arena, "slice"):  # a shard's bytes where they lie in the model (collective.shards.ShardView)
-            self._slice = arena.slice
-        else:
-            flat = memoryview(arena.reshape(-1).view(np.uint8))
-            self._slice = lambda start, end: flat[start:end]
+        self._slice = as_arena(arena).slice
         self._frames = _frames(plan)
         self._known = known
         self._hashed: dict[int, str] = {}

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import collective
+from collective import arena as arenas_module
 from collective.digest import array_digest
 from collective.snapshot import tree
 from collective.transport import shm
@@ -67,7 +68,7 @@ def hold(folder: Path, mode: str) -> None:
         if mode == "future-write":
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         elif mode == "no-shrink":
-            shm._SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW
+            arenas_module._seals = lambda: fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW
             honest(self)
         arenas.append(self)  # "unsealed": nothing at all, the writable mapping kept
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from collective._proto import collective_pb2 as pb
+from collective.arena import SharedArena
 from collective.digest import array_digest, one_pass
 from collective.errors import ModelError
 from collective.model import ModelSource, VariableSpec, check_fits, validate_model
@@ -123,8 +124,6 @@ class ChiefArena:
             # Read and hashed on a thread (hash()) while workers join; the plan waits for it.
             self.specs, self.digests, self.array = self.file.specs, None, self.file.files.array
         elif shm:
-            from collective.transport.shm import SharedArena
-
             def allocate(n: int) -> np.ndarray:
                 self.shared = SharedArena(n)
                 return self.shared.array

@@ -11,14 +11,13 @@ only (a ``ChunkRange``, as every sender reads it), so several holders each serve
 (``collective.snapshot.fetch``).
 
 ``copy=False`` (default): nothing is copied; the chunks are read from the caller's own arrays
-(``ScatteredArena``), so they must not change until ``close()`` returns (a fetcher would get
+(an ``arena.ScatterView``), so they must not change until ``close()`` returns (a fetcher would get
 bytes that differ from the digests and name this holder). ``copy=True``: one arena holds a copy,
 and the caller may change its tensors at once.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import secrets
@@ -31,7 +30,7 @@ import numpy as np
 
 from collective import config, dtypes
 from collective._proto import collective_pb2 as pb
-from collective.arena import new_arena
+from collective.arena import ScatterView, SharedArena, new_arena
 from collective.config import TlsFiles
 from collective.digest import array_digest, bytes_digest, chunk_digests
 from collective.errors import AbortedError, UsageError
@@ -75,34 +74,6 @@ def cluster_token(token: str | None) -> str | None:
     return token if token is not None else config.env_default("token")
 
 
-class ScatteredArena:
-    """The plan's arena without a copy: each variable's bytes where the caller holds them, at
-    its offset of the layout; the padding between them reads as zeros. ``slice`` is what a
-    ``Chunker`` sends: a view of one array when the range lies in it, else the range gathered
-    into a buffer of its own (at most one chunk)."""
-
-    def __init__(self, offsets: list[int], arrays: list[np.ndarray], nbytes: int) -> None:
-        self._parts = [(off, a.reshape(-1).view(np.uint8)) for off, a in zip(offsets, arrays, strict=True) if a.nbytes]
-        self._starts = [off for off, _ in self._parts]
-        self.nbytes = nbytes
-
-    def slice(self, start: int, end: int) -> memoryview:
-        i = max(0, bisect.bisect_right(self._starts, start) - 1)
-        parts = []
-        for off, flat in self._parts[i:]:
-            if off >= end:
-                break
-            a, b = max(start, off), min(end, off + flat.size)
-            if a < b:
-                parts.append((a, b, flat[a - off : b - off]))
-        if len(parts) == 1 and parts[0][:2] == (start, end):
-            return memoryview(parts[0][2])
-        out = np.zeros(end - start, dtype=np.uint8)
-        for a, b, view in parts:
-            out[a - start : b - start] = view
-        return memoryview(out)
-
-
 def _contiguous(arrays: dict[str, np.ndarray], copy: bool) -> dict[str, np.ndarray]:
     """Arrays the arena can read in place: a non-contiguous one is copied (and says so)."""
     out = {}
@@ -116,10 +87,8 @@ def _contiguous(arrays: dict[str, np.ndarray], copy: bool) -> dict[str, np.ndarr
 
 
 def _memfd_arena(total: int):
-    """A ``SharedArena`` (a memfd, every page faulted in) for a copy, or None where this kernel
+    """A ``SharedArena`` (a memfd, every page in place) for a copy, or None where this kernel
     or platform has none (then plain memory)."""
-    from collective.transport.shm import SharedArena
-
     try:
         return SharedArena(total, prefault=True)
     except (OSError, AttributeError) as exc:  # no memfd_create (not Linux) or no memory file left
@@ -143,7 +112,7 @@ def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int,
         arena = shared.array if shared is not None else new_arena(total)
         end = 0
         for n, off in zip(names, offsets, strict=True):
-            arena[end:off] = 0  # the padding: zeros, as ScatteredArena reads it (same chunk digests)
+            arena[end:off] = 0  # the padding: zeros, as a ScatterView reads it (same chunk digests)
             arena[off : off + arrays[n].nbytes] = arrays[n].reshape(-1).view(np.uint8)
             end = off + arrays[n].nbytes
         arena[end:] = 0
@@ -163,7 +132,7 @@ def build(state: Mapping, step: int, *, copy: bool, chunk_bytes: int,
             keep_shared = None
         keep: list = [arena, shared, keep_shared]
     else:
-        arena = ScatteredArena(offsets, [arrays[n] for n in names], total)
+        arena = ScatterView([(off, arrays[n]) for off, n in zip(offsets, names, strict=True)], total)
         digests = [array_digest(arrays[n]) for n in names]
         chunks = [bytes_digest(arena.slice(i, min(i + chunk_bytes, total))) for i in range(0, total, chunk_bytes)]
         keep = [arrays, None, None]

@@ -23,7 +23,6 @@ import fcntl
 import hmac
 import json
 import logging
-import mmap
 import os
 import secrets
 import socket
@@ -34,74 +33,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from collective.arena import SharedArena, map_private
 from collective.logs import printable
 
 log = logging.getLogger(__name__)
-
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
-
-
-class SharedArena:
-    """An arena in a memfd: the chief's, or a host leader's (a worker that receives from the
-    network and serves its same-host peers). ``array`` is writable until ``seal()``."""
-
-    def __init__(self, size: int, *, prefault: bool = False) -> None:
-        """``prefault``: fault every page in now (as ``arena.new_arena`` does for a receive arena),
-        not between two chunks of the stream."""
-        self.size = size
-        self.fd = os.memfd_create("collective-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.fd, max(size, 1))
-        self._map = mmap.mmap(self.fd, max(size, 1))
-        self.array = np.frombuffer(self._map, dtype=np.uint8)[:size]
-        if prefault:
-            self.array[:: mmap.PAGESIZE] = 0
-
-    def reader(self) -> np.ndarray:
-        """A read-only view that sees every write through ``array`` at once and does not keep the
-        segment from being sealed (a relay serves from it).
-
-        Private, not shared: before Linux 6.7 any shared mapping of a writable file counts as a
-        writable one and the seal fails (EBUSY). A private mapping that is never written maps the
-        file's own pages, which exist from the start (``prefault``), so it sees every write.
-        """
-        mm = mmap.mmap(self.fd, max(self.size, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
-        return np.frombuffer(mm, dtype=np.uint8)[: self.size]
-
-    def private(self) -> np.ndarray:
-        """A copy-on-write mapping, as a peer maps it: writes to it stay in this process."""
-        return _map_private(self.fd, self.size)
-
-    def seal(self) -> None:
-        """Make the segment read-only for everyone, this process included (F_SEAL_WRITE).
-
-        Writable shared mappings forbid the seal, so ours is replaced by a read-only one. Raises
-        BufferError while a view of ``array`` is still held elsewhere.
-        """
-        data = self.array
-        del data
-        self.array = None  # type: ignore[assignment]
-        try:
-            self._map.close()
-        except BufferError:
-            import gc
-
-            gc.collect()  # a view kept alive only by a reference cycle
-            try:
-                self._map.close()
-            except BufferError:
-                self.array = np.frombuffer(self._map, dtype=np.uint8)[: self.size]
-                raise
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
-        self._map = mmap.mmap(self.fd, max(self.size, 1), prot=mmap.PROT_READ)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)[: self.size]
-
-    def handout(self) -> tuple[bytes, list[int]]:
-        """What a member receives: ``ok`` and the descriptor (``MappedFiles`` hands out files)."""
-        return b"ok", [self.fd]
-
-    def close(self) -> None:
-        os.close(self.fd)
-
 
 _HELLO_FIELDS = ("secret", "worker_id", "incarnation")
 
@@ -292,11 +227,6 @@ class ServedArena:
         self.shared.close()
 
 
-def _map_private(fd: int, size: int) -> np.ndarray:
-    mm = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return np.frombuffer(mm, dtype=np.uint8)[:size]
-
-
 _NEEDED_SEALS = {fcntl.F_SEAL_WRITE: "write", fcntl.F_SEAL_SHRINK: "shrink", fcntl.F_SEAL_GROW: "grow"}
 
 
@@ -370,7 +300,7 @@ def attach(
                 log.warning("shared segment of %s is smaller than the plan's arena; using the network", whose)
                 return None
             try:
-                return _map_private(fds[0], size)
+                return map_private(fds[0], size)
             except OSError as exc:  # e.g. a huge-page file and no huge page to back it (ENOMEM)
                 log.warning("cannot map the shared memory %s offers (%s); using the network", whose, exc)
                 return None
