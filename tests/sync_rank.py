@@ -6,6 +6,9 @@ line: its rank, the digests of its inputs and of every replica it holds after st
 dtype, one extra variable). ``SYNC_NO_VALUES=1``: ranks other than 0 pass no values.
 ``SYNC_LATE_RANK=r``: rank r starts 1 s late (after a mismatch has already failed the round).
 ``SYNC_OUT=dir``: write the line to ``dir/rank<r>.json`` too (ranks under mpiexec share stdout).
+A rank that failed then waits (at most 30 s) until every rank has written its line: mpiexec
+kills the ranks still running once one exits with an error, and on a loaded machine that lost
+the lines of ranks that had raised the same error a moment later (seen in the suite).
 ``SYNC_SHARDS=dim0``: rank 0 asks for shards; each rank also prints the digests of the rows of
 rank 0's values it should hold (``expected``) and the bytes it received.
 ``SYNC_SHARDS=bad``: rank 0 asks for shards of a variable its model lacks (``nope``).
@@ -54,12 +57,23 @@ def report(rank: int, line: dict) -> None:
     text = json.dumps(line)
     print(text, flush=True)
     if os.environ.get("SYNC_OUT"):
-        with open(os.path.join(os.environ["SYNC_OUT"], f"rank{rank}.json"), "w") as f:
+        path = os.path.join(os.environ["SYNC_OUT"], f"rank{rank}.json")
+        with open(path + ".part", "w") as f:
             f.write(text)
+        os.replace(path + ".part", path)  # whole or absent: another rank waits for it
+
+
+def await_every_line(world: int) -> None:
+    out = os.environ.get("SYNC_OUT")
+    deadline = time.monotonic() + 30
+    while out and time.monotonic() < deadline and \
+            not all(os.path.exists(os.path.join(out, f"rank{r}.json")) for r in range(world)):
+        time.sleep(0.05)
 
 
 def main() -> int:
-    rank = resolve_roles(None, None, None).rank
+    roles = resolve_roles(None, None, None)
+    rank = roles.rank
     values = values_for(rank)
     given = values if rank == 0 or not os.environ.get("SYNC_NO_VALUES") else None
     path = os.environ.get("SYNC_FROM_FILE")
@@ -88,6 +102,7 @@ def main() -> int:
     except collective.CollectiveError as exc:
         report(rank, {"rank": rank, "error": type(exc).__name__, "message": str(exc), "culprit": exc.culprit,
                       "phase": exc.phase, "cpu": time.process_time() - cpu, "wall": time.monotonic() - wall})
+        await_every_line(roles.world_size)
         return exc.exit_code
     line = {
         "rank": result.rank, "world_size": result.world_size, "devices": result.devices,
