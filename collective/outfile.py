@@ -10,15 +10,21 @@ points to. So, as ``cli/rundir.py`` does for launch's run directory:
   that belongs to another user is refused: its owner could point it anywhere); every later
   step goes through that descriptor (a missing directory, or one this user cannot write, is a one-line UsageError
   before any work: ``collective fetch`` checks ``--out`` before it fetches);
-- the bytes go to a new file with an unguessable name beside the output, created through the
-  directory's descriptor with ``O_CREAT | O_EXCL | O_NOFOLLOW``: nothing that exists is ever opened;
-- once complete it is renamed onto the output's name: a rename replaces a link at that name and
-  never follows it. On any failure the new file is unlinked: no partial file is left.
+- the bytes go to a new file in that directory that has no name yet (Linux's ``O_TMPFILE``, opened
+  through the directory's descriptor): a process killed while it writes (SIGKILL, the OOM killer)
+  leaves nothing behind, the kernel frees the file with its last descriptor. Where the file
+  system refuses ``O_TMPFILE`` the file gets an unguessable hidden name beside the output at once,
+  created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: nothing that exists is ever opened;
+- once complete, an unnamed file is linked under a fresh unguessable name (``linkat`` of
+  ``/proc/self/fd/N``, which fails rather than replace or follow anything at that name), then
+  renamed onto the output's name: a rename replaces a link at that name and never follows it.
+  On any failure the new file is closed and any name it got unlinked: no partial file is left.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -32,7 +38,8 @@ _NAME_MAX = 255  # bytes of one file name on Linux file systems
 
 
 class OutputFile:
-    """``path`` about to be written: its directory open, a new hidden file in it open as ``file``.
+    """``path`` about to be written: its directory open, a new file in it (unnamed where the
+    file system allows, else hidden) open as ``file``.
     ``commit()`` puts it in place; ``discard()`` removes it. ``what`` names the path in errors
     (``--out x.npz``)."""
 
@@ -65,12 +72,14 @@ class OutputFile:
                 raise UsageError(f"{self.what}: {exc.strerror or exc}; name another file") from None
             if st is not None and stat.S_ISDIR(st.st_mode):
                 raise UsageError(f"{self.what} is a directory; name a file in it")
-            # Hidden, unguessable, and within one name's length: ".NAME.<16 hex>.tmp".
-            prefix = os.fsencode(name)[: _NAME_MAX - 22].decode(errors="ignore")
-            self._tmp: str | None = f".{prefix}.{secrets.token_hex(8)}.tmp"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._tmp: str | None = None  # the new file's name in the directory, once it has one
             try:
-                fd = os.open(self._tmp, flags, 0o666, dir_fd=self._dir)  # the umask applies, as for open()
+                fd = _unnamed(self._dir)
+                self._unnamed = fd is not None
+                if fd is None:
+                    self._tmp = self._tmp_name()
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                    fd = os.open(self._tmp, flags, 0o666, dir_fd=self._dir)  # the umask applies, as for open()
             except OSError as exc:
                 self._tmp = None
                 raise UsageError(f"{self.what}: cannot create a file in {parent}: {exc.strerror or exc}; "
@@ -87,6 +96,10 @@ class OutputFile:
         try:
             self.file.flush()
             os.fsync(self.file.fileno())
+            if self._unnamed:  # its first name: a new one, never one that exists (EEXIST)
+                tmp = self._tmp_name()
+                os.link(f"/proc/self/fd/{self.file.fileno()}", tmp, dst_dir_fd=self._dir, follow_symlinks=True)
+                self._tmp = tmp
             self.file.close()
             os.replace(self._tmp, self.name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
         except OSError as exc:
@@ -109,10 +122,34 @@ class OutputFile:
             self._tmp = None
         self._close_dir()
 
+    def _tmp_name(self) -> str:
+        """Hidden, unguessable, and within one name's length: ".NAME.<16 hex>.tmp"."""
+        prefix = os.fsencode(self.name)[: _NAME_MAX - 22].decode(errors="ignore")
+        return f".{prefix}.{secrets.token_hex(8)}.tmp"
+
     def _close_dir(self) -> None:
         if self._dir is not None:
             os.close(self._dir)
             self._dir = None
+
+
+# What open(O_TMPFILE) fails with where the kernel or the file system has no unnamed files: the
+# named file is made instead. (A kernel older than 3.11 sees O_DIRECTORY | O_WRONLY: EISDIR.)
+_NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+
+
+def _unnamed(directory: int) -> int | None:
+    """A new file without a name in ``directory`` (a descriptor), open for writing; None where
+    unnamed files are not to be had (no O_TMPFILE, or no /proc to name it through at commit)."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:  # no O_EXCL: that would forbid ever linking it. The umask applies, as for open().
+        return os.open(".", flag | os.O_WRONLY | os.O_CLOEXEC, 0o666, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno in _NO_TMPFILE:
+            return None
+        raise
 
 
 def _foreign_link(directory: Path) -> Path | None:

@@ -91,6 +91,20 @@ def socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
+def files_open_in(pid: int, folder: Path) -> list[str]:
+    """What process ``pid`` holds open in ``folder``, as /proc/PID/fd names it: an unnamed file
+    (O_TMPFILE) shows as ``FOLDER/#INODE (deleted)``, so it is seen before it has a name."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"{folder}/"):
+            found.append(target)
+    return found
+
+
 def wait_for_file(path: Path, proc: Proc, timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

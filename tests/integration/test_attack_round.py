@@ -137,7 +137,7 @@ def test_sigterm_during_a_fetch_leaves_no_file_and_says_so(tmp_path):
     import signal
 
     from tests.clusters import TOKEN
-    from tests.procs import Proc, wait_for_file, wait_until
+    from tests.procs import Proc, files_open_in, wait_for_file, wait_until
 
     addr = tmp_path / "address"
     holder = Proc(["-m", "tests.fetch_hostile_holder", "--attack", "trickle", "--address-file", str(addr)],
@@ -149,7 +149,8 @@ def test_sigterm_during_a_fetch_leaves_no_file_and_says_so(tmp_path):
         address = wait_for_file(addr, holder, timeout=60)
         fetcher = Proc(["-m", "collective.cli", "fetch", "--from", address, "--step", "8",
                         "--out", str(out / "s.safetensors")], tmp_path / "fetch.log", env={"COLLECTIVE_TOKEN": TOKEN})
-        wait_until(lambda: any(out.iterdir()), "the fetch's output file to be made", timeout=60)
+        # The new file has no name until the write completes: seen among the fetch's open files.
+        wait_until(lambda: files_open_in(fetcher.pid, out), "the fetch's output file to be made", timeout=60)
         fetcher.signal(signal.SIGTERM)
         rc = fetcher.wait(60)
         said = fetcher.output()
