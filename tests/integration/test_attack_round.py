@@ -128,39 +128,57 @@ def test_a_holders_ten_mb_structure_field_is_quoted_short(holder, tmp_path, atta
     assert not (tmp_path / "o.npz").exists()
 
 
-def test_sigterm_during_a_fetch_leaves_no_file_and_says_so(tmp_path):
-    """``collective fetch --out`` makes its output's new (hidden) file before the fetch; SIGTERM
-    (``timeout``, a scheduler) during the fetch ended it silently, exit 143, and left
-    ``.s.safetensors.<hex>.tmp`` behind (one more each attempt; after a large write began, a
-    large one). Now one line naming SIGTERM, exit 143, nothing left. The holder trickles one byte
-    a second (tests/fetch_hostile_holder.py), so the fetch is still running when signalled."""
-    import signal
-
+def _signalled_fetch(tmp_path, out, sig: int) -> tuple[int, str]:
+    """(exit status, output) of ``collective fetch --out OUT`` sent ``sig`` once it has made its
+    output's new file. The holder trickles one byte a second (tests/fetch_hostile_holder.py), so
+    the fetch is still running when signalled."""
     from tests.clusters import TOKEN
     from tests.procs import Proc, files_open_in, wait_for_file, wait_until
 
     addr = tmp_path / "address"
     holder = Proc(["-m", "tests.fetch_hostile_holder", "--attack", "trickle", "--address-file", str(addr)],
                   tmp_path / "holder.log", env={"COLLECTIVE_TOKEN": TOKEN})
-    out = tmp_path / "out"
-    out.mkdir()
     fetcher = None
     try:
         address = wait_for_file(addr, holder, timeout=60)
         fetcher = Proc(["-m", "collective.cli", "fetch", "--from", address, "--step", "8",
-                        "--out", str(out / "s.safetensors")], tmp_path / "fetch.log", env={"COLLECTIVE_TOKEN": TOKEN})
+                        "--out", str(out)], tmp_path / "fetch.log", env={"COLLECTIVE_TOKEN": TOKEN})
         # The new file has no name until the write completes: seen among the fetch's open files.
-        wait_until(lambda: files_open_in(fetcher.pid, out), "the fetch's output file to be made", timeout=60)
-        fetcher.signal(signal.SIGTERM)
-        rc = fetcher.wait(60)
-        said = fetcher.output()
+        wait_until(lambda: files_open_in(fetcher.pid, out.parent), "the fetch's output file to be made", timeout=60)
+        fetcher.signal(sig)
+        return fetcher.wait(60), fetcher.output()
     finally:
         for proc in (fetcher, holder):
             if proc is not None:
                 proc.kill()
+
+
+def test_sigterm_during_a_fetch_leaves_no_file_and_says_so(tmp_path):
+    """``collective fetch --out`` makes its output's new file before the fetch; SIGTERM
+    (``timeout``, a scheduler) during the fetch ended it silently, exit 143, and left
+    ``.s.safetensors.<hex>.tmp`` behind (one more each attempt; after a large write began, a
+    large one). Now one line naming SIGTERM, exit 143, nothing left."""
+    import signal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, said = _signalled_fetch(tmp_path, out / "s.safetensors", signal.SIGTERM)
     assert rc == 143, (rc, said)
     assert "stopped by SIGTERM" in said and "Traceback" not in said, said
     assert list(out.iterdir()) == []
+
+
+def test_sigkill_during_a_fetch_leaves_no_file(tmp_path):
+    """SIGKILL (the OOM killer, a scheduler's hard kill) gives the fetch no chance to clean up: its
+    new file left ``.s.npz.<hex>.tmp`` behind for ever. Now that file has no name until it is
+    complete (O_TMPFILE): nothing is left."""
+    import signal
+
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, said = _signalled_fetch(tmp_path, out / "s.npz", signal.SIGKILL)
+    assert rc == -signal.SIGKILL, (rc, said)
+    assert list(out.iterdir()) == []  # before: [.s.npz.<16 hex>.tmp]
 
 
 # A Ctrl-C that lands while `collective launch` loads (held by entry.defer_sigint, as
