@@ -15,7 +15,7 @@ import bisect
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -267,6 +267,12 @@ class ChunkRange:
         return cls(ref.resume_from, ref.stop_at, ref.chunk_stride or 1, ref.chunk_phase).check(
             plan, "stream request asks for")
 
+    @classmethod
+    def stripe(cls, start: int, stop: int, plan: pb.Plan) -> ChunkRange:
+        """Every chunk from offset ``start`` to ``stop`` (``plan``'s ``total_bytes``, the
+        arena's end: ``stop`` 0)."""
+        return cls(start, 0 if stop == plan.total_bytes else stop)
+
     def check(self, plan: pb.Plan, what: str = "range of") -> ChunkRange:
         """This range, or ProtocolError (``what`` it is, then the range) unless it is one of
         ``plan``'s stream: ``start`` a chunk boundary or the arena's end, ``stop`` 0 or a chunk
@@ -394,21 +400,24 @@ class Receiver:
     chunk is hashed once, whatever the number of variables it fuses. ``finish`` raises
     IntegrityError unless every stream ended properly with every byte verified.
 
-    ``span`` (start, stop; chunk boundaries): receive one stripe of the stream, from ``start``
-    to ``stop``, whose streams end with ``stripe_end`` (several senders' stripes of one arena).
-    ``base``: ``arena`` holds the bytes from that offset of the plan's arena on (a stripe's own
-    buffer). Chunk indices (``landed``, ``verified``) are the plan's, whatever the span.
+    ``span`` (a ``ChunkRange``'s ``start`` and ``stop``, of stride 1): receive one stripe of the
+    stream, whose streams end with ``stripe_end`` (several senders' stripes of one arena); each
+    part's stride and phase apply within it. ``base``: ``arena`` holds the bytes from that offset
+    of the plan's arena on (a stripe's own buffer). Chunk indices (``landed``, ``verified``) are
+    the plan's, whatever the span.
     """
 
-    def __init__(self, plan: pb.Plan, arena: np.ndarray, *, span: tuple[int, int] | None = None,
+    def __init__(self, plan: pb.Plan, arena: np.ndarray, *, span: ChunkRange = ALL,
                  base: int = 0, table: FrameTable | None = None) -> None:
         """``table``: the plan's ``frame_table``, made once for the many stripes of one plan."""
         self._plan = self.plan = plan
         self._arena = arena.reshape(-1).view(np.uint8)
         self._base = base
         self._table(frame_table(plan) if table is None else table)
-        start, stop = self._start, self._stop = span if span is not None else (0, plan.total_bytes)
-        ChunkRange(start, 0 if stop == plan.total_bytes else stop).check(plan, "a receiver's span of")
+        if span.stride != 1:
+            raise ValueError(f"a receiver's span is every chunk from start to stop, not a stride of them: {span}")
+        self._span = span.check(plan, "a receiver's span of")
+        start, stop = self._start, self._stop = span.start, span.stop or plan.total_bytes
         # A stripe ends where its next chunk would begin, with a message of no bytes there.
         f = self._frames[stop]
         self._end = _ChunkFrame(f.start, f.start, f.group_key, (), "")
@@ -580,8 +589,7 @@ class Part:
     def range(self) -> ChunkRange:
         """What to ask a sender for (``ChunkRange.ask``): this stream's chunks from where it
         stands to the span's end."""
-        r = self._r
-        return ChunkRange(self.resume_from, r._stop if r._stop < r.plan.total_bytes else 0, self.stride, self.phase)
+        return replace(self._r._span, start=self.resume_from, stride=self.stride, phase=self.phase)
 
     @property
     def bytes_received(self) -> int:

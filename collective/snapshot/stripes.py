@@ -25,7 +25,7 @@ from collective.limits import MAX_HOLDER_NAME_CHARS
 from collective.logs import printable
 from collective.model import quoted
 from collective.sizes import format_bytes
-from collective.stream import Receiver, differing_variable, frame_table, overlapping
+from collective.stream import ChunkRange, Receiver, differing_variable, frame_table, overlapping
 
 log = logging.getLogger("collective.snapshot.fetcher")  # the fetch's one log, as before the split
 
@@ -303,7 +303,7 @@ class Striper:
             if inside is None:  # into this holder's buffer, copied out once verified
                 warm(own, 0, b - a)
             buf, base = inside or (own[: b - a], a)
-        receiver = Receiver(self.plan, buf, span=span, base=base, table=self.table)
+        receiver = Receiver(self.plan, buf, span=ChunkRange.stripe(a, b, self.plan), base=base, table=self.table)
         ref = receiver.range.ask(pb.WorkerRef(worker_id=self.ident))  # this stripe's chunks
         with self.cond:
             self.watches[h] = _Watch(receiver, h)

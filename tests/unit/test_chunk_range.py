@@ -84,7 +84,7 @@ def test_a_chunker_cuts_each_range_by_the_rule_and_a_receiver_of_that_range_take
         assert [m.offset for m in msgs] == _expected(plan, rng), rng
         assert msgs[-1].HasField("end") and msgs[-1].end.total_bytes == (rng.stop or plan.total_bytes)
     # A receiver's part asks for what it lacks, and takes exactly what it asked for.
-    for stripe in ((0, plan.total_bytes), (2 * SIZE, 6 * SIZE), (7 * SIZE, plan.total_bytes)):
+    for stripe in (ChunkRange(), ChunkRange(2 * SIZE, 6 * SIZE), ChunkRange(7 * SIZE)):
         receiver = Receiver(plan, np.zeros(plan.total_bytes, np.uint8), span=stripe)
         parts = [receiver.part(ChunkRange(stride=2, phase=t)) for t in (0, 1)]
         for part in parts:

@@ -1,5 +1,5 @@
 """collective.snapshot's state <-> tensors + JSON skeleton, and the stripes of a stream
-(``ChunkRange.stop``, ``Receiver(span=, base=)``) that a fetch from several holders uses."""
+(``Receiver(span=ChunkRange(start, stop), base=)``) that a fetch from several holders uses."""
 
 from __future__ import annotations
 
@@ -135,8 +135,10 @@ def test_stripes_of_a_stream_rebuild_the_arena_bit_for_bit(copy):
     bounds = list(range(0, plan.total_bytes, 3 * size)) + [plan.total_bytes]
     for a, b in itertools.pairwise(bounds):
         own = np.zeros(b - a, np.uint8)  # a stripe's own buffer (fetch into=)
-        receivers = [Receiver(plan, whole, span=(a, b)), Receiver(plan, own, span=(a, b), base=a)]
-        for msg, data in chunker.frames(ChunkRange(a, b if b < plan.total_bytes else 0)):
+        stripe = ChunkRange.stripe(a, b, plan)  # stop 0 for the last: to the arena's end
+        receivers = [Receiver(plan, whole, span=stripe), Receiver(plan, own, span=stripe, base=a)]
+        assert [r.range for r in receivers] == [stripe, stripe]  # what each asks a sender for
+        for msg, data in chunker.frames(stripe):
             for r in receivers:
                 r.view(msg.offset, len(data))[...] = np.frombuffer(data, np.uint8)
                 r.accept(msg, placed=True)
@@ -160,7 +162,7 @@ def test_a_copy_and_the_arrays_in_place_make_one_plan():
 def test_a_stripe_that_stops_short_or_runs_past_its_end_is_refused():
     plan, arena, _ = _plan({"x": np.arange(1000.0)}, 1024, True)
     whole = np.zeros(plan.total_bytes, np.uint8)
-    r = Receiver(plan, whole, span=(0, 2048))
+    r = Receiver(plan, whole, span=ChunkRange(0, 2048))
     frames = list(Chunker(plan, arena).frames())  # the whole stream, not the stripe
     for msg, data in frames[:2]:
         r.view(msg.offset, len(data))[...] = np.frombuffer(data, np.uint8)
@@ -171,7 +173,9 @@ def test_a_stripe_that_stops_short_or_runs_past_its_end_is_refused():
         r.finish()
     for span in ((100, 2048), (0, 100), (2048, 1024), (-1024, 2048), (0, plan.total_bytes + 1024)):
         with pytest.raises(ProtocolError, match="a receiver's span of bytes .*: not a range of chunks"):
-            Receiver(plan, whole, span=span)
+            Receiver(plan, whole, span=ChunkRange(*span))
+    with pytest.raises(ValueError, match="not a stride of them"):  # a part's stride and phase, not the span's
+        Receiver(plan, whole, span=ChunkRange(stride=2, phase=1))
     end = pb.Chunk(offset=2048, end=pb.StreamEnd(total_bytes=plan.total_bytes))
     with pytest.raises(IntegrityError, match="stream end claims"):
         r.accept(end, placed=True)

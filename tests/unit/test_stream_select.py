@@ -1,6 +1,6 @@
 """A Receiver fed by several streams, each a selection of the chunks (``ChunkRange`` stride and
 phase): a double tree's two halves; a sender that sends only its selection; selections within one
-stripe of the stream (``Receiver(span=, base=)``, ``ChunkRange.stop``: a snapshot fetch's)."""
+stripe of the stream (``Receiver(span=ChunkRange(start, stop), base=)``: a snapshot fetch's)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_selections_within_a_stripe_fill_its_span_and_end_at_its_stop(own):
     size = plan.chunk_bytes
     a, b = 3 * size, 7 * size
     buf = np.zeros(b - a, np.uint8) if own else worker_arena(plan)
-    r = Receiver(plan, buf, span=(a, b), base=a if own else 0)
+    r = Receiver(plan, buf, span=ChunkRange(a, b), base=a if own else 0)
     parts = [r.part(ChunkRange(stride=2, phase=j)) for j in (1, 0)]
     assert [p.resume_from for p in parts] == [3 * size, 4 * size]  # each from its first chunk in the span
     assert [p.range for p in parts] == [ChunkRange(a, b, 2, 1), ChunkRange(4 * size, b, 2, 0)]  # what each asks for
@@ -127,7 +127,7 @@ def test_selections_within_a_stripe_fill_its_span_and_end_at_its_stop(own):
 def test_a_stripes_part_whose_stream_stops_short_names_the_missing_chunk():
     plan, arena, _, _ = make_plan(ARRAYS)
     size = plan.chunk_bytes
-    r = Receiver(plan, worker_arena(plan), span=(2 * size, 6 * size))
+    r = Receiver(plan, worker_arena(plan), span=ChunkRange(2 * size, 6 * size))
     a, b = r.part(ChunkRange(stride=2, phase=0)), r.part(ChunkRange(stride=2, phase=1))
     for c in with_bytes(Chunker(plan, arena).frames(a.range)):
         a.accept(c)
