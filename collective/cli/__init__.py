@@ -11,10 +11,10 @@ import argparse
 import json
 import sys
 
-from collective import logs
 from collective.config import Parser, add_flags, plain
 from collective.entry import early_sigint, run_main
 from collective.errors import CollectiveError
+from collective.logs import configure as configure_logs
 from collective.options import DOCTOR_FLAGS, FETCH_FLAGS, LAUNCH_FLAGS, LOGS_FLAGS, STATUS_FLAGS
 
 
@@ -50,13 +50,18 @@ def _version() -> str:
         return "(not installed)"
 
 
+# The command modules beside this one become attributes of this package once imported
+# (`collective.cli.logs` is `logs` here then), so no name here is one of theirs (configure_logs,
+# not logs: tests/unit/test_options.py checks).
+
+
 def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         args = build_parser().parse_args(argv)
         if args.command != "launch" and early_sigint():  # launch acts on it, its JSON line printed
             raise KeyboardInterrupt
         if args.command in ("launch", "bench"):  # these show log lines of their own and of processes they run
-            logs.configure("launch")
+            configure_logs("launch")
             return _run(args)
         try:
             return _run(args)

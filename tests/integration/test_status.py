@@ -125,7 +125,9 @@ def test_status_reaches_a_default_launch_through_its_run_dir(tmp_path):
         wait_until(status_file.exists, "the launch's status file", timeout=60)
         st = os.lstat(status_file)
         assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
-        assert f"status: collective status --run-dir {run_dir}" in (tmp_path / "launch.out").read_text()
+        # The line comes just after the file (written, then said): wait for it, not a moment.
+        said = f"status: collective status --run-dir {run_dir}"
+        wait_until(lambda: said in (tmp_path / "launch.out").read_text(), "launch's status line", timeout=60)
         proc = status("--run-dir", str(run_dir), "--json")
         assert proc.returncode == 0, proc.stderr
         shown = json.loads(proc.stdout)

@@ -331,3 +331,30 @@ def test_a_wait_of_infinite_or_astronomical_seconds_is_refused(argv, env):
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "more than 2592000 seconds" in last and "Traceback" not in proc.stderr, last
+
+
+def test_no_name_of_the_cli_package_is_one_of_its_command_modules():
+    """``collective.cli`` bound ``logs`` (the event log) while ``collective/cli/logs.py`` is the
+    ``collective logs`` command: once a test imported the command, ``collective.cli.logs`` was the
+    command module and ``collective bench`` / ``launch`` in that process failed with
+    "module 'collective.cli.logs' has no attribute 'configure'" (3 bench tests, in the suite only)."""
+    import ast
+
+    from tests.procs import ROOT
+
+    folder = ROOT / "collective" / "cli"
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__", "__main__"}
+    tree = ast.parse((folder / "__init__.py").read_text())
+    bound = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Assign):
+            bound |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    assert "logs" in modules and not bound & modules, bound & modules
+    import collective.cli
+    import collective.cli.logs  # noqa: F401 - the command module, imported as the suite does
+
+    assert callable(collective.cli.configure_logs)
