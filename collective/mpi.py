@@ -95,8 +95,8 @@ def _end_job(code: int, rank: int | None) -> None:
 
 
 def _end_together(comm, code: int) -> None:
-    """Every rank heard rank 0's failure before serving (``refuse_joins``) and logs it: once all
-    have (asleep, for at most ``2 * FOLLOWER_WAIT`` s), end the job with ``code`` (``_end_job``:
+    """Every rank heard the same failure at the same step (rank 0's before serving, through
+    ``refuse_joins``, or a failed round's answer) and logs it: once all have (asleep, for at most ``2 * FOLLOWER_WAIT`` s), end the job with ``code`` (``_end_job``:
     rank 0's MPI_Abort, so mpiexec exits ``code`` rather than 9). Never returns."""
     from collective.transport.mpi import settle
 
@@ -197,7 +197,9 @@ def _chief(comm, args, watchdog) -> int:
         print(json.dumps(result), flush=True)
     if not result["ok"]:
         log.error("round failed: %s", result["error"])
-        return result["exit_code"] or 1
+        # every rank heard the failure at the same step (an unheard one aborted the job): once
+        # each has logged its line, one MPI_Abort ends them all with this code (``_end_job``)
+        _end_together(comm, result["exit_code"] or 1)
     log.info("training started: %d workers hold %s", comm.size - 1,
              "their shards" if args.shards is not None else "identical variables")
     return 0
@@ -282,9 +284,9 @@ def _worker(comm, args, watchdog) -> int:
     except CollectiveError as exc:
         if not exc.unannounced:  # every rank got it at the same step: no need to abort them
             log.error("rank %d (worker on %s): %s", comm.rank, socket.gethostname(), exc)
-            if getattr(exc, "refused", False):  # rank 0 failed before serving: it ends the job with its code
-                _end_together(comm, exc.exit_code)
-            return exc.exit_code
+            # the first rank to exit non-zero gets the others SIGKILLed by mpiexec, their lines
+            # unwritten: every rank logs, then all end together with one code
+            _end_together(comm, exc.exit_code)
         raise
     result.log_started()
     return 0
