@@ -161,6 +161,9 @@ def stopped_from_the_start(call: Callable) -> Callable:
             err.exit_code = 128 + signum
             raise StopSignal(err)
 
+        from collective import logs
+
+        logs.phase(None)  # a new call has no phase yet: not the last call's in this process
         _replaced.append({signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)})
         try:
             return call(*args, **kwargs)

@@ -79,3 +79,21 @@ def test_a_call_stopped_from_the_start_hands_back_the_handler_it_replaced_under_
         sync(True)
     assert str(info.value).endswith(".sync stopped by SIGTERM while starting") and info.value.exit_code == 143
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_call_stopped_at_its_start_does_not_name_the_last_calls_phase():
+    """A process that ran one ``collective.sync`` (its log phase left at "broadcast") and is
+    stopped at the start of the next: the stop is "while starting", not "during broadcast"."""
+    from collective import logs
+    from collective._waits import stopped_from_the_start
+
+    @stopped_from_the_start
+    def sync():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 0.01)
+        return "started"
+
+    logs.phase("broadcast")
+    with pytest.raises(AbortedError) as info:
+        sync()
+    assert str(info.value).endswith(".sync stopped by SIGTERM while starting"), info.value
