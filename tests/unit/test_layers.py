@@ -44,8 +44,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("collective.mpi", "collective.summary"),
     # The public Python API.
     ("collective._api", "collective.checks", "collective.snapshot", "collective"),
-    # Framework hand-offs, on top of the API.
-    ("collective.torch", "collective.torchft", "collective.jax", "collective.tf"),
+    # Framework hand-offs, on top of the API (collective.vllm: vLLM's weight-transfer engine).
+    ("collective.torch", "collective.torchft", "collective.jax", "collective.tf", "collective.vllm"),
     # Command lines: the collective command's folder (one module per command, with what only
     # they show or keep: launch's run directory, the status table, the merged logs), the roles'
     # entry points, and the benchmark behind `collective bench`.

@@ -1,0 +1,163 @@
+"""collective as vLLM's weight-transfer engine, with real vLLM on CPU (vLLM's CPU build).
+
+A 4.5 M-parameter Qwen2 is made here with ``transformers`` (random weights, bf16) and served by
+``LLM(weight_transfer_config={"backend": "collective"})``: the backend comes from collective's
+``vllm.general_plugins`` entry point, loaded by vLLM in its engine core, a process of its own.
+The trainer (this process: the model, a real AdamW step on random tokens, vLLM's trainer
+engine over the LLM) publishes each step; after each update the engine's greedy tokens must
+equal those of a FRESH engine started from the trainer's weights of that step
+(``save_pretrained``), and the engine must report the trainer's step and manifest digest.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import warnings
+
+import pytest
+
+from tests.vllm.conftest import require_vllm
+
+# torch, transformers and vLLM warn about their own internals (torch.jit deprecations, ...);
+# the suite's warnings-as-errors is for this project's code, so theirs are let through here.
+THIRD_PARTY = (DeprecationWarning, FutureWarning, UserWarning)
+with warnings.catch_warnings():
+    for category in THIRD_PARTY:
+        warnings.simplefilter("ignore", category)
+    require_vllm()
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from collective.vllm import CollectiveTrainerInitInfo, LLMClient, weight_version
+
+pytestmark = [pytest.mark.timeout(1200), *(pytest.mark.filterwarnings(f"ignore::{c.__name__}") for c in THIRD_PARTY)]
+
+STEPS = 3
+TOKEN = "vllm-engine-test-token"
+# One engine's settings, live and fresh alike: no tokenizer (prompts are token ids), eager (no
+# compilation on CPU), a 64 MiB KV cache (vLLM's CPU default takes most of the machine).
+ENGINE = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              seed=0, kv_cache_memory_bytes=64 << 20)
+PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [100, 200, 300]},
+           {"prompt_token_ids": list(range(7, 400, 13))}]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, detokenize=False)
+
+
+def _qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, dtype="bfloat16", initializer_range=0.1)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
+def _greedy(llm) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _fresh_greedy(path) -> tuple[list[list[int]], float]:
+    started = time.perf_counter()
+    llm = LLM(model=str(path), **ENGINE)
+    try:
+        return _greedy(llm), time.perf_counter() - started
+    finally:
+        _close(llm)
+
+
+def _adamw_step(model, optimizer, generator) -> None:
+    tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=generator)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The trainer's model at step 0, its checkpoint, an LLM serving it with the collective
+    backend, and the trainer engine (published at step 0, the engine subscribed)."""
+    root = tmp_path_factory.mktemp("vllm-engine")
+    model = _qwen2()
+    assert 4.0e6 < sum(p.numel() for p in model.parameters()) < 5.0e6
+    model.save_pretrained(root / "step0")
+    with pytest.MonkeyPatch.context() as mp:
+        # The token reaches both sides through the environment, never through vLLM's RPCs.
+        mp.setenv("COLLECTIVE_TOKEN", TOKEN)
+        started = time.perf_counter()
+        llm = LLM(model=str(root / "step0"), weight_transfer_config={"backend": "collective"},
+                  worker_extension_cls="collective.vllm.CollectiveWorkerExtension", **ENGINE)
+        engine_start = time.perf_counter() - started
+        started = time.perf_counter()
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            CollectiveTrainerInitInfo(rank=0, step=0), client=LLMClient(llm), source=ModuleSource(model))
+        subscribe = time.perf_counter() - started
+    timings = [f"engine start {engine_start:.1f} s, trainer_init (publish + the engine's full fetch) {subscribe:.2f} s"]
+    try:
+        yield {"root": root, "model": model, "llm": llm, "trainer": trainer, "timings": timings}
+    finally:
+        trainer.shutdown()
+        _close(llm)
+
+
+def _held(llm) -> dict:
+    (held,) = llm.collective_rpc("collective_weights")
+    return held
+
+
+def _show(capsys, lines: list[str]) -> None:
+    """The timings, printed past pytest's capture (the issue's note quotes them)."""
+    with capsys.disabled():
+        print("", *(f"vllm engine test: {line}" for line in lines), sep="\n")
+
+
+def test_each_trainer_step_reaches_the_engine_and_generates_as_a_fresh_engine_on_that_step(served, capsys):
+    model, llm, trainer, root = served["model"], served["llm"], served["trainer"], served["root"]
+    timings = served["timings"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    before = _greedy(llm)
+    for step in range(1, STEPS + 1):
+        _adamw_step(model, optimizer, generator)
+        model.save_pretrained(root / f"step{step}")
+        sent = trainer.send_weights(step)
+        held = _held(llm)
+        tokens = _greedy(llm)
+        fresh, fresh_seconds = _fresh_greedy(root / f"step{step}")
+        timings.append(f"step {step}: publish {sent['publish_seconds']:.2f} s, update round "
+                       f"{sent['update_seconds']:.2f} s (engine: apply {held['apply_seconds']:.3f} s, load "
+                       f"{held['load_seconds']:.3f} s, {held['loaded_tensors']}/{held['tensors']} tensors; "
+                       f"last step {held['last']}), verify (fresh engine start + generate) {fresh_seconds:.1f} s")
+        # The engine core is its own process: the plugin registered the backend there.
+        assert held["pid"] != os.getpid()
+        assert (held["step"], held["manifest_digest"]) == (step, sent["manifest_digest"])
+        assert llm.get_weight_version() == weight_version(step, sent["manifest_digest"])
+        # The step changed what the model generates (else an update that loaded nothing would pass)...
+        assert fresh != before, f"step {step}'s weights generate what step {step - 1}'s did"
+        # ...and the live engine generates exactly what a fresh one on the trainer's weights does.
+        assert tokens == fresh, f"step {step}: the live engine's greedy tokens differ from a fresh engine's"
+        before = tokens
+    _show(capsys, timings)
+
+
+def test_an_update_whose_manifest_digest_differs_from_the_engines_is_refused_and_nothing_is_loaded(served):
+    llm = served["llm"]
+    held = _held(llm)
+    tokens = _greedy(llm)
+    client = LLMClient(llm)
+    client.start_weight_update()
+    with pytest.raises(Exception, match="manifest digest") as failed:
+        client.update_weights({"step": held["step"] or 0, "manifest_digest": "0" * 32})
+    assert "nothing loaded" in str(failed.value)
+    assert _held(llm) == held
+    assert _greedy(llm) == tokens
