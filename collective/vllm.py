@@ -219,6 +219,7 @@ class CollectiveWeightTransferEngine(WeightTransferEngine[CollectiveInitInfo, Co
         digests = {n: array_digest(a) for n, a in tensors.items()}
         changed = set(digests) if self._loaded is None else {n for n, d in digests.items() if self._loaded.get(n) != d}
         names = reload_names(list(tensors), changed)
+        self._loaded = None  # until the load completes: a failed one leaves the model unknown, reload all next
         load_checkpoint_tensors(self.model, self.model_config, ((n, from_numpy(tensors[n])) for n in names))
         self._loaded = digests
         self._report = {"step": sub.step, "manifest_digest": sub.manifest_digest, "pid": os.getpid(),

@@ -190,3 +190,16 @@ def test_an_update_whose_manifest_digest_differs_from_the_engines_is_refused_and
     assert "nothing loaded" in str(failed.value)
     assert _held(llm) == held
     assert _greedy(llm) == tokens
+
+
+def test_an_update_to_a_step_never_published_times_out_naming_the_step_held_and_nothing_changes(served):
+    llm = served["llm"]
+    held = _held(llm)
+    tokens = _greedy(llm)
+    client = LLMClient(llm)
+    client.start_weight_update()
+    step = (held["step"] or 0) + 100
+    with pytest.raises(Exception, match=f"step {step} did not arrive within 2 s; holding step {held['step'] or 0}"):
+        client.update_weights({"step": step, "timeout": 2.0})
+    assert _held(llm) == held
+    assert _greedy(llm) == tokens
