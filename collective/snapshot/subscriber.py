@@ -165,7 +165,7 @@ class Subscription:
             self._cond.notify_all()
 
     def _apply_one(self, s: _Step) -> None:
-        started = time.monotonic()
+        started, kind = time.monotonic(), s.kind
         if s.kind == "full":
             self._take_full(s.plan, s.arrays)
         else:
@@ -183,11 +183,12 @@ class Subscription:
                 self.refusals.append(said)
                 self._distrusted.update(a.strip() for a in s.senders.split(","))
                 self._refetch(s.plan, f"the delta from {s.senders} did not verify")
+                kind = "full"
             else:
                 self._plan = s.plan
                 self._rebuild(names)
         self.step, self.manifest_digest = s.step, s.plan.manifest_digest
-        self.stats = {"kind": s.kind, "step": s.step, "bytes": s.nbytes, "receive_seconds": s.seconds,
+        self.stats = {"kind": kind, "step": s.step, "bytes": s.nbytes, "receive_seconds": s.seconds,
                       "apply_seconds": time.monotonic() - started}
 
     def _unverified(self, old: pb.Plan, s: _Step) -> list[int]:
