@@ -1,7 +1,7 @@
 """Roles for the every-step tests, as real processes (tests/integration/test_subscribe_procs.py).
 
 ``publisher --address-file F --steps N``: publishes a bf16 state at step 0, then steps 1..N
-(1% of elements changed each), one JSON line per step served ({"step", "manifest"}), then
+(1% of elements changed each, from when ``F.go`` exists), one JSON line per step served ({"step", "manifest"}), then
 serves on until ``F.stop`` exists (at most 120 s). ``subscriber --source ADDR --until N``:
 subscribes and applies every step it receives, one JSON line per step applied ({"step",
 "manifest", "kind"}), until it holds step N."""
@@ -28,6 +28,9 @@ def publisher(args) -> None:
     tmp = Path(str(args.address_file) + ".tmp")
     tmp.write_text(pub.address)
     os.replace(tmp, args.address_file)
+    go, deadline = Path(str(args.address_file) + ".go"), time.monotonic() + 120
+    while not go.exists() and time.monotonic() < deadline:  # the test's subscribers are up
+        time.sleep(0.02)
     for step in range(1, args.steps + 1):
         time.sleep(args.interval)
         idx = rng.choice(state["w"].size, state["w"].size // 100, replace=False)

@@ -185,6 +185,8 @@ class SnapshotHandler:
             self._active += 1
         try:
             for msg, data in self._chunker.frames(rng):
+                if self._closed:  # withdrawn mid-stream: its bytes may be changing now (a subscriber's)
+                    self._refuse_if_closed(True)
                 yield msg, data
                 with self._cond:
                     self.bytes_served += len(data)
@@ -204,6 +206,17 @@ class SnapshotHandler:
     def status(self, brief: bool = False) -> pb.StatusReply:
         return pb.StatusReply(phase="publishing" if not self._closing else "closed")
 
+    def cut(self, timeout: float) -> bool:
+        """Refuse every call and stream at once (a stream in progress ends at its next chunk),
+        and wait up to ``timeout`` s for those in progress to end: the arrays it reads may
+        change after that (a subscriber applying its next step). True if none was left."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._closing = self._closed = True
+            while self._active and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return not self._active
+
     def close(self, grace: float) -> bool:
         """Refuse new fetches; wait up to ``grace`` s for those in progress (streams active, or
         one ended or a plan asked for within ``QUIET`` s: the fetch's next stripe may follow),
@@ -220,7 +233,7 @@ class SnapshotHandler:
 
 
 
-class _Serving:
+class Serving:
     """What the endpoint serves: the publication's current handler (its state in full), and
     the current step's delta from the step before (``Publication.update``), if any. A stream
     is served by the plan it names (``WorkerRef.incarnation``, the plan's
@@ -355,10 +368,10 @@ class Publication:
     ``withdraw()`` stops serving the state but keeps the address."""
 
     def __init__(self, handler: SnapshotHandler, endpoint, address: str, step: int, keep: list,
-                 shm_server=None, name: str = "", *, serving: _Serving | None = None, copy: bool = False,
+                 shm_server=None, name: str = "", *, serving: Serving | None = None, copy: bool = False,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self._endpoint = endpoint
-        self._serving = serving or _Serving(handler, step)
+        self._serving = serving or Serving(handler, step)
         self._copy, self._chunk_bytes = copy, chunk_bytes
         self.address, self.name = address, name
         self.step = step
@@ -576,8 +589,6 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
         ``MAX_HOLDER_NAME_CHARS`` characters; default ``host:pid``.
     :return: the ``Publication`` (``address``, ``name``, ``step``, ``manifest_digest``, ``close()``).
     """
-    from collective.transport.grpc import GrpcEndpoint
-
     _check_step(step)
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -585,22 +596,45 @@ def publish(state: Mapping, *, step: int, token: str | None = None, bind: str = 
     name = holder_name(name)
     started = time.monotonic()
     handler, keep, shm_server = _state_served(state, step, copy, chunk_bytes, name)
-    plan, serving = handler.plan, _Serving(handler, step)
-    endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder", tls=tls)
+    plan, serving = handler.plan, Serving(handler, step)
     try:
-        bound = endpoint.start(plan_server(serving))
+        endpoint, address = serve(serving, bind=bind, advertise=advertise, token=token, tls=tls)
     except BaseException:
         _release(keep, shm_server)
         raise
-    host = advertise or bound.rpartition(":")[0].strip("[]")
-    if host in ("", "0.0.0.0", "::"):
-        host = socket.gethostname()  # what another host can dial; advertise= overrides it
-    address = f"[{host}]:{endpoint.port}" if ":" in host else f"{host}:{endpoint.port}"
     log.info("publishing step %d (%d tensors, %d bytes, manifest %s) at %s, %s, in %.2f s", step,
              len(plan.variables) - 1, plan.total_bytes, plan.manifest_digest, address,
              "copied" if copy else "served in place", time.monotonic() - started)
     return Publication(handler, endpoint, address, step, keep, shm_server, name, serving=serving, copy=copy,
                        chunk_bytes=chunk_bytes)
+
+
+def serve(serving: Serving, *, bind: str, advertise: str | None, token: str | None, tls) -> tuple[object, str]:
+    """A holder's endpoint serving ``serving`` (a publication's, or a subscription's that
+    serves what it holds): (endpoint, the address others dial)."""
+    from collective.transport.grpc import GrpcEndpoint
+
+    endpoint = GrpcEndpoint(bind, token=cluster_token(token), name="holder", tls=tls)
+    bound = endpoint.start(plan_server(serving))
+    host = advertise or bound.rpartition(":")[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()  # what another host can dial; advertise= overrides it
+    return endpoint, f"[{host}]:{endpoint.port}" if ":" in host else f"{host}:{endpoint.port}"
+
+
+def held_handler(plan: pb.Plan, arrays: Mapping[str, np.ndarray], name: str, base: int | None = None) -> SnapshotHandler:
+    """A handler serving a plan another holder made (a step or a delta a subscriber holds,
+    verified) from ``arrays`` (every variable by name, the skeleton too) where they are: the
+    same chunks and digests, under this holder's name, without the other's same-host copy."""
+    served = pb.Plan()
+    served.CopyFrom(plan)
+    served.shm_socket = served.shm_secret = ""
+    step = int(plan.model.removeprefix(MODEL_PREFIX).partition(HOLDER_SEP)[0].partition(versions.DELTA_LABEL)[0])
+    served.model = model_label(step, name, base)
+    view = ScatterView([(v.offset, arrays[v.name]) for v in plan.variables], plan.total_bytes)
+    handler = SnapshotHandler(served, view)
+    handler.keep, handler.shm = [arrays, None, None], None
+    return handler
 
 
 def _check_step(step) -> None:

@@ -211,3 +211,46 @@ def test_update_refuses_a_publication_served_in_place_and_steps_that_do_not_incr
     with _publish(state, step=3) as pub:
         with pytest.raises(UsageError, match="steps must increase"):
             pub.update(state, 3)
+
+
+def _wait_all(subs, step: int) -> None:
+    import time
+
+    deadline = time.monotonic() + WAIT
+    while any(s.step < step for s in subs):
+        assert time.monotonic() < deadline, [s.step for s in subs]
+        time.sleep(0.01)
+
+
+def test_a_tree_of_serving_subscribers_takes_each_delta_once_from_the_publishers_link():
+    """Seven subscribers in a tree (each serves what it applied; the publisher is every one's
+    spare): per step the publisher serves one delta, however many follow; a subscriber whose
+    parent is gone takes the steps from the publisher."""
+    state, rng = _state(n=1_000_000), np.random.default_rng(6)
+    kw = dict(token=TOKEN, shm=False, auto=True, stripe=False, serve=True, bind="127.0.0.1:0")
+    with _publish(state) as pub:
+        subs = [collective.subscribe(pub.address, name="s0", **kw)]
+        for i in range(1, 7):
+            parent = subs[(i - 1) // 2]
+            subs.append(collective.subscribe([parent.address, pub.address], name=f"s{i}", **kw))
+        try:
+            assert pub.stats()["bytes_served"] == pub.total_bytes  # s0's first fetch; the rest from peers
+            for step in (1, 2, 3):
+                served = pub.stats()["bytes_served"]
+                _step(state, rng)
+                pub.update(state, step, wait=True)
+                _wait_all(subs, step)
+                assert pub.stats()["bytes_served"] - served == pub.last_update["delta_bytes"]
+                for s in subs:
+                    assert s.manifest_digest == pub.manifest_digest and s.stats["kind"] == "delta"
+                    _same_bytes(s, state)
+            subs[1].close()  # s3 and s4's parent
+            _step(state, rng)
+            pub.update(state, 4, wait=True)
+            _wait_all([s for i, s in enumerate(subs) if i != 1], 4)
+            for s in subs[3:5]:
+                assert s.manifest_digest == pub.manifest_digest
+                _same_bytes(s, state)
+        finally:
+            for s in subs:
+                s.close()

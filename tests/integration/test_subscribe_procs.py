@@ -36,6 +36,9 @@ def test_subscribers_apply_every_step_with_the_publishers_manifest_and_a_killed_
         victim = Proc(["-m", "tests.subscribe_roles", "subscriber", "--source", address, "--until", str(STEPS)],
                       tmp_path / "victim.log", env=env)
         procs.append(victim)
+        for p in (*subs, victim):  # every one has its first step before the steps begin
+            wait_until(lambda p=p: _lines(p) or p.proc.poll() is not None, "a subscriber's first step", timeout=120)
+        addr.with_name("address.go").write_text("")
         wait_until(lambda: any(line["step"] >= 1 for line in _lines(victim)) or victim.proc.poll() is not None,
                    "the victim's first step", timeout=120)
         victim.signal(signal.SIGKILL)
