@@ -254,3 +254,28 @@ def test_a_tree_of_serving_subscribers_takes_each_delta_once_from_the_publishers
         finally:
             for s in subs:
                 s.close()
+
+
+def test_an_update_copies_into_the_arena_of_the_step_last_replaced_and_subscribers_still_verify():
+    state, rng = _state(), np.random.default_rng(7)
+    with _publish(state) as pub, collective.subscribe(pub.address, token=TOKEN, shm=False) as sub:
+        assert pub.stats()["spare_bytes"] == 0
+        for step in (1, 2, 3, 4):
+            _step(state, rng)
+            pub.update(state, step, wait=True)
+            assert sub.apply(timeout=WAIT) == step and sub.manifest_digest == pub.manifest_digest
+            _same_bytes(sub, state)
+            if step >= 2:  # step 1's arena (plain memory; step 0's is a sealed file) retired: the spare
+                import time
+
+                deadline = time.monotonic() + WAIT
+                while pub.stats()["spare_bytes"] != pub.total_bytes:
+                    assert time.monotonic() < deadline, pub.stats()
+                    time.sleep(0.05)
+    with _publish(state, keep_spare=False) as pub:
+        for step in (1, 2, 3):
+            pub.update(state, step, wait=True)
+        import time
+
+        time.sleep(1.5)  # past the retire of steps 1 and 2 (0.5 s of quiet each)
+        assert pub.stats()["spare_bytes"] == 0
