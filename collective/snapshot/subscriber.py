@@ -72,7 +72,7 @@ class Subscription:
     subscription's own, updated in place). ``poll()``: the newest step waiting; ``apply()``:
     apply it. ``lock``: held while a step is applied (a caller that holds it around a use is
     never handed half a step, with ``auto=True`` too). ``stats``: the last applied step's kind,
-    bytes received, seconds. ``close()``; a context manager."""
+    bytes received, seconds, and ``steps``: (step, kind) of each step the last ``apply`` wrote. ``close()``; a context manager."""
 
     def __init__(self, sources: list[str], first: Fetched, *, token, tls, timeout: float,
                  stall_timeout: float, into: Mapping | None, auto: bool, shm: bool = True,
@@ -94,6 +94,7 @@ class Subscription:
         self._closed = False
         self._auto = auto
         self._said_lost = False
+        self._refused = -1  # the newest step whose apply was refused (the into arrays cannot take it)
         self._link = None
         self._shm = shm
         self._active = MAX_ACTIVE_HOLDERS if stripe else 1
@@ -116,7 +117,7 @@ class Subscription:
         """The newest step received, checked and waiting to be applied, or None (none within
         ``timeout`` s)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._pending or self._closed, timeout=max(0.0, timeout))
+            self._cond.wait_for(lambda: self._pending or self._closed or self._error, timeout=max(0.0, timeout))
             return self._pending[-1].step if self._pending else None
 
     def apply(self, timeout: float = 0.0) -> int | None:
@@ -130,9 +131,18 @@ class Subscription:
         with self.lock:
             with self._cond:
                 todo, self._pending = self._pending, []
-            for s in todo:
-                self._apply_one(s)
-            self._cond_notify()
+            try:
+                applied = []
+                for s in todo:
+                    self._apply_one(s)
+                    applied.append((s.step, self.stats["kind"]))
+                self.stats["steps"] = applied
+            except E.CollectiveError:
+                with self._cond:  # not fetched again until a newer step comes
+                    self._refused = max(self._refused, todo[-1].step)
+                raise
+            finally:
+                self._cond_notify()
         return self.step
 
     def follow(self, sources: str | Sequence[str]) -> None:
@@ -323,11 +333,17 @@ class Subscription:
         with self._cond:
             self._cond.wait_for(lambda: self._closed, timeout=RETRY_SECONDS)
 
-    def _held(self) -> tuple[int, pb.Plan]:
-        """The step the arrays will hold once the waiting steps are applied, and its plan."""
+    def _held(self) -> tuple[int, pb.Plan, int]:
+        """The step the arrays will hold once the waiting steps are applied, its plan, and the
+        step to wait past (a step whose apply was refused is not fetched again)."""
         with self._cond:
             last = self._pending[-1] if self._pending else None
-        return (last.step, last.plan) if last is not None else (self.step, self._plan)
+            held, plan = (last.step, last.plan) if last is not None else (self.step, self._plan)
+            return held, plan, max(held, self._refused)
+
+    def _waiting_bytes(self) -> int:
+        with self._cond:
+            return sum(s.nbytes for s in self._pending)
 
     def _poll_link(self):
         from collective.transport.grpc import GrpcChiefLink
@@ -356,19 +372,21 @@ class Subscription:
 
     def _next(self) -> None:
         """One long poll; a new step received and checked, or nothing."""
-        held, held_plan = self._held()
+        held, held_plan, after = self._held()
         link = self._poll_link()
-        ref = pb.WorkerRef(worker_id="subscribe", newer_than=held)
+        ref = pb.WorkerRef(worker_id="subscribe", newer_than=after)
         plan = link.get_plan(ref, POLL_SECONDS + 5.0, phase="subscribe (waiting for the next step)",
                              max_bytes=MAX_SNAPSHOT_PLAN_BYTES)
         if self._said_lost:
             log.info("subscribe: %s answers again (step %d)", link.address, plan_step(plan))
             self._said_lost = False
         step = plan_step(plan)
-        if step <= held or self._closed:
+        if step <= after or self._closed:
             return
         started = time.monotonic()
-        s = self._delta(held, held_plan, plan, started)
+        # Deltas waiting beyond the state's size: the step whole is smaller (and replaces them).
+        behind = after > held or self._waiting_bytes() > held_plan.total_bytes
+        s = None if behind else self._delta(held, held_plan, plan, started)
         if s is None:
             got = fetch_step(self.sources, step=step, token=self._token, tls=self._tls, timeout=self._timeout,
                              stall_timeout=self._stall, manifest=plan.manifest_digest, shm=self._shm,
@@ -382,7 +400,12 @@ class Subscription:
                 self._pending.append(s)
             self._cond.notify_all()
         if self._auto:
-            self.apply()
+            try:
+                self.apply()
+            except E.UsageError as exc:  # the caller's arrays cannot take it: for the caller to see
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
 
     def _delta(self, held: int, held_plan: pb.Plan, plan: pb.Plan, started: float) -> _Step | None:
         """Step ``plan``'s delta from ``held``, fetched, checked and parsed; None where the

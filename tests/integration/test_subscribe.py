@@ -279,3 +279,33 @@ def test_an_update_copies_into_the_arena_of_the_step_last_replaced_and_subscribe
 
         time.sleep(1.5)  # past the retire of steps 1 and 2 (0.5 s of quiet each)
         assert pub.stats()["spare_bytes"] == 0
+
+
+def test_deltas_waiting_past_the_states_size_give_way_to_the_step_whole():
+    """A caller that does not apply while most of the state changes every step: the deltas
+    waiting never outgrow the state; the step comes whole instead."""
+    state, rng = _state(), np.random.default_rng(8)
+    with _publish(state) as pub, collective.subscribe(pub.address, token=TOKEN, shm=False) as sub:
+        for step in range(1, 5):
+            _step(state, rng, fraction=0.9)  # w goes whole each step: a delta about the state's size
+            pub.update(state, step, wait=True)
+            collective_wait(sub, step)
+        assert sub.apply(timeout=WAIT) == 4 and sub.manifest_digest == pub.manifest_digest
+        kinds = dict(sub.stats["steps"])
+        assert "full" in kinds.values() and len(kinds) < 4, kinds  # deltas dropped for a step whole
+        _same_bytes(sub, state)
+
+
+def test_a_step_the_into_arrays_cannot_take_is_not_fetched_again_until_a_newer_one_comes():
+    state = _state()
+    w = np.zeros(400_000, ml_dtypes.bfloat16)
+    with _publish(state) as pub, collective.subscribe(pub.address, token=TOKEN, into={"layer/w": w},
+                                                      auto=True, shm=False) as sub:
+        pub.update(_state(n=500_000), 1, wait=True)
+        with pytest.raises(UsageError, match="into arrays"):
+            sub.apply(timeout=WAIT)
+        served = pub.stats()["bytes_served"]
+        import time
+
+        time.sleep(2.0)  # a follower that fetched the step again and again would serve it here
+        assert pub.stats()["bytes_served"] == served and sub.step == 0
