@@ -436,7 +436,9 @@ def fetch_step(sources: str | Sequence[str], *, step: int | None, delta_from: in
     out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped, "shared_memory": h.shared}
                  for h in ready}
     seconds = time.monotonic() - started
-    log.info("fetched step %d (%s, manifest %s) in %.2f s: %s", step, format_bytes(plan.total_bytes),
+    log.log(logging.INFO if delta_from is None else logging.DEBUG,  # a subscriber says what it applied
+            "fetched step %d%s (%s, manifest %s) in %.2f s: %s", step,
+            "" if delta_from is None else f" as a delta from step {delta_from}", format_bytes(plan.total_bytes),
              plan.manifest_digest, seconds,
              ", ".join(f"{a} {format_bytes(s['bytes'])}" + (f" (dropped: {s['dropped']})" if s["dropped"] else "")
                        for a, s in out.stats.items()))

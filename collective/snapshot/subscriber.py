@@ -232,6 +232,9 @@ class Subscription:
             self._serve_held(s if kind == "delta" else None)
         self.stats = {"kind": kind, "step": s.step, "bytes": s.nbytes, "receive_seconds": s.seconds,
                       "apply_seconds": time.monotonic() - started}
+        log.info("subscribe: step %d applied and verified (%s of %d bytes from %s; received in %.3f s, applied "
+                 "in %.3f s; manifest %s)", s.step, "a delta" if kind == "delta" else "whole", s.nbytes, s.senders,
+                 s.seconds, self.stats["apply_seconds"], self.manifest_digest)
 
     def _serve_held(self, s: _Step | None) -> None:
         """Serve the step now held (its arrays, in place) and, for a delta ``s``, that delta (its
