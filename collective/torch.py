@@ -455,7 +455,9 @@ def subscribe(module: torch.nn.Module, sources: Any, *, optimizer: torch.optim.O
     ``optimizer`` the publication must hold ``{"model": ..., "optimizer": ...}`` (the trainer's
     ``publish_module(..., optimizer=...)``) and the optimizer is loaded from it after each
     step. The other keyword arguments go to ``collective.subscribe`` (``token``, ``timeout``,
-    ``stall_timeout``...). UsageError when the publication's tensors are not the module's.
+    ``stall_timeout``, ``auto``: steps applied as they arrive, under ``lock``, for a module all
+    of whose tensors are CPU views and no optimizer). UsageError when the publication's tensors
+    are not the module's.
     """
     prefix = MODEL_KEY + "/" if optimizer is not None else ""
     targets, copied = {}, {}
@@ -464,6 +466,9 @@ def subscribe(module: torch.nn.Module, sources: Any, *, optimizer: torch.optim.O
             targets[prefix + name] = to_numpy(t)
         else:
             copied[name] = t
+    if subscribe_kwargs.get("auto") and (copied or optimizer is not None):
+        raise UsageError("auto=True applies each step on the subscription's thread, where neither an optimizer "
+                         f"nor tensors off the CPU ({', '.join(list(copied)[:3]) or 'none'}) are loaded: call apply()")
     sub = collective.subscribe(sources, into=targets, **subscribe_kwargs)
     try:
         wrapped = ModuleSubscription(sub, module, optimizer, copied)

@@ -9,8 +9,8 @@ initial weights, seed ``--seed``) is served, then per step ``{"event": "step", "
 "weights", "changed_fraction", "delta_bytes", "update_seconds", "served_seconds", "loss"}``:
 the publication's manifest digest of the step, the digest of the weights this process's own
 tensors hold (``model.weights_digest``), the fraction of bf16 elements whose bits the step
-changed, the bytes of the step's element-level delta, the seconds ``update`` took to return
-(the copy) and until the step was served (the delta made). After the last step it keeps
+changed, the bytes of the step's delta as served (``Publication.last_update``), the seconds
+``update`` took to return (the copy) and until the step was served (the delta made). After the last step it keeps
 serving for ``--linger`` seconds (a follower catches up), then closes.
 
 ``--wait-for FILE`` runs in lock step, as an on-policy RL loop does (the next step trains on
@@ -33,7 +33,6 @@ from model import CONFIG, build, changed, say, weights, weights_digest
 
 import collective
 import collective.torch
-from collective.delta import make_delta
 from collective.entry import run_main
 from collective.errors import UsageError
 
@@ -73,11 +72,6 @@ def wait_for(path: str, step: int, timeout: float) -> None:
         time.sleep(0.01)
 
 
-def delta_bytes(before: dict, model: torch.nn.Module) -> int:
-    """The bytes of the step's element-level delta (collective.delta's wire form, every tensor)."""
-    return sum(make_delta(before[n], a).nbytes for n, a in collective.torch.module_state(model).items())
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = build(args.seed)
@@ -105,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             served = time.monotonic()
             count, total = changed(before, model)
             say(event="step", step=step, manifest=pub.manifest_digest, weights=weights_digest(model),
-                changed_fraction=round(count / total, 6), delta_bytes=delta_bytes(before, model),
+                changed_fraction=round(count / total, 6), delta_bytes=pub.last_update["delta_bytes"],
                 state_bytes=sum(a.nbytes for a in before.values()), update_seconds=round(returned - started, 4),
                 served_seconds=round(served - started, 4), loss=round(loss.item(), 4))
         say(event="done", step=args.steps)

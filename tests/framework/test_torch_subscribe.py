@@ -139,3 +139,9 @@ def test_a_publication_of_another_module_is_refused_in_one_line():
         other = Tied(0).to(torch.float32)  # the same names, another dtype
         with pytest.raises(UsageError, match="bfloat16"):
             subscribe(other, pub.address, token=TOKEN, timeout=60)
+
+
+def test_auto_is_refused_where_apply_has_more_to_load_than_the_arrays():
+    m = Tied(0)
+    with pytest.raises(UsageError, match="auto=True .* call apply"):
+        subscribe(m, "127.0.0.1:1", optimizer=torch.optim.AdamW(m.parameters()), auto=True, token=TOKEN)
