@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = build(seed=12345).eval().requires_grad_(False)  # other weights than the trainer's, until the fetch
     started = time.monotonic()
-    with collective.torch.subscribe(model, args.source, token=args.token) as sub:
+    with collective.torch.subscribe(model, args.source, token=args.token, timeout=args.timeout) as sub:
         before = weights(model)
         say(event="step", step=sub.step, manifest=sub.manifest_digest, weights=weights_digest(model),
             kind="full", apply_seconds=round(time.monotonic() - started, 4), generations=0)

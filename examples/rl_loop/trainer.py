@@ -15,8 +15,11 @@ serving for ``--linger`` seconds (a follower catches up), then closes.
 
 ``--wait-for FILE`` runs in lock step, as an on-policy RL loop does (the next step trains on
 rollouts of the current weights): before step k it waits until FILE (the inference process's
-``--held FILE``) says step k-1 is held, at most ``--timeout`` seconds. Without it the trainer runs
-free, every ``--interval`` seconds, and a follower that falls behind catches up on the newest.
+``--held FILE``) says step k-1 is held, at most ``--timeout`` seconds; ``--max-lag N`` lets it
+run up to N steps ahead of the inference process (once that holds step 0), as asynchronous RL
+does (rollouts at most N steps stale): then the inference process may be behind when it
+applies, and takes the newest.
+Without ``--wait-for`` the trainer runs free, a step every ``--interval`` seconds.
 
 The loss is next-token cross-entropy on random token batches drawn from ``--seed``: the
 optimizer's steps are real AdamW steps at an RL-like learning rate (``--lr``, default 1e-6); what
@@ -42,17 +45,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="optimizer steps to train and publish (default 5)")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW's learning rate (default 1e-6)")
     p.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' seed")
-    p.add_argument("--interval", type=float, default=0.5,
-                   help="seconds between steps (an RL trainer waits for rollouts; default 0.5)")
+    p.add_argument("--interval", type=float, default=0.0,
+                   help="seconds to pause before each step (a stand-in for waiting on rollouts; default 0)")
     p.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to publish at (default 127.0.0.1:0)")
     p.add_argument("--token", default=None, help="the cluster token (default COLLECTIVE_TOKEN)")
     p.add_argument("--linger", type=float, default=30.0, help="seconds to keep serving after the last step")
     p.add_argument("--wait-for", default=None, metavar="FILE",
                    help="lock step: before step k, wait until FILE holds k-1 (the inference's --held)")
+    p.add_argument("--max-lag", type=int, default=0,
+                   help="with --wait-for: run up to N steps ahead of the inference process (default 0)")
     p.add_argument("--timeout", type=float, default=120.0, help="--wait-for's bound, in seconds (default 120)")
     args = p.parse_args(argv)
-    if args.steps < 1 or not 0 < args.lr < 1 or min(args.interval, args.linger) < 0 or args.timeout <= 0:
-        raise UsageError("--steps must be >= 1, --lr in (0, 1), --interval and --linger >= 0, --timeout > 0")
+    if (args.steps < 1 or not 0 < args.lr < 1 or min(args.interval, args.linger, args.max_lag) < 0
+            or args.timeout <= 0):
+        raise UsageError("--steps must be >= 1, --lr in (0, 1), --interval, --linger and --max-lag >= 0, "
+                         "--timeout > 0")
     return args
 
 
@@ -83,9 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             weights=weights_digest(model))
         for step in range(1, args.steps + 1):
             if args.wait_for:
-                wait_for(args.wait_for, step - 1, args.timeout)
-            else:
-                time.sleep(args.interval)
+                wait_for(args.wait_for, max(step - 1 - args.max_lag, 0), args.timeout)  # step 0 held first
+            time.sleep(args.interval)
             before = weights(model)
             tokens = torch.randint(0, CONFIG["vocab_size"], (4, 32), generator=batches)
             loss = model(input_ids=tokens, labels=tokens).loss

@@ -145,3 +145,25 @@ def test_auto_is_refused_where_apply_has_more_to_load_than_the_arrays():
     m = Tied(0)
     with pytest.raises(UsageError, match="auto=True .* call apply"):
         subscribe(m, "127.0.0.1:1", optimizer=torch.optim.AdamW(m.parameters()), auto=True, token=TOKEN)
+
+
+def test_a_tensor_the_arrays_cannot_view_is_copied_into_after_each_step_and_checked():
+    """A non-contiguous buffer (as a device tensor would be) is not an ``into`` array: apply()
+    copies the verified step into it, in place, and reads it back."""
+
+    def module(seed: int) -> torch.nn.Module:
+        m = Tied(seed)
+        m.register_buffer("strided", torch.randn(5, 7, generator=torch.Generator().manual_seed(seed)).t())
+        return m
+
+    trainer, follower = module(0), module(1)
+    strided = follower.strided
+    assert not strided.is_contiguous()
+    with publish_module(trainer, step=0, token=TOKEN, bind="127.0.0.1:0") as pub:
+        with subscribe(follower, pub.address, token=TOKEN, timeout=60) as sub:
+            assert digests(follower) == digests(trainer)
+            trainer.strided.add_(1.0)
+            pub.update(module_state(trainer), step=1, wait=True)
+            apply_until(sub, 1)
+            assert follower.strided is strided and not strided.is_contiguous()
+            assert digests(follower) == digests(trainer)

@@ -25,19 +25,18 @@ def events(proc: Proc) -> list[dict]:
     return [json.loads(ln) for ln in proc.log.read_text().splitlines() if ln.startswith("{")]
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(600)
-def test_inference_holds_the_trainers_weights_of_every_step_it_applies(tmp_path):
-    held = tmp_path / "held"
+def run_loop(tmp_path, trainer_args: list[str], inference_args: list[str]) -> tuple[dict[int, dict], list[dict]]:
+    """Run the trainer and the inference process to the end; (the trainer's events by step, the
+    inference's step events in order). Both killed by pid, whatever happens."""
     env = {"COLLECTIVE_TOKEN": TOKEN}
-    trainer = Proc(["examples/rl_loop/trainer.py", "--steps", str(STEPS), "--wait-for", str(held),
-                    "--timeout", "300", "--linger", "300"], tmp_path / "trainer.log", env=env)
+    trainer = Proc(["examples/rl_loop/trainer.py", "--steps", str(STEPS), "--linger", "300", *trainer_args],
+                   tmp_path / "trainer.log", env=env)
     inference = None
     try:
         wait_for(trainer, '"event": "publishing"', timeout=180)
         address = events(trainer)[0]["address"]
         inference = Proc(["examples/rl_loop/inference.py", "--source", address, "--until-step", str(STEPS),
-                          "--held", str(held), "--timeout", "400"], tmp_path / "inference.log", env=env)
+                          "--timeout", "400", *inference_args], tmp_path / "inference.log", env=env)
         assert inference.wait(480) == 0, inference.output()
         wait_for(trainer, '"event": "done"', timeout=60)
     finally:
@@ -45,22 +44,58 @@ def test_inference_holds_the_trainers_weights_of_every_step_it_applies(tmp_path)
         if inference is not None:
             inference.kill()
     published = {e["step"]: e for e in events(trainer) if e["event"] in ("publishing", "step")}
-    applied = [e for e in events(inference) if e["event"] == "step"]
     assert sorted(published) == list(range(STEPS + 1))
-    # Lock step: the trainer trains step k once step k-1 is held, so every step is applied, in
-    # order, each (after the first fetch) as a delta from the step before.
-    assert [e["step"] for e in applied] == list(range(STEPS + 1)), inference.log.read_text()
-    for e in applied:
+    applied = [e for e in events(inference) if e["event"] == "step"]
+    for e in applied:  # every step applied is the trainer's of that step, bit for bit
         want = published[e["step"]]
         assert (e["manifest"], e["weights"]) == (want["manifest"], want["weights"]), (e, want)
+    done = [e for e in events(inference) if e["event"] == "done"]
+    assert done and done[0]["step"] == STEPS
+    return published, applied
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_inference_holds_the_trainers_weights_of_every_step_it_applies(tmp_path):
+    held = tmp_path / "held"
+    published, applied = run_loop(tmp_path, ["--wait-for", str(held), "--timeout", "300"], ["--held", str(held)])
+    # Lock step: the trainer trains step k once step k-1 is held, so every step is applied, in
+    # order, each (after the first fetch) as a delta from the step before.
+    assert [e["step"] for e in applied] == list(range(STEPS + 1)), applied
     assert [e["kind"] for e in applied] == ["full"] + ["delta"] * STEPS
     for e in applied[1:]:
         assert e["generations"] >= 1 and len(e["tokens"]) == 2  # it generated between updates
         # What the inference saw change is what the trainer's step changed (0 < it < 1: bf16
-        # absorbs most of an AdamW step at this learning rate).
-        assert e["changed_fraction"] == published[e["step"]]["changed_fraction"]
-        assert 0 < e["changed_fraction"] < 1
+        # absorbs most of an AdamW step at this learning rate), in the bytes the trainer served.
+        want = published[e["step"]]
+        assert (e["changed_fraction"], e["delta_bytes"]) == (want["changed_fraction"], want["delta_bytes"])
+        assert 0 < e["changed_fraction"] < 1 and want["delta_bytes"] < want["state_bytes"]
     # The weights moved: the digests of consecutive steps differ.
     assert len({e["weights"] for e in applied}) == STEPS + 1
-    done = [e for e in events(inference) if e["event"] == "done"]
-    assert done and done[0]["step"] == STEPS
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_a_trainer_running_ahead_is_followed_to_its_last_step(tmp_path):
+    """Asynchronous RL: the trainer may run 2 steps ahead of the inference process, so that
+    process may be behind when it applies (it then takes the newest step waiting); whatever
+    it applied is the trainer's of that step, bit for bit, and it ends holding the last."""
+    held = tmp_path / "held"
+    _, applied = run_loop(tmp_path, ["--wait-for", str(held), "--max-lag", "2", "--timeout", "300"],
+                          ["--held", str(held)])
+    steps = [e["step"] for e in applied]
+    assert steps[0] == 0 and steps == sorted(set(steps)) and steps[-1] == STEPS
+    assert {e["kind"] for e in applied} <= {"full", "delta"}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    proc = Proc(["examples/rl_loop/inference.py", "--source", "127.0.0.1:1", "--until-step", "-1"],
+                tmp_path / "inference.log")
+    try:
+        assert proc.wait(90) == 2
+    finally:
+        proc.kill()
+    out = proc.log.read_text().strip()
+    assert out == "error: --until-step must be >= 0, --new-tokens >= 1, --timeout > 0", out
