@@ -38,6 +38,17 @@ Each rank receives only its rows (``collective.shards``: a plan of its own, veri
 about model / world bytes, and writes them into each DTensor's local tensor in place; plain
 tensors (buffers) and ``Replicate`` DTensors get the whole value. Over gRPC, or under mpiexec
 (each rank's stream point to point from rank 0).
+
+Every step of a training run (issue 38: a trainer and its inference processes)::
+
+    pub = collective.torch.publish_module(model, step=0, token=token)          # trainer
+    pub.update(collective.torch.module_state(model), step=step)                 # after each step
+    sub = collective.torch.subscribe(model, pub.address, token=token)          # follower
+    sub.apply()                                 # between two uses: the next step, in place, verified
+
+The follower's parameters and buffers are the subscription's arrays (numpy views of the same
+``Parameter`` objects' memory), so each step lands in them as its changed elements, verified by
+digest; ``optimizer=`` on both sides carries the optimizer's state and hyper-parameters too.
 """
 
 from __future__ import annotations
