@@ -38,6 +38,8 @@ from itertools import count
 from pathlib import Path
 from typing import Protocol
 
+from collective.cli.status import pid_alive
+
 # The directory holding the collective package (a checkout's root, with its chief and worker
 # shims, or site-packages): processes on emulated hosts import it from here (PYTHONPATH), as the
 # machine's own processes do.
@@ -103,23 +105,13 @@ def unavailable_reason(what: str = "emulated hosts", *, root_hint: str = "") -> 
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Delete namespaces (and /etc/netns dirs) this module made in a process that is gone."""
     removed = []
     names = {p.name for d in (NETNS_RUN, ETC_NETNS) if d.is_dir() for p in d.iterdir()}
     for name in sorted(names):
         m = _NAME.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             if (NETNS_RUN / name).exists():
                 _run("ip", "netns", "del", name, check=False)
             shutil.rmtree(ETC_NETNS / name, ignore_errors=True)

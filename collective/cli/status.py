@@ -138,7 +138,7 @@ def wait_for_outcome(run: Run, timeout: float = 300.0) -> dict | None:
             return result
         if not path.exists():
             return None
-        if run.launch_pid is not None and not _alive(run.launch_pid) and ended_result(path) is None:
+        if run.launch_pid is not None and not pid_alive(run.launch_pid) and ended_result(path) is None:
             raise DeadlineError(f"the chief of the launch in {run.run_dir} is gone and its launch (pid "
                                 f"{run.launch_pid}) ended without a summary; its logs: collective logs {run.run_dir}")
         if time.monotonic() > deadline:
@@ -147,7 +147,8 @@ def wait_for_outcome(run: Run, timeout: float = 300.0) -> dict | None:
         time.sleep(0.1)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of that pid exists (another user's counts: not ours to judge)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

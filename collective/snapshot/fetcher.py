@@ -170,11 +170,13 @@ def _ask(h: Holder, step: int | None, deadline: float, stall_timeout: float, max
 
 
 def _ask_plans(holders: list[Holder], step: int | None, deadline: float, stall_timeout: float,
-               max_bytes: int, ident: str, delta_from: int | None = None) -> tuple[list[Holder], list[Holder]]:
+               max_bytes: int, ident: str, delta_from: int | None = None,
+               active: int = MAX_ACTIVE_HOLDERS) -> tuple[list[Holder], list[Holder]]:
     """The holders of ``step`` (None: of the newest step any of them serves) that agree on its
     manifest, asked in order in waves of at most ``MAX_ACTIVE_HOLDERS`` (one thread each) until
     a wave has one that answered; and the spares, those not asked (asked when a holder is
-    dropped)."""
+    dropped). ``active``: at most that many holders used at once (1: the first that serves the
+    step, the others spares)."""
     errors: dict[str, E.CollectiveError] = {}
     asked: list[Holder] = []
     answered: list[Holder] = []  # in the order they answered; a thread still asking is not in it
@@ -189,7 +191,7 @@ def _ask_plans(holders: list[Holder], step: int | None, deadline: float, stall_t
     while len(asked) < len(holders) and not answered:
         if time.monotonic() >= deadline:
             break
-        wave = holders[len(asked) : len(asked) + MAX_ACTIVE_HOLDERS]
+        wave = holders[len(asked) : len(asked) + active]
         threads = [threading.Thread(target=ask, args=(h,), name="fetch-plan", daemon=True) for h in wave]
         for t in threads:
             t.start()
@@ -226,7 +228,7 @@ def _ask_plans(holders: list[Holder], step: int | None, deadline: float, stall_t
         raise E.FetchError(f"holders disagree on the manifest of step {step}: {sides}; compare them "
                          f"(collective.check) before trusting any")
     best = _same_layout(ready)
-    return best[:MAX_ACTIVE_HOLDERS], best[MAX_ACTIVE_HOLDERS:] + spares
+    return best[:active], best[active:] + spares
 
 
 def _same_layout(ready: list[Holder]) -> list[Holder]:
@@ -385,9 +387,11 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
 def fetch_step(sources: str | Sequence[str], *, step: int | None, delta_from: int | None = None,
                token: str | None = None, timeout: float = 300.0, stall_timeout: float = 30.0,
                into: Mapping[str, np.ndarray] | None = None, manifest: str | None = None,
-               max_bytes: int | None = None, tls=None, shm: bool = True) -> Fetched:
+               max_bytes: int | None = None, tls=None, shm: bool = True,
+               active: int = MAX_ACTIVE_HOLDERS) -> Fetched:
     """``fetch``, also of the newest step the holders serve (``step`` None) or of a step's
-    delta from ``delta_from`` (``collective.subscribe``: the state ``versions.delta_state``)."""
+    delta from ``delta_from`` (``collective.subscribe``: the state ``versions.delta_state``),
+    from at most ``active`` holders at once (the others spares)."""
     from collective.transport.grpc import GrpcChiefLink
 
     if not (timeout > 0 and stall_timeout > 0):
@@ -400,7 +404,7 @@ def fetch_step(sources: str | Sequence[str], *, step: int | None, delta_from: in
     limit = max_bytes if max_bytes is not None else _memory_bytes()
     holders = [Holder(a, lambda a: GrpcChiefLink(a, token=token, name="holder", tls=tls)) for a in addresses]
     try:
-        ready, spares = _ask_plans(holders, step, deadline, stall_timeout, limit, ident, delta_from)
+        ready, spares = _ask_plans(holders, step, deadline, stall_timeout, limit, ident, delta_from, active)
         plan = ready[0].plan
         step = plan_step(plan)
         if manifest is not None and plan.manifest_digest != manifest:

@@ -34,13 +34,22 @@ from collective.delta import apply_delta, mismatched_chunks, parse_delta, state_
 from collective.limits import MAX_SNAPSHOT_PLAN_BYTES
 from collective.snapshot import tree
 from collective.snapshot.fetcher import Fetched, _sources, fetch_step, plan_step
-from collective.snapshot.holder import cluster_token
-from collective.snapshot.stripes import one_line
+from collective.snapshot.holder import (
+    CLOSE_GRACE,
+    Serving,
+    cluster_token,
+    held_handler,
+    holder_name,
+    serve,
+)
+from collective.snapshot.stripes import MAX_ACTIVE_HOLDERS, one_line
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 10.0
 """How long one long poll (GetPlan with ``newer_than``) waits for a new step before asking again."""
+CUT_SECONDS = 2.0
+"""How long ``apply`` waits for streams of the step it replaces (a serving subscription) to end."""
 RETRY_SECONDS = 1.0
 """Between two tries when no holder answers (the publisher restarting, say)."""
 
@@ -50,8 +59,9 @@ class _Step:
     parsed deltas (``kind`` "delta") or its fetched arrays (``kind`` "full")."""
 
     def __init__(self, kind: str, plan: pb.Plan, *, deltas=None, tree_bytes=None, arrays=None,
-                 senders: str = "", nbytes: int = 0, seconds: float = 0.0) -> None:
+                 senders: str = "", nbytes: int = 0, seconds: float = 0.0, doc: Fetched | None = None) -> None:
         self.kind, self.plan, self.deltas, self.tree_bytes, self.arrays = kind, plan, deltas, tree_bytes, arrays
+        self.doc = doc  # the delta as fetched (its plan and arrays): what a serving subscriber serves on
         self.senders, self.nbytes, self.seconds = senders, nbytes, seconds
         self.step = plan_step(plan)
 
@@ -62,10 +72,11 @@ class Subscription:
     subscription's own, updated in place). ``poll()``: the newest step waiting; ``apply()``:
     apply it. ``lock``: held while a step is applied (a caller that holds it around a use is
     never handed half a step, with ``auto=True`` too). ``stats``: the last applied step's kind,
-    bytes received, seconds. ``close()``; a context manager."""
+    bytes received, seconds, and ``steps``: (step, kind) of each step the last ``apply`` wrote. ``close()``; a context manager."""
 
     def __init__(self, sources: list[str], first: Fetched, *, token, tls, timeout: float,
-                 stall_timeout: float, into: Mapping | None, auto: bool, shm: bool = True) -> None:
+                 stall_timeout: float, into: Mapping | None, auto: bool, shm: bool = True,
+                 stripe: bool = True, serving: dict | None = None) -> None:
         self.sources, self._token, self._tls = sources, token, tls
         self._timeout, self._stall = timeout, stall_timeout
         self._into = into is not None
@@ -83,9 +94,20 @@ class Subscription:
         self._closed = False
         self._auto = auto
         self._said_lost = False
+        self._refused = -1  # the newest step whose apply was refused (the into arrays cannot take it)
         self._link = None
         self._shm = shm
+        self._active = MAX_ACTIVE_HOLDERS if stripe else 1
         self.refusals: list[str] = []  # the deltas refused (one line each, naming the holders)
+        self.address: str | None = None
+        self._served: Serving | None = None
+        if serving is not None:  # serve what it holds: the step, and the delta that led to it
+            self._name = holder_name(serving.get("name"))
+            self._served = Serving(held_handler(self._plan, self._arrays, self._name), self.step)
+            self._endpoint, self.address = serve(self._served, bind=serving.get("bind", "0.0.0.0:0"),
+                                                 advertise=serving.get("advertise"), token=token,
+                                                 tls=serving.get("tls"))
+            log.info("subscription serves step %d at %s", self.step, self.address)
         self._thread = threading.Thread(target=self._follow, name="subscribe", daemon=True)
         self._thread.start()
 
@@ -95,7 +117,7 @@ class Subscription:
         """The newest step received, checked and waiting to be applied, or None (none within
         ``timeout`` s)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._pending or self._closed, timeout=max(0.0, timeout))
+            self._cond.wait_for(lambda: self._pending or self._closed or self._error, timeout=max(0.0, timeout))
             return self._pending[-1].step if self._pending else None
 
     def apply(self, timeout: float = 0.0) -> int | None:
@@ -109,9 +131,18 @@ class Subscription:
         with self.lock:
             with self._cond:
                 todo, self._pending = self._pending, []
-            for s in todo:
-                self._apply_one(s)
-            self._cond_notify()
+            try:
+                applied = []
+                for s in todo:
+                    self._apply_one(s)
+                    applied.append((s.step, self.stats["kind"]))
+                self.stats["steps"] = applied
+            except E.CollectiveError:
+                with self._cond:  # not fetched again until a newer step comes
+                    self._refused = max(self._refused, todo[-1].step)
+                raise
+            finally:
+                self._cond_notify()
         return self.step
 
     def follow(self, sources: str | Sequence[str]) -> None:
@@ -142,6 +173,10 @@ class Subscription:
         if link is not None:
             link.close(0.1)
         self._thread.join(POLL_SECONDS + 5)
+        if self._served is not None:
+            self._served.end()
+            self._served.current.cut(CUT_SECONDS)
+            self._endpoint.stop(0.5)
 
     def __enter__(self) -> Subscription:
         return self
@@ -165,7 +200,12 @@ class Subscription:
             self._cond.notify_all()
 
     def _apply_one(self, s: _Step) -> None:
-        started = time.monotonic()
+        started, kind = time.monotonic(), s.kind
+        if self._served is not None:  # its arrays are about to change: no stream may read them now
+            if not self._served.current.cut(CUT_SECONDS):
+                log.warning("subscribe: a stream of step %d from this subscription was still in progress "
+                            "after %g s; its reader may see the next step's bytes (and drop this holder)",
+                            self.step, CUT_SECONDS)
         if s.kind == "full":
             self._take_full(s.plan, s.arrays)
         else:
@@ -183,12 +223,30 @@ class Subscription:
                 self.refusals.append(said)
                 self._distrusted.update(a.strip() for a in s.senders.split(","))
                 self._refetch(s.plan, f"the delta from {s.senders} did not verify")
+                kind = "full"
             else:
                 self._plan = s.plan
                 self._rebuild(names)
         self.step, self.manifest_digest = s.step, s.plan.manifest_digest
-        self.stats = {"kind": s.kind, "step": s.step, "bytes": s.nbytes, "receive_seconds": s.seconds,
+        if self._served is not None:
+            self._serve_held(s if kind == "delta" else None)
+        self.stats = {"kind": kind, "step": s.step, "bytes": s.nbytes, "receive_seconds": s.seconds,
                       "apply_seconds": time.monotonic() - started}
+
+    def _serve_held(self, s: _Step | None) -> None:
+        """Serve the step now held (its arrays, in place) and, for a delta ``s``, that delta (its
+        verified bytes as fetched): a subscriber that follows this one takes it from here."""
+        full = held_handler(self._plan, self._arrays, self._name)
+        delta = base = None
+        if s is not None and s.doc is not None:
+            delta, base = held_handler(s.doc.plan, s.doc.arrays, self._name, s.doc["from"]), s.doc["from"]
+        old = self._served.swap(full, self.step, delta, base)
+        threading.Thread(target=self._retire, args=(old,), name="subscribe-retire", daemon=True).start()
+
+    def _retire(self, handlers: list) -> None:
+        for h in handlers:
+            h.close(CLOSE_GRACE)
+        self._served.retired(handlers)
 
     def _unverified(self, old: pb.Plan, s: _Step) -> list[int]:
         """The chunks of step ``s`` (applied) whose bytes here are not its digests: those a
@@ -275,11 +333,17 @@ class Subscription:
         with self._cond:
             self._cond.wait_for(lambda: self._closed, timeout=RETRY_SECONDS)
 
-    def _held(self) -> tuple[int, pb.Plan]:
-        """The step the arrays will hold once the waiting steps are applied, and its plan."""
+    def _held(self) -> tuple[int, pb.Plan, int]:
+        """The step the arrays will hold once the waiting steps are applied, its plan, and the
+        step to wait past (a step whose apply was refused is not fetched again)."""
         with self._cond:
             last = self._pending[-1] if self._pending else None
-        return (last.step, last.plan) if last is not None else (self.step, self._plan)
+            held, plan = (last.step, last.plan) if last is not None else (self.step, self._plan)
+            return held, plan, max(held, self._refused)
+
+    def _waiting_bytes(self) -> int:
+        with self._cond:
+            return sum(s.nbytes for s in self._pending)
 
     def _poll_link(self):
         from collective.transport.grpc import GrpcChiefLink
@@ -308,22 +372,25 @@ class Subscription:
 
     def _next(self) -> None:
         """One long poll; a new step received and checked, or nothing."""
-        held, held_plan = self._held()
+        held, held_plan, after = self._held()
         link = self._poll_link()
-        ref = pb.WorkerRef(worker_id="subscribe", newer_than=held)
+        ref = pb.WorkerRef(worker_id="subscribe", newer_than=after)
         plan = link.get_plan(ref, POLL_SECONDS + 5.0, phase="subscribe (waiting for the next step)",
                              max_bytes=MAX_SNAPSHOT_PLAN_BYTES)
         if self._said_lost:
             log.info("subscribe: %s answers again (step %d)", link.address, plan_step(plan))
             self._said_lost = False
         step = plan_step(plan)
-        if step <= held or self._closed:
+        if step <= after or self._closed:
             return
         started = time.monotonic()
-        s = self._delta(held, held_plan, plan, started)
+        # Deltas waiting beyond the state's size: the step whole is smaller (and replaces them).
+        behind = after > held or self._waiting_bytes() > held_plan.total_bytes
+        s = None if behind else self._delta(held, held_plan, plan, started)
         if s is None:
             got = fetch_step(self.sources, step=step, token=self._token, tls=self._tls, timeout=self._timeout,
-                             stall_timeout=self._stall, manifest=plan.manifest_digest, shm=self._shm)
+                             stall_timeout=self._stall, manifest=plan.manifest_digest, shm=self._shm,
+                             active=self._active)
             s = _Step("full", got.plan, arrays=got.arrays, senders=", ".join(got.stats), nbytes=got.total_bytes,
                       seconds=time.monotonic() - started)
         with self._cond:
@@ -333,7 +400,12 @@ class Subscription:
                 self._pending.append(s)
             self._cond.notify_all()
         if self._auto:
-            self.apply()
+            try:
+                self.apply()
+            except E.UsageError as exc:  # the caller's arrays cannot take it: for the caller to see
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
 
     def _delta(self, held: int, held_plan: pb.Plan, plan: pb.Plan, started: float) -> _Step | None:
         """Step ``plan``'s delta from ``held``, fetched, checked and parsed; None where the
@@ -345,7 +417,8 @@ class Subscription:
         limit = held_plan.total_bytes + 64 * len(held_plan.variables) + tree.MAX_TREE_BYTES + (1 << 20)
         try:
             doc = fetch_step(sources, step=plan_step(plan), delta_from=held, token=self._token, tls=self._tls,
-                             timeout=self._timeout, stall_timeout=self._stall, max_bytes=limit, shm=self._shm)
+                             timeout=self._timeout, stall_timeout=self._stall, max_bytes=limit, shm=self._shm,
+                             active=self._active)
         except (E.PreconditionError, E.FetchError) as exc:
             log.info("subscribe: step %d as a whole, not a delta (%s)", plan_step(plan), one_line(exc))
             return None
@@ -358,7 +431,7 @@ class Subscription:
             self._distrusted.update(doc.stats)
             return None
         return _Step("delta", plan, deltas=deltas, tree_bytes=tree_bytes, senders=senders, nbytes=doc.total_bytes,
-                     seconds=time.monotonic() - started)
+                     seconds=time.monotonic() - started, doc=doc)
 
 
 def check_delta(doc: Mapping, held: int, held_plan: pb.Plan, plan: pb.Plan, senders: str) -> tuple[list, np.ndarray]:
@@ -412,7 +485,8 @@ def check_delta(doc: Mapping, held: int, held_plan: pb.Plan, plan: pb.Plan, send
 
 def subscribe(sources: str | Sequence[str], *, token: str | None = None, into: Mapping[str, np.ndarray] | None = None,
               timeout: float = 300.0, stall_timeout: float = 30.0, tls=None, auto: bool = False,
-              shm: bool = True) -> Subscription:
+              shm: bool = True, stripe: bool = True, serve: bool = False, bind: str = "0.0.0.0:0",
+              advertise: str | None = None, name: str | None = None, serve_tls=None) -> Subscription:
     """Follow the publication at ``sources`` (``publish`` then ``Publication.update``): its
     newest step fetched in full before this returns, then each new step received as its delta,
     checked off to the side, applied in place by ``apply()`` and verified.
@@ -430,6 +504,14 @@ def subscribe(sources: str | Sequence[str], *, token: str | None = None, into: M
         at ``apply()``.
     :param shm: map a same-host holder's sealed copy of a step or delta instead of receiving
         its stream (every chunk still checked); False: always the stream.
+    :param stripe: True: each step striped over every holder of it (as ``fetch``); False: taken
+        from the first of ``sources`` that serves it, the others spares (a tree of subscribers:
+        the parent first, the publisher after it).
+    :param serve: serve what this subscription holds (each step it applied, and the delta that
+        led to it) at ``address``, so subscribers that list it take the step from here and the
+        publisher's link carries each delta about once (``bind``, ``advertise``, ``name`` and
+        ``serve_tls`` as ``publish``'s). A step is served once it is applied (``auto=True``:
+        as soon as it arrives).
     :return: the ``Subscription``.
     """
     addresses = _sources(sources)
@@ -437,7 +519,9 @@ def subscribe(sources: str | Sequence[str], *, token: str | None = None, into: M
         raise E.UsageError("timeout and stall_timeout must be > 0 seconds")
     token = cluster_token(token)
     first = fetch_step(addresses, step=None, token=token, tls=tls, timeout=timeout, stall_timeout=stall_timeout,
-                       into=dict(into) if into is not None else None, shm=shm)
+                       into=dict(into) if into is not None else None, shm=shm,
+                       active=MAX_ACTIVE_HOLDERS if stripe else 1)
     log.info("subscribed to %s at step %d (manifest %s)", ", ".join(addresses), first.step, first.manifest_digest)
+    serving = {"bind": bind, "advertise": advertise, "name": name, "tls": serve_tls} if serve else None
     return Subscription(addresses, first, token=token, tls=tls, timeout=timeout, stall_timeout=stall_timeout,
-                        into=into, auto=auto, shm=shm)
+                        into=into, auto=auto, shm=shm, stripe=stripe, serving=serving)

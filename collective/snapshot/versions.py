@@ -83,14 +83,23 @@ def specs_of(arrays: Mapping[str, np.ndarray]) -> list[VariableSpec]:
     return [VariableSpec(n, tuple(int(d) for d in a.shape), dtypes.wire(a.dtype)) for n, a in arrays.items()]
 
 
-def copy_state(state: Mapping, step: int) -> Copied:
-    """``state`` at ``step`` copied into one arena (a memory file where there is one), the
-    padding zeros. Nothing is hashed here."""
+def copy_state(state: Mapping, step: int, spare: np.ndarray | None = None) -> Copied:
+    """``state`` at ``step`` copied into one arena, the padding zeros. Nothing is hashed here.
+    The arena: ``spare`` (a step's arena no longer served, its pages in place: the copy is a
+    memcpy) when it has the size, else a new one (``spare`` given: plain memory, to be reused
+    in turn; else a memory file where there is one, sealed once hashed, which a same-host
+    fetcher maps)."""
     arrays = flat_arrays(state, step)
     names, specs = list(arrays), specs_of(arrays)
     offsets, total = layout(specs)
-    shared = _memfd_arena(total)
-    arena = shared.array if shared is not None else new_arena(total)
+    shared = None
+    if spare is not None and spare.nbytes == total:
+        arena = spare
+    elif spare is not None:
+        arena = new_arena(total)
+    else:
+        shared = _memfd_arena(total)
+        arena = shared.array if shared is not None else new_arena(total)
     end = 0
     for n, off in zip(names, offsets, strict=True):
         arena[end:off] = 0  # the padding: zeros, as a ScatterView reads it (same chunk digests)
