@@ -9,10 +9,12 @@ into the model's parameters, verified), then loops: a greedy ``model.generate`` 
 token-id prompts, then ``apply()``, which writes the newest verified step into the same
 ``Parameter`` objects in place between two generations (never during one). Prints one JSON
 line per step it holds: ``{"event": "step", "step", "manifest", "weights", "changed_fraction",
-"delta_bytes", "kind", "apply_seconds", "generations", "tokens"}``: the subscription's manifest
-digest, the digest its model's own tensors hold (``model.weights_digest``), the fraction of
-elements the step changed, the bytes received for it and how (``delta`` or ``full``), the
-seconds ``apply`` took, the generations run since the step before and the last one's tokens.
+"delta_bytes", "kind", "applied", "apply_seconds", "generations", "tokens"}``: the
+subscription's manifest digest, the digest its model's own tensors hold
+(``model.weights_digest``), the fraction of elements that changed since the step held before,
+the bytes received for the step and how (``delta`` or ``full``), the (step, kind) pairs
+``apply`` wrote (several when it was behind; bytes and kind are the last one's), the seconds
+``apply`` took, the generations run since the step before and the last one's tokens.
 Ends once it holds ``--until-step`` (exit 0), or after ``--timeout`` seconds (exit 1).
 ``--held FILE``: after each step it holds, the step is written to FILE (whole, by rename), for
 the trainer's ``--wait-for FILE`` (lock step).
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = sub.stats
             say(event="step", step=step, manifest=sub.manifest_digest, weights=weights_digest(model),
                 changed_fraction=round(count / total, 6), delta_bytes=stats.get("bytes"), kind=stats.get("kind"),
+                applied=stats.get("steps"),
                 apply_seconds=round(seconds, 4), generations=generations, tokens=tokens)
             held(args.held, step)
             generations = 0

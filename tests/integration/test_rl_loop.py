@@ -63,6 +63,7 @@ def test_inference_holds_the_trainers_weights_of_every_step_it_applies(tmp_path)
     # order, each (after the first fetch) as a delta from the step before.
     assert [e["step"] for e in applied] == list(range(STEPS + 1)), applied
     assert [e["kind"] for e in applied] == ["full"] + ["delta"] * STEPS
+    assert [e["applied"] for e in applied[1:]] == [[[k, "delta"]] for k in range(1, STEPS + 1)]
     for e in applied[1:]:
         assert e["generations"] >= 1 and len(e["tokens"]) == 2  # it generated between updates
         # What the inference saw change is what the trainer's step changed (0 < it < 1: bf16
@@ -86,6 +87,10 @@ def test_a_trainer_running_ahead_is_followed_to_its_last_step(tmp_path):
     steps = [e["step"] for e in applied]
     assert steps[0] == 0 and steps == sorted(set(steps)) and steps[-1] == STEPS
     assert {e["kind"] for e in applied} <= {"full", "delta"}
+    # Each apply wrote the steps after the one held, up to the one it reports, none twice.
+    written = [k for e in applied[1:] for k, _ in e["applied"]]
+    assert written == sorted(set(written)) and written[-1] == STEPS
+    assert all(e["applied"][-1][0] == e["step"] for e in applied[1:])
 
 
 @pytest.mark.integration
