@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# The three frameworks of the hand-off tests (CPU builds, ~2.7 GB) and torchft (the recovery
-# tests): only `make test` needs them.
+# The three frameworks of the hand-off tests (CPU builds, ~2.7 GB), torchft (the recovery
+# tests) and transformers (the every-step example): only `make test` needs them.
 FRAMEWORKS := $(VENV)/.frameworks
 # The site's tools alone (mkdocs, material, mkdocstrings), for `make docs` without the frameworks.
 DOCS := $(VENV)/.docs
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(FRAMEWORKS): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,mpi,torch,torchft,jax,tf,docs]'
+	$(PY) -m pip install --quiet -e '.[dev,mpi,torch,torchft,rl,jax,tf,docs]'
 	touch $(FRAMEWORKS)
 
 $(CHECKPOINT): $(STAMP)

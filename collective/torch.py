@@ -38,6 +38,17 @@ Each rank receives only its rows (``collective.shards``: a plan of its own, veri
 about model / world bytes, and writes them into each DTensor's local tensor in place; plain
 tensors (buffers) and ``Replicate`` DTensors get the whole value. Over gRPC, or under mpiexec
 (each rank's stream point to point from rank 0).
+
+Every step of a training run (issue 38: a trainer and its inference processes)::
+
+    pub = collective.torch.publish_module(model, step=0, token=token)          # trainer
+    pub.update(collective.torch.module_state(model), step=step)                 # after each step
+    sub = collective.torch.subscribe(model, pub.address, token=token)          # follower
+    sub.apply()                                 # between two uses: the next step, in place, verified
+
+The follower's parameters and buffers are the subscription's arrays (numpy views of the same
+``Parameter`` objects' memory), so each step lands in them as its changed elements, verified by
+digest; ``optimizer=`` on both sides carries the optimizer's state and hyper-parameters too.
 """
 
 from __future__ import annotations
@@ -57,7 +68,8 @@ from collective.errors import IntegrityError, UsageError
 from collective.tensors import from_numpy, to_numpy  # the crossing, shared with collective.snapshot
 
 __all__ = ["sync_module", "check_module", "state_arrays", "load_arrays", "module_device", "local_device",
-           "as_tensors", "load_state", "receive_targets"]
+           "as_tensors", "load_state", "receive_targets", "module_state", "publish_module", "subscribe",
+           "ModuleSubscription"]
 
 
 def state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -326,3 +338,154 @@ def load_state(module: torch.nn.Module | None = None, optimizer: torch.optim.Opt
 def _is_nested(state: Mapping) -> bool:
     """Whether ``state`` holds several states by key rather than being one module's tensors."""
     return any(isinstance(v, Mapping) for v in state.values())
+
+
+# Every-step updates (issue 38): a trainer publishes its module each step, followers apply each
+# step into their own module's tensors, in place, verified.
+
+MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
+
+
+def _distinct(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict(keep_vars=True)`` with a tensor met under several names (tied
+    weights: ``lm_head.weight`` is ``model.embed_tokens.weight``) kept under its first name
+    only, so it travels and is written once."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def module_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """What ``publish_module`` and ``Publication.update`` take for ``module``: its parameters and
+    persistent buffers as numpy arrays (views of CPU tensors; bf16 as ``ml_dtypes.bfloat16``,
+    the same bits), a tied tensor once under its first name. With ``optimizer``:
+    ``{"model": those, "optimizer": optimizer.state_dict()}`` (the optimizer's state tensors and
+    its hyper-parameters as JSON). The publication copies it; the caller may train on at once.
+    """
+    arrays = {name: to_numpy(t) for name, t in _distinct(module).items()}
+    if optimizer is None:
+        return arrays
+    return {MODEL_KEY: arrays, OPTIMIZER_KEY: optimizer.state_dict()}
+
+
+def publish_module(module: torch.nn.Module, *, step: int, optimizer: torch.optim.Optimizer | None = None,
+                   **publish_kwargs: Any):
+    """``collective.publish`` of ``module_state(module, optimizer)`` at ``step``, copied (so
+    ``update`` works and the caller may train on at once). Each later step::
+
+        pub.update(collective.torch.module_state(model), step=step)
+
+    The other keyword arguments go to ``collective.publish`` (``token``, ``bind``, ``name``...)."""
+    if publish_kwargs.setdefault("copy", True) is not True:
+        raise UsageError("publish_module copies the module's state (copy=True): update() needs the copy")
+    return collective.publish(module_state(module, optimizer), step=step, **publish_kwargs)
+
+
+class ModuleSubscription:
+    """A ``collective.subscribe`` Subscription whose arrays are a module's own tensors.
+
+    ``apply()`` writes the next verified step into the module's parameters and buffers in place
+    (the same ``Parameter`` objects, the same memory: an optimizer or a generation loop holding
+    them sees the new values) and, with an optimizer, loads the step's optimizer state (its
+    tensors are the subscription's arrays, so loading copies nothing) and hyper-parameters.
+    ``step``, ``manifest_digest``, ``state``, ``stats``, ``poll`` and the rest are the
+    subscription's (``subscription``); ``close()`` ends it; a context manager.
+    """
+
+    def __init__(self, subscription: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 copied: dict[str, torch.Tensor]) -> None:
+        self.subscription, self.module, self.optimizer = subscription, module, optimizer
+        self._copied = copied  # tensors the arrays cannot be (not CPU, not contiguous): copied into
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.subscription, name)
+
+    def apply(self, timeout: float = 0.0) -> int | None:
+        """Apply the waiting step (``Subscription.apply``) into the module (and optimizer);
+        return the new step, or None when none arrived within ``timeout`` s."""
+        step = self.subscription.apply(timeout)
+        if step is not None:
+            self._load()
+        return step
+
+    def _model_part(self) -> Mapping:
+        state = self.subscription.state
+        return state[MODEL_KEY] if self.optimizer is not None else state
+
+    def _check(self, targets: Mapping[str, np.ndarray]) -> None:
+        """After the first fetch: the publication's tensors are the module's, and every target
+        array received its tensor in place."""
+        held = self._model_part()
+        names = set(_distinct(self.module))
+        extra = [n for n, v in held.items() if isinstance(v, np.ndarray) and n not in names]
+        if extra:
+            raise UsageError(f"the publication holds {len(extra)} tensor(s) the module has not: "
+                             f"{', '.join(sorted(extra)[:5])}")
+        prefix = MODEL_KEY + "/" if self.optimizer is not None else ""
+        for name, a in targets.items():
+            got = held.get(name.removeprefix(prefix))
+            if got is None or not np.shares_memory(got, a):
+                raise IntegrityError(f"{name}: the subscription did not receive it into the module's tensor")
+
+    def _load(self) -> None:
+        if self._copied:
+            _write(self._copied, self._model_part(), zero_copy=False)
+        if self.optimizer is not None:
+            state = self.subscription.state.get(OPTIMIZER_KEY)
+            if not isinstance(state, Mapping):
+                raise UsageError(f"the publication has no {OPTIMIZER_KEY!r} state for the optimizer; the "
+                                 f"trainer publishes it with publish_module(..., optimizer=...)")
+            self.optimizer.load_state_dict(as_tensors(state))  # views of the arrays: nothing copied
+
+    def close(self) -> None:
+        self.subscription.close()
+
+    def __enter__(self) -> ModuleSubscription:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ModuleSubscription({type(self.module).__name__}, {self.subscription!r})"
+
+
+def subscribe(module: torch.nn.Module, sources: Any, *, optimizer: torch.optim.Optimizer | None = None,
+              **subscribe_kwargs: Any) -> ModuleSubscription:
+    """Follow a ``publish_module`` publication into ``module``'s own tensors.
+
+    ``collective.subscribe(sources, into=...)`` with the module's CPU tensors as the ``into``
+    arrays (numpy views of their memory, ``receive_targets``): the current step is fetched,
+    verified, straight into the parameters and buffers before this returns, and each
+    ``apply()`` writes the next step there in place, verified. A tensor that cannot be viewed
+    (on a device, not contiguous) is copied into after each step, read back and checked. With
+    ``optimizer`` the publication must hold ``{"model": ..., "optimizer": ...}`` (the trainer's
+    ``publish_module(..., optimizer=...)``) and the optimizer is loaded from it after each
+    step. The other keyword arguments go to ``collective.subscribe`` (``token``, ``timeout``,
+    ``stall_timeout``, ``auto``: steps applied as they arrive, under ``lock``, for a module all
+    of whose tensors are CPU views and no optimizer). UsageError when the publication's tensors
+    are not the module's.
+    """
+    prefix = MODEL_KEY + "/" if optimizer is not None else ""
+    targets, copied = {}, {}
+    for name, t in _distinct(module).items():
+        if t.device.type == "cpu" and t.is_contiguous() and not _is_dtensor(t):
+            targets[prefix + name] = to_numpy(t)
+        else:
+            copied[name] = t
+    if subscribe_kwargs.get("auto") and (copied or optimizer is not None):
+        raise UsageError("auto=True applies each step on the subscription's thread, where neither an optimizer "
+                         f"nor tensors off the CPU ({', '.join(list(copied)[:3]) or 'none'}) are loaded: call apply()")
+    sub = collective.subscribe(sources, into=targets, **subscribe_kwargs)
+    try:
+        wrapped = ModuleSubscription(sub, module, optimizer, copied)
+        wrapped._check(targets)
+        wrapped._load()
+    except BaseException:
+        sub.close()
+        raise
+    return wrapped

@@ -206,6 +206,11 @@ class SnapshotHandler:
     def status(self, brief: bool = False) -> pb.StatusReply:
         return pb.StatusReply(phase="publishing" if not self._closing else "closed")
 
+    @property
+    def closing(self) -> bool:
+        """Whether new fetches of this plan are refused (it is withdrawn or being replaced)."""
+        return self._closing
+
     def cut(self, timeout: float) -> bool:
         """Refuse every call and stream at once (a stream in progress ends at its next chunk),
         and wait up to ``timeout`` s for those in progress to end: the arrays it reads may
@@ -251,6 +256,7 @@ class Serving:
         self.delta_base: int | None = None
         self.retiring: list[SnapshotHandler] = []
         self.closed = False
+        self.withdrawn = False  # Publication.withdraw: refused at once, no successor to wait for
         self.served_before = 0  # bytes served by plans no longer served
         self.cond = parking.Condition()
 
@@ -264,6 +270,7 @@ class Serving:
         with self.cond:
             old = [h for h in (self.current, self.delta) if h is not None]
             self.current, self.step, self.delta, self.delta_base = handler, step, delta, base
+            self.withdrawn = False
             self.retiring.extend(old)
             self.cond.notify_all()
         return old
@@ -283,6 +290,9 @@ class Serving:
             with self.cond:
                 parking.wait_for(self.cond, lambda: self.step > ref.newer_than or self.closed,
                                  min(timeout, self.POLL_WAIT), key=f"newer than {ref.newer_than}")
+        with self.cond:  # a step being replaced (a subscriber applying the next): its successor
+            parking.wait_for(self.cond, lambda: not self.current.closing or self.closed or self.withdrawn,
+                             min(timeout, self.POLL_WAIT), key="a step served")
         with self.cond:
             current, delta, base, step = self.current, self.delta, self.delta_base, self.step
         if not ref.HasField("delta_from"):
@@ -405,6 +415,9 @@ class Publication:
     def _withdraw(self, grace: float) -> None:
         """(Lock held.) Refuse the current state and its delta, then let them go."""
         s = self._serving
+        with s.cond:
+            s.withdrawn = True
+            s.cond.notify_all()
         for h in [h for h in (s.current, s.delta, *s.retiring) if h is not None and h.keep]:
             if not _retire(h, grace):
                 log.warning("publication of step %d at %s: fetches still in progress after %g s are cut",

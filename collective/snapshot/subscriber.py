@@ -227,11 +227,13 @@ class Subscription:
             else:
                 self._plan = s.plan
                 self._rebuild(names)
-        self.step, self.manifest_digest = s.step, s.plan.manifest_digest
-        if self._served is not None:
-            self._serve_held(s if kind == "delta" else None)
+        # what a caller reads once ``step`` says the step is here: the stats and the manifest first
         self.stats = {"kind": kind, "step": s.step, "bytes": s.nbytes, "receive_seconds": s.seconds,
                       "apply_seconds": time.monotonic() - started}
+        self.manifest_digest = s.plan.manifest_digest
+        self.step = s.step
+        if self._served is not None:
+            self._serve_held(s if kind == "delta" else None)
         log.info("subscribe: step %d applied and verified (%s of %d bytes from %s; received in %.3f s, applied "
                  "in %.3f s; manifest %s)", s.step, "a delta" if kind == "delta" else "whole", s.nbytes, s.senders,
                  s.seconds, self.stats["apply_seconds"], self.manifest_digest)

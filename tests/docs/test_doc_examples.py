@@ -6,6 +6,7 @@ deadline, and whatever a page started is killed by its process group when the pa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -133,17 +134,28 @@ def run_block(session: Session, block: Block) -> None:
 RUNNABLE = [p for p in PAGES if any(b.runs for b in blocks(p))]
 
 
+def _missing(page: Path) -> str | None:
+    """What the page's runnable blocks need that this environment lacks, with how to install it."""
+    text = "".join(b.text for b in blocks(page) if b.runs)
+    bindir = os.path.dirname(sys.executable)
+    if "mpiexec" in text and not shutil.which("mpiexec", path=bindir + os.pathsep + os.environ.get("PATH", "")):
+        return "mpiexec, which is not installed (pip install -e '.[mpi]')"
+    if "examples/rl_loop" in text and importlib.util.find_spec("transformers") is None:
+        return "examples/rl_loop, whose transformers is not installed (pip install -e '.[rl]')"
+    return None
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_examples_run(page: Path, tmp_path: Path):
-    uses_mpi = any(b.runs and "mpiexec" in b.text for b in blocks(page))
-    bindir = os.path.dirname(sys.executable)
-    if uses_mpi and not shutil.which("mpiexec", path=bindir + os.pathsep + os.environ.get("PATH", "")):
-        # make test installs MPI (the mpi extra) and requires it; a bare pytest may not have it.
+    missing = _missing(page)
+    if missing:
+        # make test installs MPI (the mpi extra) and transformers (the rl extra) and requires
+        # them; a bare pytest may not have them.
         if os.environ.get("COLLECTIVE_REQUIRE_FRAMEWORKS") == "1":
-            pytest.fail(f"{page.name} runs mpiexec, which is not installed: `pip install -e '.[mpi]'`")
-        pytest.skip(f"{page.name} runs mpiexec, which is not installed (pip install -e '.[mpi]')")
+            pytest.fail(f"{page.name} runs {missing}")
+        pytest.skip(f"{page.name} runs {missing}")
     session = Session(tmp_path)
     try:
         for block in blocks(page):

