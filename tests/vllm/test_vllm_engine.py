@@ -7,17 +7,21 @@ The trainer (this process: the model, two real AdamW steps on random tokens and 
 change to one layer, vLLM's trainer engine over the LLM) publishes each step; after each update the engine's greedy tokens must
 equal those of a FRESH engine started from the trainer's weights of that step
 (``save_pretrained``), and the engine must report the trainer's step and manifest digest.
+The same holds with the trainer in a process of its own that publishes with ``collective``
+alone (tests/vllm/trainer.py), the update driven by vLLM's calls.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 import warnings
 
 import pytest
 
+from tests.procs import Proc, wait_until
 from tests.vllm.conftest import require_vllm
 
 # torch, transformers and vLLM warn about their own internals (torch.jit deprecations, ...);
@@ -28,12 +32,12 @@ with warnings.catch_warnings():
         warnings.simplefilter("ignore", category)
     require_vllm()
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
     from vllm import LLM, SamplingParams
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from collective.vllm import CollectiveTrainerInitInfo, LLMClient, weight_version
+    from tests.vllm.model import adamw_step, qwen2
 
 pytestmark = [pytest.mark.timeout(1200), *(pytest.mark.filterwarnings(f"ignore::{c.__name__}") for c in THIRD_PARTY)]
 
@@ -46,14 +50,6 @@ ENGINE = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, enf
 PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [100, 200, 300]},
            {"prompt_token_ids": list(range(7, 400, 13))}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, detokenize=False)
-
-
-def _qwen2() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, dtype="bfloat16", initializer_range=0.1)
-    return Qwen2ForCausalLM(config).to(torch.bfloat16)
 
 
 def _greedy(llm) -> list[list[int]]:
@@ -79,21 +75,12 @@ def _fresh_greedy(path) -> tuple[list[list[int]], float]:
         _close(llm)
 
 
-def _adamw_step(model, optimizer, generator) -> None:
-    """One real training step: LM loss on random tokens, AdamW (every tensor changes)."""
-    tokens = torch.randint(0, model.config.vocab_size, (4, 32), generator=generator)
-    loss = model(input_ids=tokens, labels=tokens).loss
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The trainer's model at step 0, its checkpoint, an LLM serving it with the collective
     backend, and the trainer engine (published at step 0, the engine subscribed)."""
     root = tmp_path_factory.mktemp("vllm-engine")
-    model = _qwen2()
+    model = qwen2()
     assert 4.0e6 < sum(p.numel() for p in model.parameters()) < 5.0e6
     model.save_pretrained(root / "step0")
     with pytest.MonkeyPatch.context() as mp:
@@ -149,7 +136,7 @@ def test_each_trainer_step_reaches_the_engine_and_generates_as_a_fresh_engine_on
     generator = torch.Generator().manual_seed(1)
     before = _greedy(llm)
     for step in range(1, STEPS + 1):
-        changed = _sparse_change(model, generator) if step == STEPS else _adamw_step(model, optimizer, generator)
+        changed = _sparse_change(model, generator) if step == STEPS else adamw_step(model, optimizer, generator)
         model.save_pretrained(root / f"step{step}")
         sent = trainer.send_weights(step)
         held = _held(llm)
@@ -203,3 +190,57 @@ def test_an_update_to_a_step_never_published_times_out_naming_the_step_held_and_
         client.update_weights({"step": step, "timeout": 2.0})
     assert _held(llm) == held
     assert _greedy(llm) == tokens
+
+
+TRAINER_STEPS = 2
+
+
+def _published(proc: Proc, count: int, timeout: float = 600.0) -> list[dict]:
+    """The first ``count`` steps the trainer process said it published (its JSON lines)."""
+    def lines() -> list[dict]:
+        return [json.loads(ln) for ln in proc.output().splitlines() if ln.startswith('{"step"')]
+
+    wait_until(lambda: len(lines()) >= count or proc.proc.poll() is not None,
+               f"the trainer's step {count - 1}", timeout)
+    assert len(lines()) >= count, f"the trainer exited with {proc.proc.returncode}:\n{proc.output()}"
+    return lines()[:count]
+
+
+def test_a_trainer_process_that_publishes_with_collective_drives_the_engine_through_vllms_update_calls(
+        served, tmp_path, capsys):
+    """The trainer is a process of its own, without vLLM (``collective.publish``, then
+    ``Publication.update`` after each AdamW step); the engine is pointed at it
+    (``init_weight_transfer_engine``: a new subscription, the first update loads every tensor)
+    and each step goes through vLLM's own calls with the trainer's step and manifest digest."""
+    llm, timings = served["llm"], served["timings"]
+    proc = Proc(["-m", "tests.vllm.trainer", str(tmp_path), str(TRAINER_STEPS)], tmp_path / "trainer.log",
+                env={"COLLECTIVE_TOKEN": TOKEN})
+    try:
+        (first,) = _published(proc, 1)
+        client = LLMClient(llm)
+        client.init_weight_transfer_engine({"sources": [first["address"]]})
+        before = _greedy(llm)
+        for step in range(1, TRAINER_STEPS + 1):
+            (tmp_path / f"go{step}").touch()
+            published = _published(proc, step + 1)[step]
+            assert published["step"] == step
+            started = time.perf_counter()
+            client.start_weight_update()
+            client.update_weights({"step": step, "manifest_digest": published["manifest_digest"]})
+            client.finish_weight_update(weight_version(step, published["manifest_digest"]))
+            update = time.perf_counter() - started
+            held = _held(llm)
+            tokens = _greedy(llm)
+            fresh, fresh_seconds = _fresh_greedy(tmp_path / f"step{step}")
+            timings.append(f"trainer process, step {step}: update round {update:.2f} s "
+                           f"({held['last']['kind']} of {held['last']['bytes']:,} bytes, "
+                           f"{held['loaded_tensors']}/{held['tensors']} tensors reloaded), verify {fresh_seconds:.1f} s")
+            assert (held["step"], held["manifest_digest"]) == (step, published["manifest_digest"])
+            assert fresh != before, f"step {step}'s weights generate what step {step - 1}'s did"
+            assert tokens == fresh, f"step {step}: the live engine's greedy tokens differ from a fresh engine's"
+            before = tokens
+        (tmp_path / "done").touch()
+        assert proc.wait(60) == 0, proc.output()
+    finally:
+        proc.kill()
+    _show(capsys, timings[-TRAINER_STEPS:])
