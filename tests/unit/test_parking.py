@@ -114,6 +114,30 @@ def test_a_parked_call_with_a_key_is_tried_again_only_once_its_predicate_holds(k
         parker.close()
 
 
+def test_a_batch_looks_only_at_what_changed_not_at_every_parked_call():
+    """Issue 39: each batch went through every parked call (N x notifies at N workers). Calls
+    are filed by key, deadlines in a heap: notifies without news look at no call, a deadline
+    that passes looks at its call alone, and a release looks at each of its calls once."""
+    r, other, parker = Round("released"), Round("other"), parking.Parker("test-parker")
+    try:
+        got, done = _park_many(r, parker, 200)
+        _park_many(other, parker, 100)  # a second key, never released while the test looks
+        early, answered = [], threading.Event()
+        parker.park(lambda: r.await_release(0.3), time.monotonic() + 0.3,
+                    lambda result, error: (early.append(result), answered.set()), parking.generation,
+                    parking.NotYet(r.cond, lambda: r.released, "released"))
+        _notify_without_news(r, 10)
+        assert answered.wait(5.0) and early == ["not released within 0.3 s"]
+        assert parker.looked == 1 and parker.tries == 1, (parker.looked, parker.tries)  # the expired call alone
+        assert parker.checks >= 1  # a look at each key per batch, instead
+        r.release()
+        assert done.wait(10.0) and got == ["released"] * 200
+        assert parker.looked == 201 and parker.tries == 201, (parker.looked, parker.tries)
+        assert len(parker) == 100
+    finally:
+        parker.close()
+
+
 def test_settle_returns_once_the_call_being_answered_is_done_with_what_it_read():
     """A finished round's service is held by the parked call the parker is answering at that
     moment; ``release_freed_memory`` settles the parker before it collects (a sync_module under
