@@ -161,3 +161,29 @@ def test_settle_returns_once_the_call_being_answered_is_done_with_what_it_read()
     finally:
         parker.close()
     assert parker.settle(1.0)  # a closed parker has nothing left to settle
+
+
+def test_the_prepared_barrier_counts_its_members_and_stays_open_once_open():
+    """Issue 39: each of N parked AwaitPrepared calls read every member (N^2 as the barrier
+    opened). RoundState counts the members marked prepared and reads them only when the count
+    says they may all be; a member replaced by a rejoin still counts, so the count never falls
+    short, and the read says no until the new one is prepared too."""
+    from collective.chief.members import Member
+    from collective.chief.state import RoundState
+
+    def member(worker_id: str, rank: int) -> Member:
+        return Member(rank=rank, worker_id=worker_id, incarnation="i", host="h", devices=["cpu:0"], peer="p", pid=1)
+
+    state = RoundState(None, time.monotonic())
+    a, b = member("a", 0), member("b", 1)
+    state.members.update(a=a, b=b)
+    state.mark_prepared(a)
+    state.mark_prepared(a)  # twice: counted once
+    assert state.prepared_count == 1 and not state.all_prepared()
+    state.mark_prepared(b)
+    state.members["b"] = member("b", 1)  # a rejoin replaced it before the barrier was read
+    assert state.prepared_count == 2 and not state.all_prepared()
+    state.mark_prepared(state.members["b"])
+    assert state.all_prepared()
+    state.members["c"] = member("c", 2)  # once open, it stays open: the first bytes are out
+    assert state.all_prepared()
