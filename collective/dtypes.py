@@ -51,6 +51,7 @@ def _extended() -> dict[str, np.dtype]:
     return {name: np.dtype(getattr(ml_dtypes, name)) for name in EXTENDED}
 
 
+@functools.lru_cache(maxsize=256)  # asked of every variable, several times: 20,000 variables took 1.5 s
 def is_extended(dtype: np.dtype) -> bool:
     """True for an ``ml_dtypes`` type of ``EXTENDED`` (never for a plain raw void)."""
     # Not by kind: bfloat16 is kind "V" but float8_e5m2 is kind "f" (with a ``<f1`` dtype.str
@@ -90,6 +91,7 @@ def wire(dtype: np.dtype) -> str:
     return dtype.name if is_extended(dtype) else dtype.str
 
 
+@functools.lru_cache(maxsize=256)
 def from_wire(text: str) -> np.dtype:
     """The dtype of a wire string (``<f4`` or ``bfloat16``); TypeError/ValueError if unknown."""
     if text in EXTENDED:

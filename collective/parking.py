@@ -15,6 +15,7 @@ how its calls wait.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import threading
 import time
@@ -94,10 +95,11 @@ def poll(fn: Callable, *args):
 
 
 class _Parked:
-    __slots__ = ("fn", "deadline", "done", "waiting")
+    __slots__ = ("fn", "deadline", "done", "waiting", "group")
 
     def __init__(self, fn: Callable, deadline: float, done: Callable, waiting: NotYet | None) -> None:
         self.fn, self.deadline, self.done, self.waiting = fn, deadline, done, waiting
+        self.group = waiting.group if waiting is not None else None
 
 
 class Parker:
@@ -109,20 +111,28 @@ class Parker:
     the predicate is asked once per key and notify, so 1,024 calls parked on "start" cost one
     look at the round per notify, not 1,024 tries (each takes the lock and looks up its
     worker; the prepared barrier's predicate reads every member: 1,024 x 1,024 per notify).
+    The calls are filed by key and their deadlines kept in a heap, so a batch looks only at
+    the keys, the calls without one, the calls of a key whose predicate holds and those whose
+    deadline passed: its work follows what changed, not how many calls are parked (issue 39:
+    every batch went through every parked call, about N^2 work a round at N workers).
     Tries come in batches: after one, the thread rests as long as it took (at least
-    ``MIN_REST`` s), so a storm of notifies costs at most half a core. ``tries`` and ``checks``
-    count the calls tried again and the predicates asked."""
+    ``MIN_REST`` s), so a storm of notifies costs at most half a core. ``tries``, ``checks``
+    and ``looked`` count the calls tried again, the predicates asked and the parked calls a
+    batch looked at (tried, or found answered meanwhile)."""
 
-    MIN_REST = 0.01
+    MIN_REST = 0.001
     MAX_WAIT = 0.25
 
     def __init__(self, name: str = "parked-calls") -> None:
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._parked: dict[int, _Parked] = {}
+        self._groups: dict[tuple[int, str], dict[int, NotYet]] = {}  # key's group -> its calls, each with its wait
+        self._loose: dict[int, None] = {}  # calls without a key: tried at every notify
+        self._deadlines: list[tuple[float, int]] = []  # heap; a call answered meanwhile is skipped when met
         self._keys = itertools.count()
         self._closed = False
-        self.tries = self.checks = 0
+        self.tries = self.checks = self.looked = 0
         self._ended = threading.Condition()  # notified at the end of every batch (``settle``)
         self._batches, self._in_batch = 0, False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -145,20 +155,47 @@ class Parker:
             waiting.__traceback__ = None  # its frames (the pool thread's, the handler's) are no use here
         with self._lock:
             key = next(self._keys)
-            self._parked[key] = _Parked(fn, deadline, done, waiting)
+            p = self._parked[key] = _Parked(fn, deadline, done, waiting)
+            self._file(key, p)
+            heapq.heappush(self._deadlines, (deadline, key))
         if generation != tried_at:  # it changed since that try: try again now
             self._changed.set()
         return key
 
+    def _file(self, key: int, p: _Parked) -> None:
+        """File ``p`` under its wait's group (with the lock held)."""
+        if p.group is None:
+            self._loose[key] = None
+        else:
+            self._groups.setdefault(p.group, {})[key] = p.waiting
+
+    def _unfile(self, key: int, p: _Parked) -> None:
+        if p.group is None:
+            self._loose.pop(key, None)
+            return
+        calls = self._groups.get(p.group)
+        if calls is not None:
+            calls.pop(key, None)
+            if not calls:
+                del self._groups[p.group]
+
     def unpark(self, key: int) -> None:
         with self._lock:
-            self._parked.pop(key, None)
+            p = self._parked.pop(key, None)
+            if p is not None:
+                self._unfile(key, p)
+
+    def _nearest(self) -> float | None:
+        """The nearest deadline of a parked call (with the lock held); answered ones dropped on the way."""
+        while self._deadlines and self._deadlines[0][1] not in self._parked:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
 
     def _run(self) -> None:
         _local.retry = True
         while not self._closed:
             with self._lock:
-                nearest = min((p.deadline for p in self._parked.values()), default=None)
+                nearest = self._nearest()
             # At most MAX_WAIT: a call parked meanwhile is answered that late past its deadline at worst.
             wait = self.MAX_WAIT if nearest is None else min(max(nearest - time.monotonic(), 0.0), self.MAX_WAIT)
             news = self._changed.wait(wait)
@@ -190,22 +227,30 @@ class Parker:
             return self._ended.wait_for(lambda: self._batches >= target or self._closed, timeout)
 
     def _batch(self, news: bool, t0: float) -> bool:
-        """Try the calls due (all on news, else those past their deadline); True if any was due.
-        A method of its own: the batch (each call's wait, its predicate, the service it reads)
-        must not stay alive in ``_run``'s locals while the thread waits for the next notify, or a
-        finished round's service outlives its call until then."""
-        with self._lock:  # no news: only the calls whose deadline passed
-            batch = [(k, p) for k, p in self._parked.items() if news or p.deadline <= t0]
-        holds: dict[tuple[int, str], bool] = {}  # this batch's answer of each key's predicate
-        for key, p in batch:
-            group = p.waiting.group if p.waiting is not None else None
-            if group is not None and t0 < p.deadline:
-                if group not in holds:
-                    holds[group] = self._holds(p.waiting)
-                if not holds[group]:
-                    continue
-            self._try(key, p)
-        return bool(batch)
+        """Try the calls due: those past their deadline; on news also every call without a key,
+        and those of each key whose predicate holds (asked once per key). True if any was
+        looked at. A method of its own: the batch (each call's wait, its predicate, the service
+        it reads) must not stay alive in ``_run``'s locals while the thread waits for the next
+        notify, or a finished round's service outlives its call until then."""
+        with self._lock:
+            expired = []
+            while self._nearest() is not None and self._deadlines[0][0] <= t0:
+                expired.append(heapq.heappop(self._deadlines)[1])
+            groups = [(group, next(iter(calls.values()))) for group, calls in self._groups.items()] if news else []
+            loose = list(self._loose) if news else []
+        for key in expired:
+            self._try(key)
+        asked = False
+        for group, waiting in groups:
+            asked = True
+            if self._holds(waiting):
+                with self._lock:
+                    calls = list(self._groups.get(group, ()))
+                for key in calls:
+                    self._try(key)
+        for key in loose:
+            self._try(key)
+        return bool(expired or loose or asked)
 
     def _holds(self, waiting: NotYet) -> bool:
         self.checks += 1
@@ -215,17 +260,23 @@ class Parker:
         except Exception:  # noqa: BLE001 - the call itself will say what is wrong
             return True
 
-    def _try(self, key: int, p: _Parked) -> None:
+    def _try(self, key: int) -> None:
         with self._lock:
-            if key not in self._parked:
-                return  # ended meanwhile (the client went)
+            p = self._parked.get(key)
+        self.looked += 1
+        if p is None:
+            return  # ended meanwhile (the client went, or answered earlier in this batch)
         self.tries += 1
         try:
             with mode("expired" if time.monotonic() >= p.deadline else "poll"):
                 result = p.fn()
         except NotYet as again:
             again.__traceback__ = None
-            p.waiting = again  # it may wait for something else now
+            with self._lock:  # it may wait for something else now: filed under that
+                if key in self._parked:
+                    self._unfile(key, p)
+                    p.waiting, p.group = again, again.group
+                    self._file(key, p)
             return
         except BaseException as exc:  # noqa: BLE001 - handed to the call, which answers with it
             self.unpark(key)
@@ -249,10 +300,10 @@ _parker_lock = threading.Lock()
 
 
 def stats() -> dict[str, int]:
-    """The process's Parker's counts (none started: zeros): calls parked now, tried again, predicates asked."""
+    """The process's Parker's counts (none started: zeros): calls parked now, tried again, predicates asked, calls looked at."""
     p = _parker
-    return {"parked": len(p), "tries": p.tries, "checks": p.checks} if p is not None else \
-        {"parked": 0, "tries": 0, "checks": 0}
+    return {"parked": len(p), "tries": p.tries, "checks": p.checks, "looked": p.looked} if p is not None else \
+        {"parked": 0, "tries": 0, "checks": 0, "looked": 0}
 
 
 def settle(timeout: float) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 
 from collective._proto import collective_pb2 as pb
 from collective.arena import SharedArena
-from collective.digest import array_digest, one_pass
+from collective.digest import bytes_digest, one_pass
 from collective.errors import ModelError
 from collective.model import ModelSource, VariableSpec, check_fits, validate_model
 from collective.plan import Chunker, build_plan, layout
@@ -43,9 +43,9 @@ def materialize(
     arena = allocate(total)
     digests = []
     for spec, off in zip(specs, offsets, strict=True):
-        view = arena[off : off + spec.nbytes].view(spec.np_dtype).reshape(spec.shape)
-        source.fill(spec, view)
-        digests.append(array_digest(view))
+        raw = arena[off : off + spec.nbytes]
+        source.fill(spec, raw.view(spec.np_dtype).reshape(spec.shape))
+        digests.append(bytes_digest(memoryview(raw)))  # array_digest's bytes: the view is C-contiguous
     return specs, arena, digests
 
 

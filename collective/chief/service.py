@@ -473,11 +473,11 @@ class ChiefService(Admission):
             m = self._member(ref)
             if self.state.phase is not Phase.BROADCASTING:
                 raise PreconditionError(f"{m.name()} is prepared while the round is {self.state.phase.value}")
-            m.prepared = True
+            self.state.mark_prepared(m)
             if m.phase == "joined":
                 m.phase = "prepared"
             self.state.cond.notify_all()
-            prepared = lambda: all(x.prepared for x in self.state.members.values())  # noqa: E731 - a rejoin replaces members
+            prepared = self.state.all_prepared
             self.state.wait(lambda: self.state.phase is not Phase.BROADCASTING or prepared(), timeout, "prepared")
             if self.state.phase is Phase.FAILED:
                 m.told = True

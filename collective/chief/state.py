@@ -36,6 +36,24 @@ class RoundState:
         self.first_byte_at: float | None = None
         self.ready_at: float | None = None
         self.marks: dict[str, float] = {}
+        # The barrier before the first byte (``all_prepared``): members marked prepared (one
+        # replaced by a rejoin still counts, so it never counts short), and whether every member
+        # was prepared once (the barrier then stays open).
+        self.prepared_count = 0
+        self.barrier_open = False
+
+    def mark_prepared(self, m: Member) -> None:
+        if not m.prepared:
+            m.prepared = True
+            self.prepared_count += 1
+
+    def all_prepared(self) -> bool:
+        """Every member prepared (once true, true for the round: the first bytes are out). Each
+        parked AwaitPrepared asks it, so it reads the members only once the count says they may
+        all be: 1,024 workers asking it of 1,024 members was a million reads a barrier."""
+        if not self.barrier_open and self.prepared_count >= len(self.members):
+            self.barrier_open = all(x.prepared for x in self.members.values())
+        return self.barrier_open
 
     def plan_complete(self) -> bool:
         """The plan is out with every digest (none to follow: ``Plan.digests_follow``)."""

@@ -187,8 +187,8 @@ class Supervisor:
             rnd.wait(lambda: False, t.status_grace)  # let `collective status --watch` see the outcome
             parked = parking.stats()
             if parked["tries"] or parked["checks"]:  # a server that parks its calls (collective.parking)
-                log.debug("parked calls: %d tried again, %d predicates asked, %d still parked",
-                         parked["tries"], parked["checks"], parked["parked"])
+                log.debug("parked calls: %d tried again, %d predicates asked, %d looked at, %d still parked",
+                         parked["tries"], parked["checks"], parked["looked"], parked["parked"])
             if rnd.phase is Phase.FAILED:
                 raise rnd.error or AbortedError("the round failed")
 

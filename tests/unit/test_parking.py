@@ -114,6 +114,30 @@ def test_a_parked_call_with_a_key_is_tried_again_only_once_its_predicate_holds(k
         parker.close()
 
 
+def test_a_batch_looks_only_at_what_changed_not_at_every_parked_call():
+    """Issue 39: each batch went through every parked call (N x notifies at N workers). Calls
+    are filed by key, deadlines in a heap: notifies without news look at no call, a deadline
+    that passes looks at its call alone, and a release looks at each of its calls once."""
+    r, other, parker = Round("released"), Round("other"), parking.Parker("test-parker")
+    try:
+        got, done = _park_many(r, parker, 200)
+        _park_many(other, parker, 100)  # a second key, never released while the test looks
+        early, answered = [], threading.Event()
+        parker.park(lambda: r.await_release(0.3), time.monotonic() + 0.3,
+                    lambda result, error: (early.append(result), answered.set()), parking.generation,
+                    parking.NotYet(r.cond, lambda: r.released, "released"))
+        _notify_without_news(r, 10)
+        assert answered.wait(5.0) and early == ["not released within 0.3 s"]
+        assert parker.looked == 1 and parker.tries == 1, (parker.looked, parker.tries)  # the expired call alone
+        assert parker.checks >= 1  # a look at each key per batch, instead
+        r.release()
+        assert done.wait(10.0) and got == ["released"] * 200
+        assert parker.looked == 201 and parker.tries == 201, (parker.looked, parker.tries)
+        assert len(parker) == 100
+    finally:
+        parker.close()
+
+
 def test_settle_returns_once_the_call_being_answered_is_done_with_what_it_read():
     """A finished round's service is held by the parked call the parker is answering at that
     moment; ``release_freed_memory`` settles the parker before it collects (a sync_module under
@@ -137,3 +161,29 @@ def test_settle_returns_once_the_call_being_answered_is_done_with_what_it_read()
     finally:
         parker.close()
     assert parker.settle(1.0)  # a closed parker has nothing left to settle
+
+
+def test_the_prepared_barrier_counts_its_members_and_stays_open_once_open():
+    """Issue 39: each of N parked AwaitPrepared calls read every member (N^2 as the barrier
+    opened). RoundState counts the members marked prepared and reads them only when the count
+    says they may all be; a member replaced by a rejoin still counts, so the count never falls
+    short, and the read says no until the new one is prepared too."""
+    from collective.chief.members import Member
+    from collective.chief.state import RoundState
+
+    def member(worker_id: str, rank: int) -> Member:
+        return Member(rank=rank, worker_id=worker_id, incarnation="i", host="h", devices=["cpu:0"], peer="p", pid=1)
+
+    state = RoundState(None, time.monotonic())
+    a, b = member("a", 0), member("b", 1)
+    state.members.update(a=a, b=b)
+    state.mark_prepared(a)
+    state.mark_prepared(a)  # twice: counted once
+    assert state.prepared_count == 1 and not state.all_prepared()
+    state.mark_prepared(b)
+    state.members["b"] = member("b", 1)  # a rejoin replaced it before the barrier was read
+    assert state.prepared_count == 2 and not state.all_prepared()
+    state.mark_prepared(state.members["b"])
+    assert state.all_prepared()
+    state.members["c"] = member("c", 2)  # once open, it stays open: the first bytes are out
+    assert state.all_prepared()

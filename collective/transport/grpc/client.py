@@ -66,16 +66,20 @@ class _NoDataPort(Exception):
     """The sender's raw TCP data port cannot be reached: FetchRaw over gRPC instead."""
 
 
-# Join retries every JOIN_BACKOFF s while the chief is not up yet (connection refused), so a
-# worker joins within about that of the chief listening: gRPC's own reconnect backoff is kept
-# as short (RECONNECT_OPTIONS), else it would add seconds on top. Their log lines come after the
+# Join retries while the chief is not up yet. While its port refuses connections, the worker
+# probes it with a bare TCP connect, first after JOIN_FIRST_BACKOFF s, then at doubling intervals
+# up to JOIN_BACKOFF s, and opens its channel anew once the port accepts: an SPMD rank 0 listens
+# some 10-100 ms after the others start, and a fixed 100 ms pause, then gRPC's own reconnect
+# backoff on top (50-170 ms more measured), were most of a small round. Other failures retry
+# every JOIN_BACKOFF s at most; gRPC's reconnect backoff is kept as short (RECONNECT_OPTIONS),
+# else it would add seconds. Their log lines come after the
 # first failure and then at doubling intervals up to JOIN_LOG_CAP s, each a summary.
 # Not "grpc.min_reconnect_backoff_ms": gRPC takes it as the least time a connection attempt is
 # given, so 100 ms there made every attempt over a path slower than 100 ms (a long haul, or a
 # link kept full by the broadcast itself) fail with "connect() timed out", and a relay's child
 # failed its round on that first failure. Attempts keep gRPC's own minimum of 20 s; the calls'
 # deadlines bound every wait.
-JOIN_BACKOFF = 0.1
+JOIN_FIRST_BACKOFF, JOIN_BACKOFF = 0.005, 0.1
 JOIN_LOG_FIRST, JOIN_LOG_CAP = 2.0, 30.0
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -231,7 +235,7 @@ class GrpcChiefLink(ChiefLink):
         started = time.monotonic()
         deadline = started + timeout
         last = "no answer"
-        refusals, tries = 0, 0
+        refusals, tries, backoff = 0, 0, JOIN_FIRST_BACKOFF
         next_log, log_every = started, JOIN_LOG_FIRST
         answered = None  # when the chief last said it is still loading: it was there
         while True:
@@ -276,9 +280,43 @@ class GrpcChiefLink(ChiefLink):
                                  self.name, self.address, tries, "y" if tries == 1 else "ies", now - started,
                                  printable(last), max(deadline - now, 0.0))
                         next_log, log_every = now + log_every, min(log_every * 2, JOIN_LOG_CAP)
-                    time.sleep(min(JOIN_BACKOFF, max(0.0, deadline - time.monotonic())))
+                    # Not yet up (it never answered): wait for its port, not for a timer.
+                    if raised is None and answered is None and self._await_listening(
+                            min(deadline, max(next_log, time.monotonic() + JOIN_BACKOFF))):
+                        continue  # the port has just opened: join now, on a channel without gRPC's backoff
+                    time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                    backoff = min(backoff * 2, JOIN_BACKOFF)
                     continue
                 raise self._error(exc, "join", timeout) from None
+
+    def _await_listening(self, deadline: float) -> bool:
+        """While the chief's port refuses connections, probe it (a TCP connect) at doubling
+        intervals until it accepts or ``deadline`` (the join's, or its next log line). True if
+        it refused, then accepted: the data channel is then opened anew, so the join goes at
+        once rather than after gRPC's reconnect backoff. False at once if it accepts (the
+        failure was another) or cannot be probed, and False at ``deadline``."""
+        try:
+            host, _, port = self.address.rpartition(":")
+            target = (host.strip("[]"), int(port))
+        except ValueError:
+            return False
+        refused, pause = False, JOIN_FIRST_BACKOFF
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                socket.create_connection(target, timeout=min(1.0, left)).close()
+            except ConnectionRefusedError:
+                refused = True
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(pause * 2, JOIN_BACKOFF)
+                continue
+            except OSError:
+                return False
+            if refused:
+                self._channel.close()
+                self._channel = self._open("data")
+                self._stub = pb_grpc.CollectiveStub(self._channel)
+            return refused
+        return False
 
     def get_plan(self, ref: pb.WorkerRef, timeout: float, *, phase: str = "join (waiting for the plan)",
                  max_bytes: int = MAX_PIECED_BYTES) -> pb.Plan:
