@@ -115,3 +115,4 @@ def test_what_is_left_of_a_stripe_is_populated_alone():
     ahead.ready(STRIPE // 2, STRIPE)
     assert ahead.state[0] == 0 and (arena[: STRIPE // 2] == 5).all()
     assert _resident(arena, STRIPE // 2, STRIPE) == STRIPE // 2 // mmap.PAGESIZE
+
