@@ -327,8 +327,6 @@ def run_recovery(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="collective-bench-recovery-"))
     place = _Place(workdir, rate)
     rows = [Row(c) for c in CANDIDATES]
-    rates = floor(size)
-    say(f"floor: memcpy {rates['memcpy']:.2f} GiB/s, xxh3 {rates['xxh3']:.2f} GiB/s")
     try:
         for rep in range(repeat):
             for row in rows:
@@ -340,6 +338,10 @@ def run_recovery(args: argparse.Namespace, say: Callable[[str], None]) -> int:
                     f"peak RSS {result['peak_mib']:.0f} MiB (before {result['base_mib']:.0f})")
     finally:
         place.close()
+    # After the runs: a process started after this one held the floor's buffers would begin its
+    # ru_maxrss at this one's (fork keeps it), and its "RSS before" with it.
+    rates = floor(size)
+    say(f"floor: memcpy {rates['memcpy']:.2f} GiB/s, xxh3 {rates['xxh3']:.2f} GiB/s")
     print(table(rows, size, link_seconds, rates), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
         print(json.dumps({"results": [{"name": r.candidate.name, "holders": r.candidate.holders, "bytes": size,
