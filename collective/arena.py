@@ -36,8 +36,10 @@ POPULATE_STEP = 64 << 20
 """``populate`` has the kernel populate small pages this many bytes a call. ``mmap.madvise``
 holds the GIL for a whole call: one call for the rest of a 4 GiB arena held it 37.7 s beside
 three CPU-bound processes, the worker's heartbeat thread never ran meanwhile, and the chief
-declared the worker lost (no heartbeat for 17.5 s, lease 15 s). Between two calls other threads
-run."""
+declared the worker lost (no heartbeat for 17.5 s, lease 15 s). So the call goes through ctypes,
+which lets go of the GIL (``_madvise``): a stream received in another thread runs beside it (a
+fetch populates the next stripe while this one streams); where ctypes cannot, ``mmap.madvise``
+a step at a time, other threads running between two calls."""
 
 
 class Arena(Protocol):
@@ -127,6 +129,32 @@ class ScatterView:
         return self._gather(0, self.nbytes, self._overlapping(0, self.nbytes))
 
 
+def _libc_madvise():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return libc.madvise, ctypes.get_errno
+    except (OSError, AttributeError):  # no libc madvise here: mmap.madvise instead
+        return None
+
+
+_LIBC_MADVISE = _libc_madvise() if hasattr(mmap, "MADV_HUGEPAGE") else None
+
+
+def _madvise(region: mmap.mmap, array: np.ndarray, start: int, length: int, advice: int) -> None:
+    """``region.madvise(advice, start, length)`` (``array`` a view of all of it), the GIL let go
+    meanwhile where ctypes reaches libc's ``madvise``; OSError as ``mmap.madvise`` raises it."""
+    if _LIBC_MADVISE is None:
+        region.madvise(advice, start, length)
+        return
+    call, errno = _LIBC_MADVISE
+    if call(array.ctypes.data + start, length, advice) != 0:
+        code = errno()
+        raise OSError(code, os.strerror(code))
+
+
 def populate(region: mmap.mmap | None, array: np.ndarray, start: int, end: int) -> None:
     """Put the pages of bytes ``start..end`` of ``array`` (a view of all of ``region``) in place
     before a stream writes them. Writes only bytes of that range (those not received yet), so
@@ -157,7 +185,7 @@ def populate(region: mmap.mmap | None, array: np.ndarray, start: int, end: int) 
             for step in range(rest, end, POPULATE_STEP):  # one call holds the GIL: a step at a time
                 length = min(POPULATE_STEP, end - step)
                 try:
-                    region.madvise(_MADV_POPULATE_WRITE, step, length)
+                    _madvise(region, array, step, length, _MADV_POPULATE_WRITE)
                 except OSError:  # a kernel before 5.14: one write per page
                     array[step : step + length : PAGE] = 0
             break

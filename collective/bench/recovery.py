@@ -13,8 +13,9 @@ and prints its metadata and the state's digest; then the recovering process star
 everything, and times ``recv_checkpoint`` alone (for PGTransport: from after the process group
 is up until the last tensor is in). It then reports the seconds, its peak RSS (``ru_maxrss``) and
 its RSS before the call, and the digest of what it received, which must equal the holder's (a
-row whose digest differs fails the bench). Runs are interleaved over ``--repeat``; the median
-counts.
+row whose digest differs fails the bench). Runs are interleaved over ``--repeat``: every run is
+reported, and each collective row against the faster torchft transport of the same run; the
+floor beside them is this machine's memcpy and xxh3 rates (``floor``).
 
 ``--emulate-hosts`` puts every holder and the recovering process on a host of its own
 (``collective.bench.emulate``), each holder's link shaped to ``--rate`` both ways; the recovering
@@ -52,15 +53,20 @@ class Candidate:
     name: str
     kind: str  # http0, http8, pg, collective, collective-copy
     holders: int = 1
+    path: str = ""  # how the bytes travel on one host (the table's "path")
 
 
-CANDIDATES = [Candidate("torchft-http", "http0"), Candidate("torchft-http-chunks8", "http8"),
-              Candidate("torchft-pg-gloo", "pg"), Candidate("collective-1-holder", "collective"),
-              Candidate("collective-3-holders", "collective", 3),
+CANDIDATES = [Candidate("torchft-http", "http0", path="HTTP, 1 connection"),
+              Candidate("torchft-http-chunks8", "http8", path="HTTP, 8 connections"),
+              Candidate("torchft-pg-gloo", "pg", path="gloo send/recv"),
+              # copy=False (the default): served from the holder's own tensors; on one host the
+              # raw data path's abstract unix socket (fetch's shm=True finds no sealed copy).
+              Candidate("collective-1-holder", "collective", path="stream, unix socket"),
+              Candidate("collective-3-holders", "collective", 3, path="stream, unix socket"),
               # copy=True: the holder copies its state into a sealed memfd at send_checkpoint
               # (outside the clock, one more copy of the state in the holder); a same-host
-              # fetcher maps it and checks every chunk instead of receiving a stream.
-              Candidate("collective-1-holder-copy", "collective-copy")]
+              # fetcher maps it (fetch's shm=True) and checks every chunk instead of receiving.
+              Candidate("collective-1-holder-copy", "collective-copy", path="memfd mapped (shm)")]
 
 
 @dataclass
@@ -226,7 +232,27 @@ def run_once(place: _Place, c: Candidate, size: int, variables: int) -> dict:
             p.kill()
 
 
-def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
+def floor(size: int) -> dict[str, float]:
+    """This machine's memory rates, the floor of a receive on one host (GiB/s, the best of three
+    over ``size`` bytes, at most 256 MiB, pages in place first): ``memcpy`` (one pass that
+    writes the bytes: what a socket's copy into the arena is at best) and ``xxh3`` (the check
+    of every chunk)."""
+    import numpy as np
+
+    from collective.digest import bytes_digest
+
+    n = min(size, 256 * MiB)
+    src, dst = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+    best = {"memcpy": float("inf"), "xxh3": float("inf")}
+    for _ in range(3):
+        for name, run in (("memcpy", lambda: np.copyto(dst, src)), ("xxh3", lambda: bytes_digest(memoryview(src)))):
+            began = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - began)
+    return {name: n / seconds / (1 << 30) for name, seconds in best.items()}
+
+
+def table(rows: list[Row], size: int, link_seconds: float | None, rates: dict[str, float] | None = None) -> str:
     from collective.bench.spec import aligned
 
     med = statistics.median
@@ -234,7 +260,7 @@ def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
     torchft = [med(r.seconds) for r in rows if not r.candidate.kind.startswith("collective")]
     best = min(torchft) if torchft else None
     one = next((med(r.seconds) for r in rows if r.candidate.kind == "collective" and r.candidate.holders == 1), None)
-    head = ["transport", "holders", "median s", "min-max s", "x faster torchft", "x 1 holder",
+    head = ["transport", "path", "holders", "median s", "runs s", "x faster torchft", "x 1 holder",
             "peak RSS MiB", "RSS before MiB", "growth MiB", "growth - state MiB"]
     if link_seconds:
         head.append("x S/B")
@@ -242,7 +268,8 @@ def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
     for r in rows:
         s = med(r.seconds)
         growth = max(p - b for p, b in zip(r.peak_mib, r.base_mib, strict=True))
-        line = [r.candidate.name, str(r.candidate.holders), f"{s:.3f}", f"{min(r.seconds):.3f}-{max(r.seconds):.3f}",
+        line = [r.candidate.name, r.candidate.path, str(r.candidate.holders), f"{s:.3f}",
+                " ".join(f"{x:.3f}" for x in r.seconds),
                 f"{s / best:.2f}" if best else "-",
                 f"{s / one:.2f}" if one and r.candidate.kind.startswith("collective") else "-",
                 f"{max(r.peak_mib):.0f}", f"{med(r.base_mib):.0f}", f"{growth:.0f}", f"{growth - size / MiB:.0f}"]
@@ -253,9 +280,30 @@ def table(rows: list[Row], size: int, link_seconds: float | None) -> str:
     text.append(f"state: {size / MiB:.0f} MiB; seconds: the recovering process's recv_checkpoint call alone; "
                 "RSS: that process's ru_maxrss at the end (peak) and before the call (torch and torchft imported); "
                 "growth: peak - before (the largest of the runs)")
+    text += per_run(rows)
+    if rates:
+        text.append(f"floor: memcpy {rates['memcpy']:.2f} GiB/s ({size / MiB / 1024 / rates['memcpy']:.3f} s for the "
+                    f"state), xxh3 {rates['xxh3']:.2f} GiB/s ({size / MiB / 1024 / rates['xxh3']:.3f} s)")
     if link_seconds:
         text.append(f"S/B (one link carrying the state once): {link_seconds:.3f} s")
     return "\n".join(text)
+
+
+def per_run(rows: list[Row]) -> list[str]:
+    """Each collective row against the faster torchft transport of the same run (run i of every
+    row): the largest of those ratios is what "on every run" asks of it."""
+    peers = [r for r in rows if not r.candidate.kind.startswith("collective")]
+    if not peers:
+        return []
+    runs = min(len(r.seconds) for r in rows)
+    best = [min(r.seconds[i] for r in peers) for i in range(runs)]
+    out = []
+    for r in rows:
+        if r.candidate.kind.startswith("collective"):
+            ratios = [r.seconds[i] / best[i] for i in range(runs)]
+            out.append(f"{r.candidate.name}: x the faster torchft of the same run, run by run: "
+                       + " ".join(f"{x:.2f}" for x in ratios) + f" (largest {max(ratios):.2f})")
+    return out
 
 
 def run_recovery(args: argparse.Namespace, say: Callable[[str], None]) -> int:
@@ -290,12 +338,18 @@ def run_recovery(args: argparse.Namespace, say: Callable[[str], None]) -> int:
                     f"peak RSS {result['peak_mib']:.0f} MiB (before {result['base_mib']:.0f})")
     finally:
         place.close()
-    print(table(rows, size, link_seconds), file=sys.stderr if args.json else sys.stdout, flush=True)
+    # After the runs: a process started after this one held the floor's buffers would begin its
+    # ru_maxrss at this one's (fork keeps it), and its "RSS before" with it.
+    rates = floor(size)
+    say(f"floor: memcpy {rates['memcpy']:.2f} GiB/s, xxh3 {rates['xxh3']:.2f} GiB/s")
+    print(table(rows, size, link_seconds, rates), file=sys.stderr if args.json else sys.stdout, flush=True)
     if args.json:
         print(json.dumps({"results": [{"name": r.candidate.name, "holders": r.candidate.holders, "bytes": size,
+                                       "path": r.candidate.path,
                                        "seconds": round(statistics.median(r.seconds), 6),
+                                       "runs": [round(x, 6) for x in r.seconds],
                                        "peak_rss_mib": round(max(r.peak_mib), 1)} for r in rows],
-                          "link_seconds": link_seconds}), flush=True)
+                          "link_seconds": link_seconds, "floor_gib_s": rates}), flush=True)
     return 0
 
 

@@ -326,7 +326,9 @@ def test_recovery_times_torchfts_transports_and_collectives_side_by_side():
                      "collective-3-holders", "collective-1-holder-copy"], out
     for r in out["results"]:
         assert r["bytes"] == 256 * 1024 and r["seconds"] > 0 and r["peak_rss_mib"] > 0, r
+        assert r["path"] and r["runs"] == [r["seconds"]], r  # every run, and which path it took
     assert out["link_seconds"] is None
+    assert set(out["floor_gib_s"]) == {"memcpy", "xxh3"} and min(out["floor_gib_s"].values()) > 0, out
 
 
 def test_recovery_bad_options_exit_2_with_one_line():
