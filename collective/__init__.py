@@ -18,6 +18,8 @@ The Python API (every call reads the same environment as the command line: ``COL
 * ``load_model`` - a preset, spec, ``.npz`` or ``.safetensors`` file as a model source.
 * ``publish`` / ``fetch`` - serve a training state at a step; fetch it from one or several
   holders, striped and verified chunk by chunk (``Publication``, ``FetchError``).
+* ``subscribe`` - follow a publication step by step (``Publication.update``): each step's
+  element-level delta applied in place and verified (``Subscription``).
 * ``local_rank`` - this process's index on its host (torchrun, mpirun, srun, ``COLLECTIVE_*``).
 * ``Timeouts``, ``TlsFiles`` - settings; ``CollectiveError`` and its subclasses - the errors.
 
@@ -66,7 +68,7 @@ if TYPE_CHECKING:
     from collective._api import join, serve, sync
     from collective.checks import check
     from collective.replicas import SyncResult
-    from collective.snapshot import Publication, fetch, publish
+    from collective.snapshot import Publication, Subscription, fetch, publish, subscribe
     from collective.sources import load_source as load_model
     from collective.transport.grpc import TlsFiles
 
@@ -106,6 +108,8 @@ __all__ = [
     "publish",
     "fetch",
     "Publication",
+    "subscribe",
+    "Subscription",
     "FetchError",
 ]
 
@@ -122,6 +126,8 @@ _LAZY = {
     "publish": ("collective.snapshot", "publish"),
     "fetch": ("collective.snapshot", "fetch"),
     "Publication": ("collective.snapshot", "Publication"),
+    "subscribe": ("collective.snapshot", "subscribe"),
+    "Subscription": ("collective.snapshot", "Subscription"),
 }
 
 

@@ -169,7 +169,7 @@ class Piece(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., worker: _Optional[_Union[WorkerRef, _Mapping]] = ...) -> None: ...
 
 class WorkerRef(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "resume_from", "want_digests", "secret", "stop_at", "chunk_stride", "chunk_phase")
+    __slots__ = ("worker_id", "incarnation", "resume_from", "want_digests", "secret", "stop_at", "chunk_stride", "chunk_phase", "newer_than", "delta_from")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,8 @@ class WorkerRef(_message.Message):
     STOP_AT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_PHASE_FIELD_NUMBER: _ClassVar[int]
+    NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FROM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     resume_from: int
@@ -186,7 +188,9 @@ class WorkerRef(_message.Message):
     stop_at: int
     chunk_stride: int
     chunk_phase: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ..., want_digests: _Optional[bool] = ..., secret: _Optional[str] = ..., stop_at: _Optional[int] = ..., chunk_stride: _Optional[int] = ..., chunk_phase: _Optional[int] = ...) -> None: ...
+    newer_than: int
+    delta_from: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., resume_from: _Optional[int] = ..., want_digests: _Optional[bool] = ..., secret: _Optional[str] = ..., stop_at: _Optional[int] = ..., chunk_stride: _Optional[int] = ..., chunk_phase: _Optional[int] = ..., newer_than: _Optional[int] = ..., delta_from: _Optional[int] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("total_bytes", "manifest_digest")

@@ -27,11 +27,17 @@ more than the holders). Errors: ``FetchError`` (wrong step, disagreeing holders,
 ``ChiefUnreachableError`` (a holder unreachable), ``ProtocolError`` (a hostile plan or
 structure), ``DeadlineError``; each one line naming the holder.
 
-The docs' page "Publish and fetch" says what is verified and what is not.
+``subscribe(sources, *, token=None, into=None, timeout=300.0, stall_timeout=30.0, tls=None,
+auto=False) -> Subscription``: follow a publication whose steps come from
+``Publication.update(state, step)``: each step's element-level delta received, checked, applied
+in place by ``Subscription.apply()`` and verified against the step's digests.
+
+The docs' pages "Publish and fetch" and "Every step" say what is verified and what is not.
 """
 
 from collective.errors import FetchError
 from collective.snapshot.fetcher import Fetched, fetch
 from collective.snapshot.holder import Publication, publish
+from collective.snapshot.subscriber import Subscription, subscribe
 
-__all__ = ["publish", "fetch", "Publication", "Fetched", "FetchError"]
+__all__ = ["publish", "fetch", "subscribe", "Publication", "Subscription", "Fetched", "FetchError"]

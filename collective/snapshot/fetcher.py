@@ -55,6 +55,7 @@ from collective.snapshot.stripes import (
     layout_digest,
     one_line,
 )
+from collective.snapshot.versions import DELTA_LABEL
 from collective.stream import differing_chunk, overlapping
 
 log = logging.getLogger(__name__)
@@ -80,12 +81,15 @@ def _identity(tls) -> str:
 class Fetched(dict):
     """The fetched state (a dict, as published), with ``step``, ``manifest_digest``,
     ``total_bytes`` (the arena's) and ``stats``: holder address -> bytes it delivered, stripes,
-    and why it was dropped (if it was)."""
+    and why it was dropped (if it was); ``plan`` and ``arrays`` (every variable by its plan
+    name, the skeleton's bytes too), for ``collective.subscribe``."""
 
     step: int
     manifest_digest: str
     total_bytes: int
     stats: dict
+    plan: pb.Plan
+    arrays: dict
 
 
 def _sources(sources: str | Sequence[str]) -> list[str]:
@@ -105,15 +109,27 @@ def _memory_bytes() -> int:
         return 1 << 40
 
 
-def _check_plan(h: Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
-    """The plan of holder ``h`` is one a fetch can take: consistent, of ``step``, not larger
-    than ``max_bytes``, with a skeleton variable. Raises naming the holder."""
+def plan_step(plan: pb.Plan) -> int:
+    """The step a checked plan is of (``_check_plan``)."""
+    return int(plan.model.removeprefix(MODEL_PREFIX).partition(HOLDER_SEP)[0].partition(DELTA_LABEL)[0])
+
+
+def _check_plan(h: Holder, plan: pb.Plan, step: int | None, max_bytes: int, delta_from: int | None = None) -> None:
+    """The plan of holder ``h`` is one a fetch can take: consistent, of ``step`` (any step for
+    None; with ``delta_from``, that step's delta from it), not larger than ``max_bytes``, with
+    a skeleton variable. Raises naming the holder."""
     if not plan.model.startswith(MODEL_PREFIX):
         raise E.ProtocolError(f"{h.name()} is not a publication (it serves {plan.model[:80]!r})")
     got, _, label = plan.model.removeprefix(MODEL_PREFIX).partition(HOLDER_SEP)
     h.named(label)
-    if got != str(step):
-        raise E.FetchError(f"{h.name()} publishes step {got[:40]}, not step {step}")
+    want = (str(step) if step is not None else None, None if delta_from is None else f"{DELTA_LABEL}{delta_from}")
+    number, sep, rest = got.partition(DELTA_LABEL)
+    if not (number.isdigit() and len(number) < 20 and (not sep or rest.isdigit())):
+        raise E.ProtocolError(f"{h.name()} publishes step {got[:40]!r}: not a step")
+    if want[0] is not None and number != want[0] or (sep + rest or None) != want[1]:
+        wanted = "the newest step" if step is None else f"step {step}"
+        raise E.FetchError(f"{h.name()} publishes step {got[:40]}, not {wanted}"
+                           + (f" as a delta from step {delta_from}" if delta_from is not None else ""))
     if plan.total_bytes > max_bytes:
         raise E.ResourceExhaustedError(f"{h.name()} publishes {format_bytes(plan.total_bytes)}, more than "
                                        f"max_bytes={format_bytes(max_bytes)}; refused before allocating")
@@ -135,32 +151,38 @@ def _check_plan(h: Holder, plan: pb.Plan, step: int, max_bytes: int) -> None:
                               f"{tree.MAX_TREE_BYTES}; refused before allocating")
 
 
-def _ask(h: Holder, step: int, deadline: float, stall_timeout: float, max_bytes: int,
-         ident: str) -> E.CollectiveError | None:
-    """Ask ``h`` for its plan and check it (``h.plan`` set); the error that left it out, or None."""
+def _ask(h: Holder, step: int | None, deadline: float, stall_timeout: float, max_bytes: int,
+         ident: str, delta_from: int | None = None) -> E.CollectiveError | None:
+    """Ask ``h`` for its plan (of ``step``'s delta from ``delta_from``, if given) and check it
+    (``h.plan`` set); the error that left it out, or None."""
     try:
         # A holder that does not answer within the stall timeout is left out, not waited for.
         wait = max(0.1, min(deadline - time.monotonic(), stall_timeout))
-        plan = h.link.get_plan(pb.WorkerRef(worker_id=ident), wait,
-                               phase="fetch (asking for its manifest)", max_bytes=MAX_SNAPSHOT_PLAN_BYTES)
-        _check_plan(h, plan, step, max_bytes)
+        ref = pb.WorkerRef(worker_id=ident)
+        if delta_from is not None:
+            ref.delta_from = delta_from
+        plan = h.link.get_plan(ref, wait, phase="fetch (asking for its manifest)", max_bytes=MAX_SNAPSHOT_PLAN_BYTES)
+        _check_plan(h, plan, step, max_bytes, delta_from)
         h.plan = plan
     except E.CollectiveError as exc:
         return exc
     return None
 
 
-def _ask_plans(holders: list[Holder], step: int, deadline: float, stall_timeout: float,
-               max_bytes: int, ident: str) -> tuple[list[Holder], list[Holder]]:
-    """The holders of ``step`` that agree on its manifest, asked in order in waves of at most
-    ``MAX_ACTIVE_HOLDERS`` (one thread each) until a wave has one that answered; and the
-    spares, those not asked (asked when a holder is dropped)."""
+def _ask_plans(holders: list[Holder], step: int | None, deadline: float, stall_timeout: float,
+               max_bytes: int, ident: str, delta_from: int | None = None,
+               active: int = MAX_ACTIVE_HOLDERS) -> tuple[list[Holder], list[Holder]]:
+    """The holders of ``step`` (None: of the newest step any of them serves) that agree on its
+    manifest, asked in order in waves of at most ``MAX_ACTIVE_HOLDERS`` (one thread each) until
+    a wave has one that answered; and the spares, those not asked (asked when a holder is
+    dropped). ``active``: at most that many holders used at once (1: the first that serves the
+    step, the others spares)."""
     errors: dict[str, E.CollectiveError] = {}
     asked: list[Holder] = []
     answered: list[Holder] = []  # in the order they answered; a thread still asking is not in it
 
     def ask(h: Holder) -> None:
-        exc = _ask(h, step, deadline, stall_timeout, max_bytes, ident)
+        exc = _ask(h, step, deadline, stall_timeout, max_bytes, ident, delta_from)
         if exc is not None:
             errors[h.address] = exc
         else:
@@ -169,7 +191,7 @@ def _ask_plans(holders: list[Holder], step: int, deadline: float, stall_timeout:
     while len(asked) < len(holders) and not answered:
         if time.monotonic() >= deadline:
             break
-        wave = holders[len(asked) : len(asked) + MAX_ACTIVE_HOLDERS]
+        wave = holders[len(asked) : len(asked) + active]
         threads = [threading.Thread(target=ask, args=(h,), name="fetch-plan", daemon=True) for h in wave]
         for t in threads:
             t.start()
@@ -189,7 +211,13 @@ def _ask_plans(holders: list[Holder], step: int, deadline: float, stall_timeout:
             raise next(iter(errors.values()))
         said = [one_line(e) for e in errors.values()]
         more = f"; and {len(said) - 5} more" if len(said) > 5 else ""
-        raise E.FetchError(f"no holder serves step {step}: " + "; ".join(said[:5]) + more)
+        raise E.FetchError(f"no holder serves {'any step' if step is None else f'step {step}'}: " + "; ".join(said[:5]) + more)
+    if step is None:  # the newest step served; holders of older ones are spares no more
+        step = max(plan_step(h.plan) for h in ready)
+        for h in ready:
+            if plan_step(h.plan) != step:
+                log.info("fetch: %s serves step %d, not the newest (%d); left out", h.name(), plan_step(h.plan), step)
+        ready = [h for h in ready if plan_step(h.plan) == step]
     for exc in errors.values():
         log.warning("fetch of step %d: %s; fetching from the other holders", step, one_line(exc))
     groups = collections.defaultdict(list)
@@ -200,7 +228,7 @@ def _ask_plans(holders: list[Holder], step: int, deadline: float, stall_timeout:
         raise E.FetchError(f"holders disagree on the manifest of step {step}: {sides}; compare them "
                          f"(collective.check) before trusting any")
     best = _same_layout(ready)
-    return best[:MAX_ACTIVE_HOLDERS], best[MAX_ACTIVE_HOLDERS:] + spares
+    return best[:active], best[active:] + spares
 
 
 def _same_layout(ready: list[Holder]) -> list[Holder]:
@@ -350,10 +378,22 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     :raises IntegrityError: a holder's bytes differ from its own plan and no other holder is left.
     :raises AuthError: a holder refused the token. ChiefUnreachableError: unreachable holder.
     """
-    from collective.transport.grpc import GrpcChiefLink
-
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise E.UsageError(f"step must be an integer >= 0, not {step!r}")
+    return fetch_step(sources, step=step, token=token, timeout=timeout, stall_timeout=stall_timeout, into=into,
+                      manifest=manifest, max_bytes=max_bytes, tls=tls, shm=shm)
+
+
+def fetch_step(sources: str | Sequence[str], *, step: int | None, delta_from: int | None = None,
+               token: str | None = None, timeout: float = 300.0, stall_timeout: float = 30.0,
+               into: Mapping[str, np.ndarray] | None = None, manifest: str | None = None,
+               max_bytes: int | None = None, tls=None, shm: bool = True,
+               active: int = MAX_ACTIVE_HOLDERS) -> Fetched:
+    """``fetch``, also of the newest step the holders serve (``step`` None) or of a step's
+    delta from ``delta_from`` (``collective.subscribe``: the state ``versions.delta_state``),
+    from at most ``active`` holders at once (the others spares)."""
+    from collective.transport.grpc import GrpcChiefLink
+
     if not (timeout > 0 and stall_timeout > 0):
         raise E.UsageError("timeout and stall_timeout must be > 0 seconds")
     addresses = _sources(sources)
@@ -364,8 +404,9 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
     limit = max_bytes if max_bytes is not None else _memory_bytes()
     holders = [Holder(a, lambda a: GrpcChiefLink(a, token=token, name="holder", tls=tls)) for a in addresses]
     try:
-        ready, spares = _ask_plans(holders, step, deadline, stall_timeout, limit, ident)
+        ready, spares = _ask_plans(holders, step, deadline, stall_timeout, limit, ident, delta_from, active)
         plan = ready[0].plan
+        step = plan_step(plan)
         if manifest is not None and plan.manifest_digest != manifest:
             raise E.FetchError(f"{', '.join(h.name() for h in ready)} publish manifest {plan.manifest_digest} "
                              f"of step {step}, not the expected {manifest}")
@@ -379,7 +420,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
             # Its pages committed a stripe at a time, as each is asked for (``warm``).
             arena = lazy_arena(plan.total_bytes) if scatter is None else None
             striper = Striper(plan, ready, spares, arena, scatter, stall_timeout, ident,
-                               lambda h: _ask(h, step, deadline, stall_timeout, limit, ident))
+                               lambda h: _ask(h, step, deadline, stall_timeout, limit, ident, delta_from))
             striper.run(deadline, timeout)
             ready = striper.holders
         arrays = {v.name: variable_view(arena, v) for v in plan.variables} if scatter is None else scatter.arrays()
@@ -391,6 +432,7 @@ def fetch(sources: str | Sequence[str], *, step: int, token: str | None = None, 
             h.close()
     out = Fetched(state)
     out.step, out.manifest_digest, out.total_bytes = step, plan.manifest_digest, plan.total_bytes
+    out.plan, out.arrays = plan, arrays
     out.stats = {h.address: {"bytes": h.bytes, "stripes": h.stripes, "dropped": h.dropped, "shared_memory": h.shared}
                  for h in ready}
     seconds = time.monotonic() - started

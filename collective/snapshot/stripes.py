@@ -304,7 +304,8 @@ class Striper:
                 warm(own, 0, b - a)
             buf, base = inside or (own[: b - a], a)
         receiver = Receiver(self.plan, buf, span=ChunkRange.stripe(a, b, self.plan), base=base, table=self.table)
-        ref = receiver.range.ask(pb.WorkerRef(worker_id=self.ident))  # this stripe's chunks
+        # this stripe's chunks, of the plan this holder gave (not of a step it served since)
+        ref = receiver.range.ask(pb.WorkerRef(worker_id=self.ident, incarnation=h.plan.chief_incarnation))
         with self.cond:
             self.watches[h] = _Watch(receiver, h)
         try:
