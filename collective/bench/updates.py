@@ -56,15 +56,14 @@ from collective.bench.spec import BenchError
 from collective.errors import UsageError
 from collective.sizes import format_bytes, parse_size
 
-ROWS = ("collective-delta", "collective-fetch", "gloo-broadcast", "safetensors-delta")
-KIND = {"collective-delta": "delta", "collective-fetch": "fetch", "gloo-broadcast": "gloo",
-        "safetensors-delta": "file"}
+ROWS = ("collective-delta", "collective-delta-tree", "collective-fetch", "gloo-broadcast", "safetensors-delta")
+KIND = {"collective-delta": "delta", "collective-delta-tree": "delta", "collective-fetch": "fetch",
+        "gloo-broadcast": "gloo", "safetensors-delta": "file"}
 DEFAULT_BYTES = "1GiB"
 DEFAULT_RATE = "1gbit"
 DEFAULT_SUBSCRIBERS = "1,8"
 LRS = (1e-5, 1e-6)
 SEED = 38
-EMULATED_PUB = "10.77.0.2"  # the first host of a Topology: the publisher's
 WAIT = 1800.0
 _rows = itertools.count()
 
@@ -119,7 +118,10 @@ class Place:
 
     @property
     def pub_host(self) -> str:
-        return "127.0.0.1" if self.topology is None else EMULATED_PUB
+        return self.address("pub")
+
+    def address(self, host: str) -> str:
+        return "127.0.0.1" if self.topology is None else self.topology.hosts[host].address
 
     def start(self, host: str, argv: list[str]):
         from collective.bench.emulate import ROOT, Process
@@ -150,7 +152,8 @@ def run_row(place: Place, row: Row, cfg: dict) -> None:
     d = place.workdir / f"row-{next(_rows):03d}-{where}-{row.name}-{row.subscribers}"
     d.mkdir()
     kind = KIND[row.name]
-    cfg = {**cfg, "subscribers": row.subscribers, "host": place.pub_host}
+    cfg = {**cfg, "subscribers": row.subscribers, "host": place.pub_host, "tree": row.name.endswith("-tree"),
+           "sub_hosts": [place.address(f"sub-{i + 1}") for i in range(row.subscribers)]}
     if kind == "gloo":
         cfg["gloo"] = f"{place.pub_host}:{_free_port() if place.topology is None else 29500}"
     (d / "row.json").write_text(json.dumps(cfg))

@@ -188,7 +188,8 @@ def publisher_delta(d: Path) -> None:
         pub.update(steps.state, step=step)
         t0 = time.monotonic()
         pub.wait()
-        return t0, time.monotonic() - t0
+        # The delta's own making (the diff of every tensor against the baseline copy, coded).
+        return t0, pub.last_update["delta_seconds"]
 
     steps.run(send, lambda: pub.stats()["bytes_served"])
     pub.close()
@@ -200,16 +201,14 @@ def publisher_fetch(d: Path) -> None:
     steps = _Steps(d)
     pub = collective.publish(steps.state, step=0, copy=True, token=TOKEN, bind=f"{steps.cfg['host']}:0")
     put(d / "addr", pub.address)
-    served = [0]  # replace() starts a new count: what the steps before served
 
     def send(step: int):
-        served[0] += pub.stats()["bytes_served"]
         pub.replace(steps.state, step)
         t0 = time.monotonic()
         put(d / f"step-{step}", "")
         return t0, None
 
-    steps.run(send, lambda: served[0] + pub.stats()["bytes_served"])
+    steps.run(send, lambda: pub.stats()["bytes_served"])
     pub.close()
 
 
@@ -291,20 +290,35 @@ class _Held:
 
 
 def subscriber_delta(d: Path, index: int) -> None:
+    """``apply()`` once a step is waiting (``tree`` in row.json: subscribers in a binary tree,
+    each serving what it applied to its two children, ``auto=True``, the publisher every one's
+    spare). shm=False: the stream another host gets, not a same-host mapping."""
     import collective
 
     h = _Held(d, index)
     addr = wait_file(d / "addr", "address")
     arrays = empty_state(h.cfg)
-    sub = collective.subscribe(addr, token=TOKEN, into=arrays, timeout=LIFETIME)
+    kw: dict = {"token": TOKEN, "into": arrays, "timeout": LIFETIME, "shm": False}
+    sources = [addr]
+    if h.cfg.get("tree"):
+        kw.update(auto=True, stripe=False, serve=True, bind=f"{h.cfg['sub_hosts'][index]}:0", name=f"sub-{index}")
+        if index:
+            sources = [wait_file(d / f"saddr-{(index - 1) // 2}", "the parent's address"), addr]
+    sub = collective.subscribe(sources, **kw)
+    if sub.address:
+        put(d / f"saddr-{index}", sub.address)
     h.ready(0, arrays)
     for step in range(1, h.cfg["steps"] + 1):
-        while (sub.poll(timeout=1.0) or 0) < step:
-            pass
-        a0 = time.monotonic()
-        got = sub.apply()
+        if h.cfg.get("tree"):
+            while sub.step < step or (sub.stats or {}).get("step", -1) < step:  # stats: set just after step
+                time.sleep(POLL)
+        else:
+            while (sub.poll(timeout=1.0) or 0) < step:
+                pass
+            sub.apply()
         held = time.monotonic()
-        h.ready(step, arrays, held, held - a0, checked=got == step)
+        st = sub.stats
+        h.ready(step, arrays, held, st["apply_seconds"], checked=sub.step == step and st["kind"] == "delta")
     h.done()
     sub.close()
 
