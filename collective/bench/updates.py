@@ -25,8 +25,9 @@ and for each, on one host and (``--emulate-hosts``) on emulated hosts with ``--r
   the publisher over HTTP, ``load_file``, writes the values in place and hashes its state.
 
 Columns: the bytes on the publisher's link per step (one host: the publisher's own count of what
-it sent — ``stats()['bytes_served']``, the TCP sockets' ``bytes_sent``, the HTTP bodies; emulated
-hosts: its interface's transmitted bytes, everything included), seconds per step (median over the
+it sent — ``stats()['bytes_served']``, the gloo root's TCP sockets' acknowledged bytes
+(``tcp_info``), the HTTP bodies; emulated hosts: its interface's transmitted bytes, everything
+included), seconds per step (median over the
 steps of: the publisher's send returning -> the last subscriber holding the verified step), the
 publisher's delta-making seconds (``update`` returning -> ``wait`` returning; the diff and file
 write of the safetensors row) and peak RSS, the subscriber's apply+verify seconds (``apply``;

@@ -31,7 +31,8 @@ import http.server
 import json
 import os
 import resource
-import subprocess
+import socket
+import struct
 import sys
 import threading
 import time
@@ -129,18 +130,30 @@ def result(**fields) -> None:
     print("result " + json.dumps(fields), flush=True)
 
 
-def tcp_bytes_sent(pid: int) -> int:
-    """Bytes this process's TCP sockets have sent (``ss``'s ``bytes_sent``, live sockets)."""
-    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=30).stdout.splitlines()
-    total, mine = 0, False
-    for line in out:
-        if not line[:1].isspace():
-            mine = f"pid={pid}," in line
-        elif mine:
-            for field in line.split():
-                if field.startswith("bytes_sent:"):
-                    total += int(field.split(":", 1)[1])
-    return total
+def tcp_bytes_acked() -> dict[str, int]:
+    """This process's TCP sockets by inode: the bytes each has sent and had acknowledged
+    (``tcp_info.tcpi_bytes_acked``). Per socket, so a step's count survives sockets that come
+    and go: ``sent_between(before, after)``."""
+    out: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if not link.startswith("socket:") or link in out:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(int(fd))) as sock:
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError:  # not a TCP socket
+            continue
+        if len(info) >= 128:
+            out[link] = struct.unpack_from("<Q", info, 120)[0]  # tcpi_bytes_acked
+    return out
+
+
+def sent_between(before: dict[str, int], after: dict[str, int]) -> int:
+    return sum(n - before.get(k, 0) for k, n in after.items())
 
 
 # --- publishers ----------------------------------------------------------------------------------
@@ -218,9 +231,9 @@ class _Counted(http.server.SimpleHTTPRequestHandler):
 
     def copyfile(self, source, outputfile) -> None:
         data = source.read()
-        outputfile.write(data)
-        with _Counted.lock:
+        with _Counted.lock:  # counted before it is sent: the reader may say it holds the step at once
             _Counted.sent += len(data)
+        outputfile.write(data)
 
     def log_message(self, *args) -> None:
         pass
@@ -404,7 +417,7 @@ def gloo_rank(d: Path, rank: int) -> None:
         if rank == 0:
             changed.append(step_state(arrays, cfg, step))
             put(d / f"expect-{step}", state_digest(arrays))
-            before = tcp_bytes_sent(os.getpid())
+            before = tcp_bytes_acked()
         dist.barrier()
         t0 = time.monotonic()
         dist.broadcast(buf, src=0)
@@ -415,7 +428,7 @@ def gloo_rank(d: Path, rank: int) -> None:
             h.ready(step, arrays, held, held - a0, checked=checked)
         dist.barrier()
         if rank == 0:
-            sent.append(tcp_bytes_sent(os.getpid()) - before)
+            sent.append(sent_between(before, tcp_bytes_acked()))
             t0s.append(t0)
     if rank == 0:
         print("end", flush=True)
