@@ -4,6 +4,7 @@ One run measures, for a bf16 state of ``--bytes`` in ``--tensors`` tensors, ``--
 changing a share of the elements at uniformly random positions:
 
 * state (a): ``--fraction`` (default 1%) of the elements changed per step;
+* state (c), one host only: nothing changed (the fixed cost of a step);
 * state (b): the share AdamW changes per step in a small bf16 transformer (a Qwen2 config, random
   tokens; measured first, at lr 1e-5 and 1e-6, and reported; (b) uses the lr 1e-5 figure, the
   mean over the steps after the first, where Adam's first step moves every element by about lr).
@@ -16,8 +17,9 @@ and for each, on one host and (``--emulate-hosts``) on emulated hosts with ``--r
 * ``collective-delta``: ``publish(copy=True)`` then ``pub.update(state, step)`` per step; the
   subscribers ``collective.subscribe(into=...)`` and ``sub.apply()`` each step (applied in place
   and verified against the step's manifest by the call);
-* ``collective-fetch``: ``pub.replace(state, step)``; each subscriber ``collective.fetch`` of the
-  whole step into its arrays (``shm=False``: the stream another host gets), every chunk verified;
+* ``collective-fetch``: the same ``pub.update(state, step)`` (which serves each step in full
+  too); once it is served each subscriber ``collective.fetch``-es the whole step into its arrays
+  (``shm=False``: the stream another host gets), every chunk verified;
 * ``gloo-broadcast``: ``torch.distributed.broadcast`` of the whole state (one flat tensor) from
   rank 0 over gloo, then each receiver hashes what it got and compares it with the step's digest;
 * ``safetensors-delta``: TRL's sparse delta file: per changed tensor its changed elements'
@@ -28,9 +30,11 @@ Columns: the bytes on the publisher's link per step (one host: the publisher's o
 it sent — ``stats()['bytes_served']``, the gloo root's TCP sockets' acknowledged bytes
 (``tcp_info``), the HTTP bodies; emulated hosts: its interface's transmitted bytes, everything
 included), seconds per step (median over the
-steps of: the publisher's send returning -> the last subscriber holding the verified step), the
-publisher's delta-making seconds (``update`` returning -> ``wait`` returning; the diff and file
-write of the safetensors row) and peak RSS, the subscriber's apply+verify seconds (``apply``;
+steps of: the publisher's send returning -> the last subscriber holding the verified step; and
+the same from the send call's start, which counts the copy ``update`` takes too; "x faster than
+fetch" compares the first), the publisher's delta-making seconds
+(``pub.last_update["delta_seconds"]``: every tensor compared with the baseline copy and coded;
+the diff and file write of the safetensors row) and peak RSS, the subscriber's apply+verify seconds (``apply``;
 ``fetch``; the hash after the broadcast; load, apply and hash of the file) and peak RSS (the
 largest subscriber's). ``verified``: after every step every subscriber's whole state hashed equal
 to the publisher's (checked outside the clock, as is the row's own check inside it).
@@ -75,6 +79,7 @@ class Row:
     subscribers: int
     bytes: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    from_call: list[float] = field(default_factory=list)
     make: list[float] = field(default_factory=list)
     apply: list[float] = field(default_factory=list)
     pub_rss: float = 0.0
@@ -189,6 +194,7 @@ def run_row(place: Place, row: Row, cfg: dict) -> None:
     steps = cfg["steps"]
     row.bytes = p["bytes"] if tx0 is None else [(tx1 - tx0) // steps] * steps
     row.seconds = [max(x["held"][k] for x in s) - p["t0"][k] for k in range(steps)]
+    row.from_call = [max(x["held"][k] for x in s) - p["call"][k] for k in range(steps)]
     row.make = [m for m in p["make"] if m is not None]
     row.apply = [max(x["apply"][k] for x in s) for k in range(steps)]
     row.pub_rss, row.sub_rss = p["peak_rss_mib"], max(x["peak_rss_mib"] for x in s)
@@ -233,17 +239,18 @@ def table(rows: list[Row], size: int) -> str:
 
     med = statistics.median
     fetch = {r.subscribers: med(r.seconds) for r in rows if r.name == "collective-fetch" and r.seconds}
-    head = ["row", "subs", "link bytes/step", "% of state", "s/step", "min-max s", "x faster than fetch",
+    head = ["row", "subs", "link bytes/step", "% of state", "s/step", "min-max s", "s/step from call",
+            "x faster than fetch",
             "pub make s", "pub peak RSS MiB", "sub apply+verify s", "sub peak RSS MiB", "verified"]
     out = [head]
     for r in rows:
         if r.skipped:
-            out.append([r.name, str(r.subscribers), *["-"] * 9, f"skipped: {r.skipped}"])
+            out.append([r.name, str(r.subscribers), *["-"] * 10, f"skipped: {r.skipped}"])
             continue
-        s, b = med(r.seconds), int(med(r.bytes))
+        s, c, b = med(r.seconds), med(r.from_call), int(med(r.bytes))
         f = fetch.get(r.subscribers)
         out.append([r.name, str(r.subscribers), str(b), f"{100 * b / size:.2f}", f"{s:.4f}",
-                    f"{min(r.seconds):.4f}-{max(r.seconds):.4f}", f"{f / s:.1f}" if f and s > 0 else "-",
+                    f"{min(r.seconds):.4f}-{max(r.seconds):.4f}", f"{c:.4f}", f"{f / s:.1f}" if f and s > 0 else "-",
                     f"{med(r.make):.4f}" if r.make else "-", f"{r.pub_rss:.0f}", f"{med(r.apply):.4f}",
                     f"{r.sub_rss:.0f}", "yes" if r.verified else "NO"])
     return "\n".join(aligned(out))
@@ -291,14 +298,17 @@ def run_updates(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         if not s["no_adamw"]:
             got = measure_fraction(workdir, say)
             report["adamw"] = got
-            states.append(("b", got["used"], f"{got['used']:.2%} of the elements changed per step (AdamW's share "
-                                             f"at lr {LRS[0]:g} on {got['model']})"))
+            states.append(("b", got["used"], f"{got['used']:.2%} of the elements changed per step at random positions "
+                                             f"(AdamW's share at lr {LRS[0]:g} on {got['model']})"))
+        states.append(("c", 0.0, "nothing changed (the fixed cost of a step)"))
         places = [None] + ([s["rate"]] if s["rate"] else [])
         for rate in places:
             where = "one host" if rate is None else f"emulated hosts, {rate} links"
             place = Place(workdir, rate, max(s["subscribers"]))
             try:
                 for label, frac, words in states:
+                    if rate is not None and label == "c":
+                        continue
                     cfg = {"bytes": s["bytes"], "tensors": s["tensors"], "fraction": frac, "steps": s["steps"],
                            "seed": SEED}
                     rows = []
@@ -319,7 +329,7 @@ def run_updates(args: argparse.Namespace, say: Callable[[str], None]) -> int:
                     print(f"{title}\n$ {command}\n{text}\n", file=sys.stderr if args.json else sys.stdout, flush=True)
                     report["tables"].append({"state": label, "fraction": frac, "where": where, "rows": [
                         {"name": r.name, "subscribers": r.subscribers, "skipped": r.skipped or None,
-                         "bytes": r.bytes, "seconds": r.seconds, "make": r.make, "apply": r.apply,
+                         "bytes": r.bytes, "seconds": r.seconds, "from_call": r.from_call, "make": r.make, "apply": r.apply,
                          "pub_rss_mib": r.pub_rss, "sub_rss_mib": r.sub_rss, "verified": r.verified,
                          "changed": r.changed} for r in rows]})
             finally:

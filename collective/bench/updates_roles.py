@@ -13,11 +13,12 @@ emulated hosts alike; only ``/dev/shm`` is private to an emulated host):
   ``finish`` (from the bench, after it read them again): exit.
 
 Monotonic clock readings cross processes (one machine, one CLOCK_MONOTONIC, namespaces or not):
-a step's seconds are the last subscriber's ``held`` minus the publisher's ``t0``.
+a step's seconds are the last subscriber's ``held`` minus the publisher's ``t0`` (its send call
+returning: ``update``) or ``call`` (the call starting: the copy ``update`` makes counts too).
 
 Roles (KIND in row.json): ``delta`` (``collective.publish`` + ``pub.update`` ->
-``collective.subscribe`` + ``sub.apply``), ``fetch`` (``pub.replace`` -> ``collective.fetch`` of
-the whole step), ``gloo`` (``torch.distributed.broadcast`` of the whole state, rank 0 the
+``collective.subscribe`` + ``sub.apply``), ``fetch`` (``pub.update`` -> ``collective.fetch`` of
+the whole step once it is served), ``gloo`` (``torch.distributed.broadcast`` of the whole state, rank 0 the
 publisher), ``file`` (a sparse safetensors delta file as TRL writes it: indices and values of
 every changed tensor, ``safetensors.torch.save_file``; each subscriber downloads it from the
 publisher over HTTP, ``load_file``, applies and verifies). ``fraction`` measures the share of
@@ -162,7 +163,7 @@ def sent_between(before: dict[str, int], after: dict[str, int]) -> int:
 class _Steps:
     """The publisher's loop, common to every kind: rebuild step 0, serve it, wait for every
     subscriber, then per step change the state, write the digest, send (``send(step)`` returns
-    t0 and the delta-making seconds or None), wait for every subscriber, count the bytes."""
+    (call, t0, delta-making seconds or None)), wait for every subscriber, count the bytes."""
 
     def __init__(self, d: Path) -> None:
         self.d = d
@@ -175,22 +176,25 @@ class _Steps:
         wait_all_ready(d, cfg, 0)
         print("begin", flush=True)
         wait_file(d / "go", "go")
-        t0s, makes, sent, changed = [], [], [], []
+        calls, t0s, makes, sent, changed = [], [], [], [], []
         for step in range(1, cfg["steps"] + 1):
             changed.append(step_state(self.state, cfg, step))
             put(d / f"expect-{step}", state_digest(self.state))
             before = count()
-            t0, make = send(step)
+            call, t0, make = send(step)
+            calls.append(call)
             wait_all_ready(d, cfg, step)
             sent.append(count() - before)
             t0s.append(t0)
             makes.append(make)
         print("end", flush=True)
         wait_file(d / "finish", "finish")
-        result(t0=t0s, make=makes, bytes=sent, changed=changed, peak_rss_mib=peak_rss_mib())
+        result(call=calls, t0=t0s, make=makes, bytes=sent, changed=changed, peak_rss_mib=peak_rss_mib())
 
 
-def publisher_delta(d: Path) -> None:
+def publisher_delta(d: Path, announce: bool = False) -> None:
+    """``pub.update`` per step. ``announce``: the fetch row's publisher, whose subscribers
+    ``fetch`` each step in full once it is served (``step-K``); the update serves it both ways."""
     import collective
 
     steps = _Steps(d)
@@ -198,31 +202,21 @@ def publisher_delta(d: Path) -> None:
     put(d / "addr", pub.address)
 
     def send(step: int):
+        call = time.monotonic()
         pub.update(steps.state, step=step)
         t0 = time.monotonic()
         pub.wait()
+        if announce:
+            put(d / f"step-{step}", "")
         # The delta's own making (the diff of every tensor against the baseline copy, coded).
-        return t0, pub.last_update["delta_seconds"]
+        return call, t0, pub.last_update["delta_seconds"]
 
     steps.run(send, lambda: pub.stats()["bytes_served"])
     pub.close()
 
 
 def publisher_fetch(d: Path) -> None:
-    import collective
-
-    steps = _Steps(d)
-    pub = collective.publish(steps.state, step=0, copy=True, token=TOKEN, bind=f"{steps.cfg['host']}:0")
-    put(d / "addr", pub.address)
-
-    def send(step: int):
-        pub.replace(steps.state, step)
-        t0 = time.monotonic()
-        put(d / f"step-{step}", "")
-        return t0, None
-
-    steps.run(send, lambda: pub.stats()["bytes_served"])
-    pub.close()
+    publisher_delta(d, announce=True)
 
 
 class _Counted(http.server.SimpleHTTPRequestHandler):
@@ -266,7 +260,7 @@ def publisher_file(d: Path) -> None:
         path = served / f"delta-{step}.safetensors"
         save_file(tensors, str(path) + ".tmp")
         os.replace(str(path) + ".tmp", path)
-        return t0, time.monotonic() - t0
+        return t0, t0, time.monotonic() - t0
 
     steps.run(send, lambda: _Counted.sent)
     server.shutdown()
@@ -409,7 +403,7 @@ def gloo_rank(d: Path, rank: int) -> None:
         h = _Held(d, rank - 1)
         h.ready(0, arrays)
     dist.barrier()
-    t0s, sent, changed = [], [], []
+    t0s, sent, changed = [], [], []  # the broadcast's call is its start: t0 is both
     if rank == 0:
         print("begin", flush=True)
         wait_file(d / "go", "go")
@@ -433,7 +427,7 @@ def gloo_rank(d: Path, rank: int) -> None:
     if rank == 0:
         print("end", flush=True)
         wait_file(d / "finish", "finish")
-        result(t0=t0s, make=[None] * len(t0s), bytes=sent, changed=changed, peak_rss_mib=peak_rss_mib())
+        result(call=t0s, t0=t0s, make=[None] * len(t0s), bytes=sent, changed=changed, peak_rss_mib=peak_rss_mib())
     else:
         h.done()
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """`collective bench updates`: a tiny real run (real publisher and subscriber processes on this
-host) prints one table per state with every row present and verified; bad input is one line.
+host) prints one table per state (1% changed, AdamW's share, nothing changed) with every row present and verified; bad input is one line.
 No timing is asserted: only the tables' shape, the byte counts' order and the verified column."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 from collective.bench.updates import ROWS
 from tests.procs import ROOT
 
-RUN = 600  # two states x 2 subscriber counts x 5 rows of processes, and the AdamW measurement
+RUN = 600  # three states x 2 subscriber counts x 5 rows of processes, and the AdamW measurement
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(RUN + 60)]
-HEAD = ["row", "subs", "link bytes/step", "% of state", "s/step", "min-max s", "x faster than fetch",
+HEAD = ["row", "subs", "link bytes/step", "% of state", "s/step", "min-max s", "s/step from call", "x faster than fetch",
         "pub make s", "pub peak RSS MiB", "sub apply+verify s", "sub peak RSS MiB", "verified"]
 
 
@@ -31,7 +31,8 @@ def test_a_tiny_run_prints_every_row_for_both_states_and_every_row_verified():
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0 < report["adamw"]["used"] < 1, report["adamw"]
-    assert [(t["state"], t["where"]) for t in report["tables"]] == [("a", "one host"), ("b", "one host")]
+    assert [(t["state"], t["where"]) for t in report["tables"]] == [("a", "one host"), ("b", "one host"),
+                                                                   ("c", "one host")]
     for t in report["tables"]:
         assert [(r["name"], r["subscribers"]) for r in t["rows"]] == [(n, s) for s in (1, 2) for n in ROWS]
         for r in t["rows"]:
@@ -46,7 +47,7 @@ def test_a_tiny_run_prints_every_row_for_both_states_and_every_row_verified():
     # The tables themselves (on stderr with --json): a title, the command, the head, a rule, 10 rows.
     lines = proc.stderr.splitlines()
     heads = [i for i, line in enumerate(lines) if line.split("  ")[0] == "row"]
-    assert len(heads) == 2, proc.stderr[-3000:]
+    assert len(heads) == 3, proc.stderr[-3000:]
     for i in heads:
         assert lines[i - 1] == "$ collective bench updates " + " ".join(
             ["--bytes", "256KiB", "--tensors", "4", "--subscribers", "1,2", "--steps", "2", "--json"])
