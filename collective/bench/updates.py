@@ -4,19 +4,23 @@ One run measures, for a bf16 state of ``--bytes`` in ``--tensors`` tensors, ``--
 changing a share of the elements at uniformly random positions:
 
 * state (a): ``--fraction`` (default 1%) of the elements changed per step;
-* state (c), one host only: nothing changed (the fixed cost of a step);
-* state (b): the share AdamW changes per step in a small bf16 transformer (a Qwen2 config, random
+* state (b) (unless ``--no-adamw``): the share AdamW changes per step in a small bf16 transformer
+  (transformers' Qwen2 when installed, else a stand-in of its layout in plain torch; random
   tokens; measured first, at lr 1e-5 and 1e-6, and reported; (b) uses the lr 1e-5 figure, the
-  mean over the steps after the first, where Adam's first step moves every element by about lr).
+  mean over the steps after the first, where Adam's first step moves every element by about lr);
+* state (c), one host only: nothing changed (the fixed cost of a step).
 
 and for each, on one host and (``--emulate-hosts``) on emulated hosts with ``--rate`` links (default
 1gbit: one publisher host and one host per subscriber, every link shaped both ways), with each of
-``--subscribers`` (default 1,8), four rows, every one from processes of its own
+``--subscribers`` (default 1,8), five rows, every one from processes of its own
 (``collective.bench.updates_roles``):
 
 * ``collective-delta``: ``publish(copy=True)`` then ``pub.update(state, step)`` per step; the
   subscribers ``collective.subscribe(into=...)`` and ``sub.apply()`` each step (applied in place
   and verified against the step's manifest by the call);
+* ``collective-delta-tree``: the same with the subscribers in a binary tree, each serving what
+  it applied (``serve=True, stripe=False, auto=True``, sources ``[parent, publisher]``), so the
+  publisher's link carries about one delta a step;
 * ``collective-fetch``: the same ``pub.update(state, step)`` (which serves each step in full
   too); once it is served each subscriber ``collective.fetch``-es the whole step into its arrays
   (``shm=False``: the stream another host gets), every chunk verified;
