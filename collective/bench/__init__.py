@@ -87,6 +87,7 @@ from collective.bench.spec import (
     variable_lengths,
     write_spec,
 )
+from collective.bench.updates import add_updates_options
 from collective.errors import UsageError
 from collective.sizes import parse_size  # noqa: F401 - the bench's size parser, for its tests
 
@@ -369,9 +370,14 @@ def run_bench(args: argparse.Namespace) -> int:
         from collective.bench.scale import run_scale
 
         return run_scale(args, say)
+    if what == "updates":
+        from collective.bench.updates import run_updates
+
+        return run_updates(args, say)
     if what is not None:
-        raise UsageError(f"collective bench {what!r}: the modes are 'sim' and 'scale' (the simulator, many workers) "
-                         "and 'hops' (a relay's cost per hop), or none, to run the benchmark")
+        raise UsageError(f"collective bench {what!r}: the modes are 'sim' and 'scale' (the simulator, many workers), "
+                         "'hops' (a relay's cost per hop) and 'updates' (every-step weight updates), or none, "
+                         "to run the benchmark")
     if getattr(args, "from_file", False):
         from collective.bench.fromfile import run_from_file
 
@@ -415,14 +421,17 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Time the broadcast phase (first byte sent until every worker is ready) for each "
                     "configuration, median of --repeat runs; with --peers also MPI_Bcast (mpi4py) and "
                     "gloo (torch) moving the same bytes to the same number of receivers.")
-    p.add_argument("what", nargs="?", metavar="sim|hops|scale",
+    p.add_argument("what", nargs="?", metavar="sim|hops|scale|updates",
                    help="sim: fit the simulator (collective/bench/sim.py) to the emulated runs and project every "
                         "topology to 64, 1,024 and 10,000 hosts (collective/bench/simreport.py); no byte is sent. "
                         "hops: a chain (or --topology dtree) of --workers relays on this host without a control plane, the slope of "
                         "a chunk's arrival over the hops: the relay's own cost per hop (collective/bench/hops.py). "
                         "scale: one chief and many workers, K per process (collective/bench/scale.py): round and "
                         "join-storm seconds, the chief's threads, peak RSS and status latency, plan bytes, "
-                        "frozen-worker detection (default --workers 1024)")
+                        "frozen-worker detection (default --workers 1024). "
+                        "updates: every-step weight updates of a bf16 state to live subscribers, collective's delta "
+                        "against its full fetch, a gloo broadcast and a sparse safetensors delta file "
+                        "(collective/bench/updates.py)")
     p.add_argument("--svg", default=None, metavar="FILE.svg",
                    help="with sim: draw time / (S/B) against hosts, one line per topology, the emulated runs as points")
     p.add_argument("--workers", action="append", metavar="N",
@@ -477,4 +486,5 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drop-caches", action="store_true",
                    help="with --from-file: drop the page cache before every run (root), so every read is cold")
     add_scale_options(p)
+    add_updates_options(p)
     return p
